@@ -1,0 +1,196 @@
+"""The Plan: the one object that crosses every boundary (describe -> search -> apply).
+
+A Plan is plain data. It says, for every unit (a module path), how its
+parameters are held (``replicate``, ``zero2`` or ``zero3``), into how many
+slices its large Linears are split, and whether its activations are
+checkpointed; plus plan-wide settings (micro-batch size, mixed precision) and
+what the search predicted. It round-trips through JSON with a schema version,
+and has a stable hash of the decisions so that ranks can check they agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+SCHEMA_VERSION = 1
+
+MODES = ("replicate", "zero2", "zero3")
+MIXED_PRECISION = ("fp32", "bf16")
+SPLIT_CHOICES = (1, 2, 4, 8)  # what the search offers; a hand-written plan may use any k >= 1
+
+# The baselines every strategy comparison uses, as a mode for every unit.
+STRATEGIES = {"ddp": "replicate", "zero2": "zero2", "fsdp": "zero3", "zero3": "zero3"}
+
+ROOT = ""  # module path of the root unit
+
+
+class PlanError(ValueError):
+    """A plan that cannot be applied as written (the message names the unit)."""
+
+
+def display_path(path: str) -> str:
+    return path if path != ROOT else "<root>"
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """The decision for one unit."""
+
+    path: str
+    mode: str = "zero3"
+    split: int = 1
+    checkpoint: bool = False
+
+    def __post_init__(self) -> None:
+        where = f"unit '{display_path(self.path)}'"
+        if self.mode not in MODES:
+            raise PlanError(f"{where}: mode '{self.mode}' does not exist; use one of {', '.join(MODES)}")
+        if isinstance(self.split, bool) or not isinstance(self.split, int) or self.split < 1:
+            raise PlanError(f"{where}: split must be an integer >= 1 (1 = not split), got {self.split!r}")
+        if not isinstance(self.checkpoint, bool):
+            raise PlanError(f"{where}: checkpoint must be true or false, got {self.checkpoint!r}")
+        if self.split > 1 and self.mode != "zero3":
+            raise PlanError(
+                f"{where}: split={self.split} needs mode 'zero3' (a split operator gathers its "
+                f"slices one at a time, which only a fully sharded unit does); got mode '{self.mode}'"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Plan:
+    """Per-unit decisions plus plan-wide settings and the search's predictions."""
+
+    units: list[UnitPlan]
+    batch_size: int | None = None  # micro-batch per rank; None = whatever the caller feeds
+    mixed_precision: str = "fp32"
+    world_size: int | None = None  # None = any
+    model_signature: str | None = None  # structure hash of the model the plan was made for
+    predicted_step_s: float | None = None
+    predicted_peak_bytes: int | None = None
+    meta: dict[str, Any] = field(default_factory=dict)  # free-form: budget, device, search time
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        self.units = [u if isinstance(u, UnitPlan) else UnitPlan(**u) for u in self.units]
+        seen: set[str] = set()
+        for u in self.units:
+            if u.path in seen:
+                raise PlanError(f"unit '{display_path(u.path)}' appears twice in the plan")
+            seen.add(u.path)
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise PlanError(
+                f"mixed_precision '{self.mixed_precision}' does not exist; use one of {', '.join(MIXED_PRECISION)}"
+            )
+        if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size < 1):
+            raise PlanError(f"batch_size must be a positive integer, got {self.batch_size!r}")
+        if self.world_size is not None and (not isinstance(self.world_size, int) or self.world_size < 1):
+            raise PlanError(f"world_size must be a positive integer, got {self.world_size!r}")
+
+    # -- construction -------------------------------------------------------------
+
+    @classmethod
+    def uniform(cls, paths: Iterable[str], mode: str, **settings: Any) -> "Plan":
+        """Every unit in the same mode: the baselines (``ddp``, ``zero2``, ``fsdp``)."""
+        return cls(units=[UnitPlan(p, mode=mode) for p in paths], **settings)
+
+    @classmethod
+    def for_strategy(cls, paths: Iterable[str], strategy: str, **settings: Any) -> "Plan":
+        if strategy not in STRATEGIES:
+            raise PlanError(f"unknown strategy '{strategy}'; use one of {', '.join(sorted(STRATEGIES))}")
+        plan = cls.uniform(paths, STRATEGIES[strategy], **settings)
+        plan.meta.setdefault("strategy", strategy)
+        return plan
+
+    # -- lookup -------------------------------------------------------------------
+
+    def unit(self, path: str) -> UnitPlan:
+        for u in self.units:
+            if u.path == path:
+                return u
+        raise KeyError(f"no unit '{display_path(path)}' in the plan")
+
+    @property
+    def paths(self) -> list[str]:
+        return [u.path for u in self.units]
+
+    # -- JSON ---------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["hash"] = self.hash
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        d = dict(d)
+        version = d.pop("schema_version", None)
+        if version != SCHEMA_VERSION:
+            raise PlanError(f"plan schema_version {version!r} is not supported; this osdp reads version {SCHEMA_VERSION}")
+        claimed_hash = d.pop("hash", None)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise PlanError(f"unknown plan field(s) {unknown}; known fields are {sorted(known)}")
+        if "units" not in d:
+            raise PlanError("a plan needs a 'units' list")
+        units = []
+        for raw in d.pop("units"):
+            if not isinstance(raw, dict) or "path" not in raw:
+                raise PlanError(f"each unit needs at least a 'path', got {raw!r}")
+            extra = sorted(set(raw) - {"path", "mode", "split", "checkpoint"})
+            if extra:
+                raise PlanError(f"unit '{display_path(raw['path'])}': unknown field(s) {extra}")
+            units.append(UnitPlan(**raw))
+        plan = cls(units=units, **d)
+        if claimed_hash is not None and claimed_hash != plan.hash:
+            raise PlanError(
+                f"plan hash {claimed_hash} does not match its contents (recomputed {plan.hash}); "
+                "the JSON was edited by hand: drop the 'hash' field to accept the edit"
+            )
+        return plan
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise PlanError("plan JSON must be an object with a 'units' list")
+        return cls.from_dict(d)
+
+    # -- identity -----------------------------------------------------------------
+
+    def decisions(self) -> dict[str, Any]:
+        """What the hash covers: everything that changes how the model is run."""
+        return {
+            "schema_version": self.schema_version,
+            "units": [u.to_dict() for u in sorted(self.units, key=lambda u: u.path)],
+            "batch_size": self.batch_size,
+            "mixed_precision": self.mixed_precision,
+            "world_size": self.world_size,
+            "model_signature": self.model_signature,
+        }
+
+    @property
+    def hash(self) -> str:
+        blob = json.dumps(self.decisions(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def summary(self) -> str:
+        counts: dict[str, int] = {}
+        for u in self.units:
+            key = u.mode + (f"/split{u.split}" if u.split > 1 else "") + ("+ckpt" if u.checkpoint else "")
+            counts[key] = counts.get(key, 0) + 1
+        parts = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+        return f"Plan {self.hash}: {len(self.units)} units ({parts})"
