@@ -1,0 +1,193 @@
+"""Apply a Plan to a module in place with FSDP2.
+
+Every unit becomes one FSDP2 parameter group, applied bottom-up and then on
+the root, as ``fully_shard`` expects:
+
+* ``zero3``: ``fully_shard`` on the 1-D mesh, resharding after forward;
+* ``zero2``: the same without resharding after forward (gathered parameters
+  are kept from forward until backward);
+* ``replicate``: ``fully_shard`` on an (N, 1) mesh with named dims, i.e. HSDP
+  with a shard group of one: every rank holds everything and gradients are
+  all-reduced, while parameters stay DTensors so that optimizers, state dicts
+  and DCP treat every unit alike;
+* ``split: k``: the unit's large Linears become ``SplitLinear`` (k slices,
+  gathered one at a time); FSDP2 leaves their weights alone;
+* ``checkpoint``: activation checkpointing of the unit (composable, so
+  module paths and state-dict keys do not change).
+
+Before anything is changed, every rank validates the plan against the model
+and checks that all ranks hold the same plan hash; any failure is raised on
+every rank, so nothing hangs and the model is left untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from osdp.distributed import all_gather_objects, world
+from osdp.plan import ROOT, Plan, PlanError, UnitPlan, display_path
+from osdp.units import Unit, build_units, structure_signature
+
+_PLAN_ATTR = "_osdp_plan"
+
+SHARD_DIM = "shard"
+REPLICATE_DIM = "replicate"
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available() and torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Meshes:
+    """The two meshes every plan needs: 1-D for sharded units, (N, 1) for replicated ones."""
+
+    def __init__(self, device_type: str, world_size: int):
+        # Always explicit: with a gloo group on a machine with GPUs the default mesh would pick CUDA.
+        self.shard: DeviceMesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=(SHARD_DIM,))
+        self.replicate: DeviceMesh = init_device_mesh(
+            device_type, (world_size, 1), mesh_dim_names=(REPLICATE_DIM, SHARD_DIM)
+        )
+
+    def for_mode(self, mode: str) -> DeviceMesh:
+        return self.replicate if mode == "replicate" else self.shard
+
+
+def mixed_precision_policy(setting: str) -> MixedPrecisionPolicy:
+    if setting == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def complete_plan(model: nn.Module, plan: Plan) -> Plan:
+    """The plan with the root unit made explicit (zero3 unless the plan names it)."""
+    if ROOT in plan.paths:
+        return plan
+    return replace(plan, units=[*plan.units, UnitPlan(ROOT, mode="zero3")], meta=dict(plan.meta))
+
+
+def validate_plan(model: nn.Module, plan: Plan, world_size: int) -> list[Unit]:
+    """Check a (completed) plan against the model; return its units bottom-up. Raises PlanError."""
+    if getattr(model, _PLAN_ATTR, None) is not None:
+        raise PlanError("this model is already wrapped by osdp; wrap a fresh model (osdp.plan_of(model) shows its plan)")
+    if plan.world_size is not None and plan.world_size != world_size:
+        raise PlanError(
+            f"the plan was made for world size {plan.world_size} but this job has {world_size} ranks; "
+            "re-plan for this world size"
+        )
+    if plan.model_signature is not None and plan.model_signature != structure_signature(model):
+        raise PlanError(
+            "the plan was made for a different model (structure signature "
+            f"{plan.model_signature} vs this model's {structure_signature(model)}); re-plan for this model"
+        )
+    if next(model.parameters(), None) is None:
+        raise PlanError("the model has no parameters: there is nothing to shard or replicate")
+    modules = dict(model.named_modules())
+    for u in plan.units:
+        if u.path not in modules:
+            close = [p for p in modules if p and (p.endswith(u.path) or u.path.endswith(p))][:3]
+            hint = f"; did you mean {close}?" if close else ""
+            raise PlanError(f"unit '{display_path(u.path)}': no such module in the model{hint}")
+    units = build_units(model, plan.paths)
+    for unit in units:
+        if unit.numel == 0 and unit.path != ROOT:
+            raise PlanError(
+                f"unit '{unit.name}' owns no parameters (they all belong to units nested in it, or it "
+                "has none); remove it from the plan"
+            )
+        decision = plan.unit(unit.path)
+        if decision.split > 1:
+            from osdp.split import splittable_linears
+
+            nested = {modules[p] for p in unit.nested}
+            if not splittable_linears(modules[unit.path], exclude=nested):
+                raise PlanError(
+                    f"unit '{unit.name}' cannot be split (split={decision.split}): it holds no Linear large "
+                    "enough to split that is not tied to another module; use split=1"
+                )
+    return units
+
+
+def check_same_plan_everywhere(plan: Plan, local_error: Exception | None) -> None:
+    """Collective: raise on every rank if any rank failed validation or holds another plan."""
+    reports = all_gather_objects((plan.hash, None if local_error is None else str(local_error)))
+    failed = [(r, msg) for r, (_, msg) in enumerate(reports) if msg is not None]
+    if failed:
+        if local_error is not None:
+            raise local_error
+        rank, msg = failed[0]
+        raise PlanError(f"rank {rank} rejected the plan: {msg}")
+    hashes = [h for h, _ in reports]
+    if len(set(hashes)) > 1:
+        by_hash: dict[str, list[int]] = {}
+        for r, h in enumerate(hashes):
+            by_hash.setdefault(h, []).append(r)
+        groups = "; ".join(f"ranks {ranks} hold plan {h}" for h, ranks in by_hash.items())
+        raise PlanError(
+            f"ranks hold different plans ({groups}); every rank must apply the same plan "
+            "(load the same JSON, or let osdp search once and broadcast)"
+        )
+
+
+def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None = None) -> nn.Module:
+    """Apply ``plan`` to ``model`` in place (collective over the default process group)."""
+    _, world_size = world()
+    device = torch.device(device) if device is not None else default_device()
+    plan = complete_plan(model, plan)
+    error: Exception | None = None
+    try:
+        units = validate_plan(model, plan, world_size)
+    except PlanError as e:
+        error = e
+    check_same_plan_everywhere(plan, error)
+
+    meshes = Meshes(device.type, world_size)
+    modules = dict(model.named_modules())
+    mp_policy = mixed_precision_policy(plan.mixed_precision)
+    for unit in units:  # bottom-up, root last
+        decision = plan.unit(unit.path)
+        module = modules[unit.path]
+        ignored = _split_unit(module, decision, unit, modules, meshes) if decision.split > 1 else None
+        if decision.checkpoint:
+            _checkpoint(module)
+        fully_shard(
+            module,
+            mesh=meshes.for_mode(decision.mode),
+            reshard_after_forward=decision.mode == "zero3",
+            mp_policy=mp_policy,
+            ignored_params=ignored,
+        )
+    setattr(model, _PLAN_ATTR, plan)
+    return model
+
+
+def _split_unit(module: nn.Module, decision: UnitPlan, unit: Unit, modules, meshes: Meshes) -> set[nn.Parameter]:
+    from osdp.split import apply_split
+
+    nested = {modules[p] for p in unit.nested}
+    apply_split(module, decision.split, meshes.shard, exclude=nested)
+    return {p for m in module.modules() if getattr(m, "is_split_linear", False) for p in m.split_parameters()}
+
+
+def _checkpoint(module: nn.Module) -> None:
+    from torch.distributed._composable import checkpoint
+
+    checkpoint(module)
+
+
+def plan_of(model: nn.Module) -> Plan:
+    plan = getattr(model, _PLAN_ATTR, None)
+    if plan is None:
+        raise ValueError("this model has not been wrapped by osdp.wrap")
+    return plan
+
+
+def unit_paths(units: Sequence[Unit]) -> list[str]:
+    return [u.path for u in units]

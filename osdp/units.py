@@ -1,0 +1,219 @@
+"""Units: the modules a plan makes decisions for.
+
+A unit is a module whose parameters are gathered, sharded and reduced together
+(one FSDP2 parameter group). The default discovery works on any ``nn.Module``:
+
+* a module whose children are all leaves (``attn`` holding q/k/v/proj
+  Linears, ``mlp`` holding its Linears) is a unit: the granularity of a
+  transformer sub-block;
+* a parameter-owning leaf whose parent is not such a module (an embedding, a
+  head) is a unit;
+* norm-like modules, whose parameters are all one-dimensional, are never units
+  of their own: their few bytes stay with the enclosing unit (usually the root)
+  rather than paying a collective each;
+* a parameter shared by several modules (tied embeddings, a module registered
+  twice) belongs to one unit at the lowest common ancestor of its owners, and
+  a module that runs more than once per forward is moved up the same way;
+* the root is always a unit and takes every parameter not in another unit.
+
+Units with the same structure (class, parameter names, shapes and dtypes) get
+the same ``signature``, so repeated transformer blocks are measured once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch.nn as nn
+
+from osdp.plan import ROOT, display_path
+
+
+@dataclass(frozen=True)
+class Unit:
+    path: str  # module path ("" for the root)
+    module_type: str
+    numel: int  # parameters this unit owns (not those of nested units)
+    param_bytes: int
+    signature: str  # equal for structurally identical units
+    nested: tuple[str, ...] = ()  # units directly inside this one
+
+    @property
+    def name(self) -> str:
+        return display_path(self.path)
+
+
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ROOT
+
+
+def _is_within(path: str, ancestor: str) -> bool:
+    return ancestor == ROOT or path == ancestor or path.startswith(ancestor + ".")
+
+
+def _common_ancestor(paths: Iterable[str]) -> str:
+    parts = [p.split(".") if p else [] for p in paths]
+    common: list[str] = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _module_paths(model: nn.Module) -> dict[int, list[str]]:
+    """Every path at which each module object is registered (a shared module has several)."""
+    paths: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(path)
+    return paths
+
+
+def _param_owners(model: nn.Module) -> dict[int, list[str]]:
+    """For each parameter, every module path that registers it directly."""
+    owners: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(path)
+    return owners
+
+
+def _has_matrix_param(module: nn.Module) -> bool:
+    return any(p.dim() >= 2 for p in module.parameters())
+
+
+def _candidates(model: nn.Module) -> list[str]:
+    modules = dict(model.named_modules())
+    sub_block = {
+        path
+        for path, m in modules.items()
+        if path != ROOT
+        and any(True for _ in m.children())
+        and all(not any(True for _ in c.children()) for c in m.children())
+        and _has_matrix_param(m)
+    }
+    leaves = {
+        path
+        for path, m in modules.items()
+        if path != ROOT
+        and not any(True for _ in m.children())
+        and _parent(path) not in sub_block
+        and any(p.dim() >= 2 for p in m.parameters(recurse=False))
+    }
+    return sorted(sub_block | leaves)
+
+
+def _resolve_sharing(
+    model: nn.Module, candidates: Iterable[str], call_counts: Mapping[str, int] | None
+) -> set[str]:
+    """Move candidates that share parameters (or run twice) up to a common ancestor."""
+    modules = dict(model.named_modules())
+    module_paths = _module_paths(model)
+    owners = _param_owners(model)
+    resolved: set[str] = set()
+    for path in candidates:
+        while path != ROOT:
+            module = modules[path]
+            outside = [
+                owner
+                for p in module.parameters()
+                for owner in owners[id(p)]
+                if not _is_within(owner, path)
+            ]
+            outside += [q for q in module_paths[id(module)] if q != path]
+            if outside:
+                path = _common_ancestor([path, *outside])
+                continue
+            if call_counts is not None and call_counts.get(path, 0) > 1:
+                path = _parent(path)
+                continue
+            break
+        if path != ROOT:
+            resolved.add(path)
+    return resolved
+
+
+def _signature(module: nn.Module) -> str:
+    parts = [type(module).__qualname__]
+    for name, sub in module.named_modules():
+        parts.append(f"{name}:{type(sub).__qualname__}")
+    for name, p in module.named_parameters():
+        parts.append(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}")
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+
+
+def build_units(model: nn.Module, paths: Iterable[str]) -> list[Unit]:
+    """Describe the given unit paths (the root is always added), bottom-up: children before parents."""
+    modules = dict(model.named_modules())
+    paths = set(paths) | {ROOT}
+    missing = sorted(p for p in paths if p not in modules)
+    if missing:
+        raise KeyError(missing[0])
+    # A parameter belongs to the deepest unit containing one of its owners' common ancestor.
+    owners = _param_owners(model)
+    params = {id(p): p for p in model.parameters()}
+    numel: dict[str, int] = {p: 0 for p in paths}
+    nbytes: dict[str, int] = {p: 0 for p in paths}
+    for pid, owner_paths in owners.items():
+        home = _common_ancestor(owner_paths)
+        unit = max((u for u in paths if _is_within(home, u)), key=len)
+        numel[unit] += params[pid].numel()
+        nbytes[unit] += params[pid].numel() * params[pid].element_size()
+    nested = {
+        p: tuple(sorted(q for q in paths if q != p and _is_within(q, p) and _nearest_unit(q, paths) == p))
+        for p in paths
+    }
+    ordered = sorted(paths, key=lambda p: (-(p.count(".") + 1) if p else 1, p))
+    return [
+        Unit(
+            path=p,
+            module_type=type(modules[p]).__name__,
+            numel=numel[p],
+            param_bytes=nbytes[p],
+            signature=_signature(modules[p]) if p != ROOT else "root",
+            nested=nested[p],
+        )
+        for p in ordered
+    ]
+
+
+def _nearest_unit(path: str, units: set[str]) -> str:
+    """The closest unit strictly above ``path``."""
+    while path != ROOT:
+        path = _parent(path)
+        if path in units:
+            return path
+    return ROOT
+
+
+def discover_units(model: nn.Module, call_counts: Mapping[str, int] | None = None) -> list[Unit]:
+    """The default units of ``model``, bottom-up, root last.
+
+    ``call_counts`` (module path -> calls in one forward, e.g. from
+    :func:`count_calls`) moves modules that run more than once up to their parent.
+    """
+    paths = _resolve_sharing(model, _candidates(model), call_counts)
+    return build_units(model, paths)
+
+
+def count_calls(model: nn.Module, run) -> dict[str, int]:
+    """Run ``run()`` (a forward of ``model``) and count how often each module is called."""
+    counts: dict[str, int] = {}
+    handles = []
+    for path, module in model.named_modules():
+        def hook(_m, _args, path=path):
+            counts[path] = counts.get(path, 0) + 1
+        handles.append(module.register_forward_pre_hook(hook))
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return counts
+
+
+def structure_signature(model: nn.Module) -> str:
+    """A hash of the model's structure: plans made for one model are refused by another."""
+    return _signature(model)

@@ -1,0 +1,65 @@
+"""Shared by the multi-rank tests: train under a plan on N ranks and against one process."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+import osdp
+
+STEPS = 3
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+
+
+def train(model, batches, rank: int = 0, world_size: int = 1) -> list[float]:
+    """Train on each rank's slice of every global batch; returns this rank's losses."""
+    opt = sgd(model)
+    losses = []
+    for inputs, targets in batches:
+        n = inputs.shape[0] // world_size
+        loss = model(inputs[rank * n:(rank + 1) * n], targets[rank * n:(rank + 1) * n])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().clone() for k, v in sd.items()}
+
+
+def reference(build, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = build()
+    losses = train(model, batches)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_under_plans(rank, world_size, build, batches, plans_json):
+    """On every rank: for each plan, build the same model, wrap, train; return losses and full state."""
+    results = []
+    for plan_json in plans_json:
+        model = build()
+        osdp.wrap(model, plan=plan_json)
+        losses = train(model, batches, rank, world_size)
+        state = full_state(model)  # collective: every rank takes part
+        results.append((losses, state if rank == 0 else None))
+    return results
+
+
+def assert_matches_reference(per_rank_results, ref, plan_names, atol=1e-5):
+    ref_losses, ref_state = ref
+    world_size = len(per_rank_results)
+    for i, name in enumerate(plan_names):
+        rank_losses = [per_rank_results[r][i][0] for r in range(world_size)]
+        global_losses = [sum(step) / world_size for step in zip(*rank_losses)]
+        loss_err = max(abs(a - b) for a, b in zip(global_losses, ref_losses))
+        assert loss_err <= atol, f"{name}: loss differs from single-process training by {loss_err:.2e}"
+        state = per_rank_results[0][i][1]
+        assert set(state) == set(ref_state), f"{name}: state dict keys differ"
+        param_err = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+        assert param_err <= atol, f"{name}: parameters differ from single-process training by {param_err:.2e}"
