@@ -73,6 +73,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0)
                 p.kill()
                 p.join()
     if errors:
-        first = min(errors)
-        raise AssertionError(f"rank(s) {sorted(errors)} failed; rank {first}:\n{errors[first]}")
+        # A rank whose peer crashed reports only "connection closed": show every rank's error.
+        details = "\n".join(f"--- rank {r}:\n{errors[r]}" for r in sorted(errors))
+        raise AssertionError(f"rank(s) {sorted(errors)} failed\n{details}")
     return [results[r] for r in range(world_size)]

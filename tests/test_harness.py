@@ -22,5 +22,5 @@ def test_all_reduce_matches_sum_of_ranks():
 
 
 def test_rank_error_is_reported_with_its_rank():
-    with pytest.raises(AssertionError, match=r"(?s)rank\(s\) \[1\] failed.*boom on rank 1"):
+    with pytest.raises(AssertionError, match=r"(?s)rank\(s\) \[1\] failed.*--- rank 1:.*boom on rank 1"):
         run_ranks(_raise_on_rank_one, 2)

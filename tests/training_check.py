@@ -29,7 +29,7 @@ def train(model, batches, rank: int = 0, world_size: int = 1) -> list[float]:
 
 
 def full_state(model) -> dict[str, torch.Tensor]:
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # every rank gets it
     return {k: v.detach().clone() for k, v in sd.items()}
 
 

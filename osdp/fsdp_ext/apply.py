@@ -22,6 +22,7 @@ every rank, so nothing hangs and the model is left untouched.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Sequence
 
@@ -44,6 +45,18 @@ def default_device() -> torch.device:
     if torch.cuda.is_available() and torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def ensure_process_group() -> None:
+    """A single process without torchrun gets a one-rank gloo group, so wrap works in a notebook."""
+    if torch.distributed.is_initialized():
+        return
+    if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1":
+        raise RuntimeError(
+            "osdp.wrap found RANK/WORLD_SIZE set but no process group: call "
+            "torch.distributed.init_process_group() on every rank before osdp.wrap"
+        )
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
 
 
 class Meshes:
@@ -138,6 +151,7 @@ def check_same_plan_everywhere(plan: Plan, local_error: Exception | None) -> Non
 
 def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None = None) -> nn.Module:
     """Apply ``plan`` to ``model`` in place (collective over the default process group)."""
+    ensure_process_group()
     _, world_size = world()
     device = torch.device(device) if device is not None else default_device()
     plan = complete_plan(model, plan)
