@@ -42,3 +42,28 @@ def test_toy_model_matches_single_process(world_size):
     batches = toy_batches()
     out = run_ranks(train_under_plans, world_size, build_toy, batches, [p.to_json() for p in plans.values()])
     assert_matches_reference(out, reference(build_toy, batches), list(plans))
+
+
+def build_reference(name):
+    from osdp import models
+
+    torch.manual_seed(0)
+    return models.build(name, seq_len=16)
+
+
+def reference_batches(name, global_batch=4):
+    from osdp import models
+    from osdp.data import synthetic_batch
+
+    config = models.get_config(name, seq_len=16)
+    return [synthetic_batch(config, global_batch, 16, generator=torch.Generator().manual_seed(s)) for s in range(STEPS)]
+
+
+@pytest.mark.parametrize("name, world_size", [("gpt2-tiny", 2), ("gpt2-tiny", 4), ("bert-tiny", 2), ("llama-tiny", 2)])
+def test_reference_models_match_single_process(name, world_size):
+    build = functools.partial(build_reference, name)
+    paths = [u.path for u in osdp.discover_units(build())]
+    plans = every_mode_plans(paths)
+    batches = reference_batches(name)
+    out = run_ranks(train_under_plans, world_size, build, batches, [p.to_json() for p in plans.values()], timeout=240)
+    assert_matches_reference(out, reference(build, batches), list(plans))
