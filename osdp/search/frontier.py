@@ -1,0 +1,169 @@
+"""The whole throughput-vs-memory Pareto frontier, from the same DP tables the solver uses.
+
+A point is a plan that no other plan beats on both peak memory and
+throughput. For one problem the frontier is what ``solve`` returns as the
+budget grows; over several batch sizes it keeps, at each peak, the batch size
+with the most samples/s.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from osdp.search.problem import Problem, format_bytes
+from osdp.search.solver import DEFAULT_BUCKETS, _Tables, min_peak
+
+
+_TIE = 1e-12  # relative: sums of the same times in another order differ by float rounding, not by a better plan
+
+
+class FrontierPoint(NamedTuple):
+    peak_bytes: int  # exact, from the integer arrays
+    step_time: float
+    samples_per_s: float
+    choice: np.ndarray  # [U] option index per unit
+    batch_size: int
+
+
+def _rate(batch_size: int, step_time: float) -> float:
+    return batch_size / step_time if step_time > 0 else float("inf")
+
+
+def _steps(final: np.ndarray) -> np.ndarray:
+    """Levels where the least time strictly drops (the first finite level included)."""
+    prev = np.r_[np.inf, final[:-1]]
+    return np.flatnonzero(final < prev)
+
+
+def _problem_frontier(p: Problem, max_peak: int | None, resolution: int | None, buckets: int) -> list[FrontierPoint]:
+    need, fallback = min_peak(p)
+    if max_peak is not None and max_peak < need:
+        return []
+    tab = _Tables(p, max_peak, resolution, buckets)
+    U = p.num_units
+    thresholds = tab.thresholds
+    if max_peak is None:
+        levels = np.full(len(thresholds), tab.level_cap)
+    else:
+        levels = tab.capacity(max_peak, thresholds)
+    fits = levels >= 0
+    thresholds, levels = thresholds[fits], levels[fits]
+
+    t = p.step_time(fallback)
+    candidates = [(need, t, _rate(p.batch_size, t), fallback)]
+    if len(thresholds):
+        full = tab.unrestricted(int(levels[0]) + 1)
+        buffer = np.empty_like(full.rows)
+        # Pass 1: each threshold's least time per level; keep the steps that are Pareto-optimal in
+        # (budget needed on the grid, time) across thresholds: what ``solve`` returns as the budget grows.
+        found = []
+        for T, L in zip(thresholds.tolist(), levels.tolist()):
+            keep = tab.keep(T)
+            if found and np.array_equal(keep, found[-1][1]):
+                continue  # same options as a smaller T: every level costs more bytes
+            table = full if np.array_equal(keep, full.keep) else tab.restricted(full, T, keep, buffer)
+            final = table.rows[U, : L + 1]
+            at = _steps(final)
+            found.append((T, keep, tab.floor + T + at * tab.res, final[at], at))
+        grid = np.concatenate([f[2] for f in found])
+        times = np.concatenate([f[3] for f in found])
+        which = np.concatenate([np.full(len(f[4]), i) for i, f in enumerate(found)])
+        order = np.lexsort((times, grid))
+        faster = times[order] < np.minimum.accumulate(np.r_[np.inf, times[order]])[:-1]
+        survive = order[faster]
+        # Pass 2: backtrack every surviving level of a threshold at once.
+        at = np.concatenate([f[4] for f in found])
+        for i in np.unique(which[survive]).tolist():
+            T, keep = found[i][0], found[i][1]
+            table = full if np.array_equal(keep, full.keep) else tab.restricted(full, T, keep, buffer)
+            for c in tab.choose(full, table, at[survive[which[survive] == i]]):
+                t = p.step_time(c)
+                candidates.append((p.peak(c), t, _rate(p.batch_size, t), c))
+    return [FrontierPoint(peak, t, sps, c, p.batch_size) for peak, t, sps, c in candidates]
+
+
+def pareto_frontier(
+    problems: Problem | Sequence[Problem],
+    *,
+    max_peak: int | None = None,
+    resolution: int | None = None,
+    buckets: int = DEFAULT_BUCKETS,
+) -> list[FrontierPoint]:
+    """Plans from the smallest possible peak up to ``max_peak`` (None: up to the fastest plan), by peak.
+
+    Each point has strictly more samples/s than the one before (by more than
+    float rounding). With one
+    problem and the resolution ``solve`` used, the best point whose peak fits
+    a budget is ``solve``'s answer at that budget (exactly so at exact
+    resolution; with rounding, a point can need up to ``slack_bytes`` more
+    budget than its peak for ``solve`` to find it).
+    """
+    if isinstance(problems, Problem):
+        problems = [problems]
+    points = [pt for p in problems for pt in _problem_frontier(p, max_peak, resolution, buckets)]
+    points.sort(key=lambda pt: (pt.peak_bytes, -pt.samples_per_s))
+    frontier: list[FrontierPoint] = []
+    for pt in points:
+        if not frontier or pt.samples_per_s > frontier[-1].samples_per_s * (1 + _TIE):
+            frontier.append(pt)
+    return frontier
+
+
+def best_under(points: Sequence[FrontierPoint], budget: int) -> FrontierPoint | None:
+    """The frontier's fastest point whose peak fits the budget."""
+    fitting = [pt for pt in points if pt.peak_bytes <= budget]
+    return fitting[-1] if fitting else None
+
+
+def format_frontier(points: Sequence[FrontierPoint], *, budget: int | None = None, max_rows: int | None = 25) -> str:
+    """A printable table; with ``max_rows`` evenly spaced rows (first, last and the budget's pick always shown)."""
+    pick = best_under(points, budget) if budget is not None else None
+    shown = range(len(points))
+    if max_rows is not None and len(points) > max_rows:
+        shown = sorted(set(np.linspace(0, len(points) - 1, max_rows).round().astype(int).tolist()))
+        if pick is not None:
+            shown = sorted(set(shown) | {next(i for i, pt in enumerate(points) if pt is pick)})
+    lines = [f"{'peak':>12} {'step ms':>10} {'samples/s':>11} {'batch':>6}", "-" * 43]
+    for i in shown:
+        pt = points[i]
+        mark = "  <- best within budget" if pt is pick else ""
+        lines.append(
+            f"{format_bytes(pt.peak_bytes):>12} {pt.step_time * 1e3:>10.3f} {pt.samples_per_s:>11.2f} "
+            f"{pt.batch_size:>6}{mark}"
+        )
+    lines.append(f"{len(points)} frontier points" + (f", budget {format_bytes(budget)}" if budget is not None else ""))
+    return "\n".join(lines)
+
+
+def plot_frontier(
+    points: Sequence[FrontierPoint], path: str, *, budget: int | None = None, title: str | None = None
+) -> None:
+    """Samples/s against peak memory as a step curve, one colour per batch size, the budget as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    gib = np.array([pt.peak_bytes for pt in points]) / 2**30
+    sps = np.array([pt.samples_per_s for pt in points])
+    ax.step(gib, sps, where="post", color="0.6", linewidth=1, zorder=1)
+    for b in sorted({pt.batch_size for pt in points}):
+        mine = np.array([pt.batch_size == b for pt in points])
+        ax.scatter(gib[mine], sps[mine], s=10, label=f"micro-batch {b}", zorder=2)
+    if budget is not None:
+        ax.axvline(budget / 2**30, color="red", linestyle="--", linewidth=1, label=f"budget {format_bytes(budget)}")
+        pick = best_under(points, budget)
+        if pick is not None:
+            ax.scatter([pick.peak_bytes / 2**30], [pick.samples_per_s], s=80, facecolors="none", edgecolors="red",
+                       zorder=3)
+    ax.set_xlabel("predicted peak memory per rank (GiB)")
+    ax.set_ylabel("predicted samples/s per rank")
+    ax.set_title(title or "OSDP throughput vs memory frontier")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

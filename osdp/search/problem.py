@@ -1,0 +1,174 @@
+"""The search problem as plain arrays, independent of torch and of the cost model.
+
+U units each take one of O options (a table shared by all units; options that
+make no sense for a unit are masked out). For a choice ``c`` (one option index
+per unit)::
+
+    step_time(c) = sum_u time[u, c_u]
+    peak(c)      = base + sum_u mem[u, c_u] + max_u transient[u, c_u]
+
+``mem`` is what a unit adds for the whole step (its parameters, gradients and
+optimizer state as the mode keeps them, saved activations, zero2's held
+parameters); ``transient`` is what exists only while the unit runs (the
+gathered full parameters, plus whatever the cost model charges for the
+prefetched neighbour), so only the largest one counts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from osdp.plan import MODES, SPLIT_CHOICES
+
+# The standard option table: (mode, split, checkpoint). Splitting only exists
+# for zero3, so a cost model marks the other (mode, split > 1) rows not allowed.
+OPTIONS: tuple[tuple[str, int, bool], ...] = tuple(
+    itertools.product(MODES, SPLIT_CHOICES, (False, True))
+)
+
+
+def format_bytes(n: float) -> str:
+    """Human units for messages and tables: GiB above 1 GiB, MiB below."""
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB"
+
+
+class BudgetTooSmall(ValueError):
+    """No choice fits the budget; says the smallest budget at which one does."""
+
+    def __init__(self, budget: int, min_peak_bytes: int, batch_size: int | None = None):
+        self.budget = int(budget)
+        self.min_peak_bytes = int(min_peak_bytes)
+        self.batch_size = batch_size
+        at = f" (at micro-batch {batch_size})" if batch_size is not None else ""
+        super().__init__(
+            f"memory budget {format_bytes(self.budget)} ({self.budget} bytes) is too small: the "
+            f"smallest plan needs a peak of {format_bytes(self.min_peak_bytes)} "
+            f"({self.min_peak_bytes} bytes){at}"
+        )
+
+
+def _int_array(name: str, a: Any, shape: tuple[int, ...]) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype.kind == "f":
+        raise TypeError(f"{name} must hold integer bytes; round up first: np.ceil({name}).astype(np.int64)")
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array, got dtype {a.dtype}")
+    if a.shape != shape:
+        raise ValueError(f"{name} has shape {a.shape}, expected {shape}")
+    return a.astype(np.int64, copy=False)
+
+
+@dataclass
+class Problem:
+    """One search instance: costs of every (unit, option) at one micro-batch size.
+
+    time:      [U, O] float, seconds per step
+    mem:       [U, O] int, additive bytes
+    transient: [U, O] int, bytes that exist only while the unit runs (max-type)
+    allowed:   [U, O] bool, False for options a unit cannot take (None = all)
+    base:      bytes present regardless of the choice (allocator margin, temporaries)
+    batch_size: the micro-batch these costs are for (samples per step per rank)
+    group:     [U] ids of identical units (repeated blocks); None = detected from the arrays
+    units, options: optional labels (unit paths, option descriptions) for reports
+    """
+
+    time: np.ndarray
+    mem: np.ndarray
+    transient: np.ndarray
+    allowed: np.ndarray | None = None
+    base: int = 0
+    batch_size: int = 1
+    group: np.ndarray | None = None
+    units: Sequence[str] | None = None
+    options: Sequence[Any] | None = None
+    _types: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.time = np.asarray(self.time, dtype=np.float64)
+        if self.time.ndim != 2 or 0 in self.time.shape:
+            raise ValueError(f"time must be a non-empty [units, options] array, got shape {self.time.shape}")
+        shape = self.time.shape
+        self.mem = _int_array("mem", self.mem, shape)
+        self.transient = _int_array("transient", self.transient, shape)
+        if self.allowed is None:
+            self.allowed = np.ones(shape, dtype=bool)
+        self.allowed = np.asarray(self.allowed, dtype=bool)
+        if self.allowed.shape != shape:
+            raise ValueError(f"allowed has shape {self.allowed.shape}, expected {shape}")
+        stuck = np.flatnonzero(~self.allowed.any(axis=1))
+        if stuck.size:
+            raise ValueError(f"unit(s) {[self.unit_name(u) for u in stuck[:5]]} have no allowed option")
+        if not np.isfinite(self.time[self.allowed]).all():
+            raise ValueError("time must be finite for every allowed option")
+        if (self.mem[self.allowed] < 0).any() or (self.transient[self.allowed] < 0).any():
+            raise ValueError("mem and transient must be >= 0 bytes")
+        self.base = int(self.base)
+        if self.units is not None and len(self.units) != shape[0]:
+            raise ValueError(f"{len(self.units)} unit names for {shape[0]} units")
+        if self.options is not None and len(self.options) != shape[1]:
+            raise ValueError(f"{len(self.options)} option labels for {shape[1]} options")
+        if self.group is not None:
+            self.group = np.asarray(self.group)
+            if self.group.shape != (shape[0],):
+                raise ValueError(f"group has shape {self.group.shape}, expected ({shape[0]},)")
+
+    @property
+    def num_units(self) -> int:
+        return self.time.shape[0]
+
+    @property
+    def num_options(self) -> int:
+        return self.time.shape[1]
+
+    def unit_name(self, u: int) -> str:
+        return str(self.units[u]) if self.units is not None else f"#{u}"
+
+    def unit_types(self) -> tuple[np.ndarray, np.ndarray]:
+        """(representative unit of each type, type of each unit): units with identical rows share a type.
+
+        Per-unit preprocessing runs once per type, which is what makes 48 identical
+        transformer blocks cost little more than one. ``group`` ids, when given, are
+        checked: units in one group must have identical rows.
+        """
+        if self._types is None:
+            ok = self.allowed
+            rows = np.concatenate(
+                [ok, np.where(ok, self.time, 0.0).view(np.int64), np.where(ok, self.mem, 0), np.where(ok, self.transient, 0)],
+                axis=1,
+            ).astype(np.int64)
+            key = self.group if self.group is not None else rows
+            _, rep, kind = np.unique(key, axis=0, return_index=True, return_inverse=True)
+            kind = kind.reshape(-1)
+            differs = (rows[rep[kind]] != rows).any(axis=1)
+            if differs.any():
+                bad = int(np.flatnonzero(differs)[0])
+                raise ValueError(
+                    f"unit {self.unit_name(bad)} is in the same group as unit "
+                    f"{self.unit_name(int(rep[kind[bad]]))} but their costs differ"
+                )
+            self._types = (rep, kind)
+        return self._types
+
+    def _check_choice(self, choice: np.ndarray) -> np.ndarray:
+        choice = np.asarray(choice, dtype=np.int64)
+        if choice.shape != (self.num_units,):
+            raise ValueError(f"choice has shape {choice.shape}, expected ({self.num_units},)")
+        if not self.allowed[np.arange(self.num_units), choice].all():
+            raise ValueError("choice takes an option that is not allowed")
+        return choice
+
+    def step_time(self, choice: np.ndarray) -> float:
+        choice = self._check_choice(choice)
+        return float(self.time[np.arange(self.num_units), choice].sum())
+
+    def peak(self, choice: np.ndarray) -> int:
+        """Exact peak bytes of a choice, in integers."""
+        choice = self._check_choice(choice)
+        rows = np.arange(self.num_units)
+        return self.base + int(self.mem[rows, choice].sum()) + int(self.transient[rows, choice].max())

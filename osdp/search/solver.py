@@ -1,0 +1,348 @@
+"""Exact search: a vectorised min-plus knapsack DP with the max-type transient handled exactly.
+
+Minimise ``sum_u time[u, c_u]`` subject to
+``base + sum_u mem[u, c_u] + max_u transient[u, c_u] <= budget``.
+
+How:
+
+* The max term is enumerated. For a threshold T (a distinct transient value),
+  only options with transient <= T are admitted and the rest is an additive
+  multiple-choice knapsack with capacity ``budget - base - T``. The optimum is
+  the best over T. Within one T the transient no longer matters, so options
+  dominated in (memory, time) are dropped before the DP.
+* Work is shared across thresholds. One unrestricted DP (all options) gives,
+  at T's capacity, a lower bound for every T; thresholds are visited in
+  increasing T (decreasing capacity, non-decreasing bound) and the search
+  stops at the first bound that cannot beat the best plan found. Units whose
+  option set does not change at T form a prefix of the DP order, so a
+  restricted DP resumes from the unrestricted table after that prefix.
+* Memory is discretised conservatively: each unit's memory above its cheapest
+  option is rounded *up* to the grid, the capacity *down*, so a plan the DP
+  calls feasible is feasible in exact bytes. Rounding can cost optimality but
+  by a bounded amount: the plan is at least as fast as the exact optimum under
+  ``budget - slack_bytes`` (``slack_bytes`` < units x resolution, reported with
+  every solution). When all offsets share a divisor that yields few enough
+  buckets, that divisor is the resolution and the search is exact.
+* Identical units (repeated blocks) share one row of preprocessing.
+
+A unit's options with exactly equal time and memory are told apart by the
+smaller transient, then the smaller option index, so results are deterministic.
+"""
+
+from __future__ import annotations
+
+import time as _time
+from dataclasses import dataclass
+from functools import reduce
+from math import gcd
+from typing import Sequence
+
+import numpy as np
+
+from osdp.search.problem import BudgetTooSmall, Problem
+
+DEFAULT_BUCKETS = 8192  # memory levels across the budget's discretionary range
+MAX_CELLS = 1 << 27  # units x levels: keeps an over-fine explicit resolution from exhausting memory
+_BIG = np.iinfo(np.int64).max
+
+
+@dataclass
+class Solution:
+    """The chosen option per unit and what it costs, recomputed exactly from the problem's arrays."""
+
+    choice: np.ndarray  # [U] option index per unit
+    step_time: float  # seconds per step
+    peak_bytes: int  # exact peak under the model
+    batch_size: int
+    budget: int
+    min_peak_bytes: int  # smallest peak any plan can have at this batch size
+    resolution: int  # bytes per DP memory level (1 or a common divisor = exact)
+    slack_bytes: int  # rounding bound: step_time <= exact optimum at budget - slack_bytes
+    search_seconds: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.batch_size / self.step_time if self.step_time > 0 else float("inf")
+
+
+@dataclass
+class Candidate:
+    """One micro-batch size of a sweep: its solution, or None where nothing fits."""
+
+    batch_size: int
+    solution: Solution | None
+    min_peak_bytes: int
+
+
+@dataclass
+class Sweep:
+    """The batch size with the most samples/s, and what every candidate gave."""
+
+    best: Solution
+    candidates: list[Candidate]
+    search_seconds: float
+
+
+def min_peak(problem: Problem) -> tuple[int, np.ndarray]:
+    """(smallest peak of any choice, a fastest choice attaining it), exactly.
+
+    ``min over T of T + base + sum_u min{mem[u, o] : transient[u, o] <= T}``,
+    evaluated for every T at once by sweeping each unit's running minimum of
+    memory over its options in transient order.
+    """
+    rep, kind = problem.unit_types()
+    ok, mem, tr, t = problem.allowed[rep], problem.mem[rep], problem.transient[rep], problem.time[rep]
+    count = np.bincount(kind, minlength=len(rep))
+    order = np.argsort(np.where(ok, tr, _BIG), axis=1, kind="stable")
+    tr_sorted = np.take_along_axis(np.where(ok, tr, _BIG), order, axis=1)
+    run_min = np.minimum.accumulate(np.take_along_axis(np.where(ok, mem, _BIG), order, axis=1), axis=1)
+    step = np.diff(run_min, axis=1, prepend=0)  # changes of each unit's cheapest memory as T grows
+    step = np.where(tr_sorted < _BIG, step, 0) * count[:, None]
+    events = np.argsort(tr_sorted, axis=None, kind="stable")
+    at = tr_sorted.reshape(-1)[events]
+    total = np.cumsum(step.reshape(-1)[events])
+    t_min = int(tr_sorted[:, 0].max())  # below this some unit has no admissible option
+    last = np.r_[at[1:] != at[:-1], True] & (at >= t_min) & (at < _BIG)
+    peaks = at[last] + total[last]
+    best = int(np.argmin(peaks))
+    threshold = int(at[last][best])
+    # Per type: cheapest memory under the threshold, then fastest among those.
+    admissible = ok & (tr <= threshold)
+    cheapest = admissible & (mem == np.where(admissible, mem, _BIG).min(axis=1, keepdims=True))
+    pick = np.argmin(np.where(cheapest, t, np.inf), axis=1)
+    return problem.base + int(peaks[best]), pick[kind]
+
+
+def _auto_resolution(offsets: np.ndarray, room: int, buckets: int) -> int:
+    """Bytes per level: a common divisor of all offsets if that gives few enough levels (exact), else room / buckets."""
+    divisor = reduce(gcd, np.unique(offsets).tolist(), 0)
+    if divisor and room // divisor < buckets:
+        return divisor
+    return max(1, -(-room // buckets))
+
+
+@dataclass
+class _Table:
+    """DP rows for one threshold; units [0, j) in DP order are shared with the unrestricted table."""
+
+    rows: np.ndarray  # [U + 1, levels]; rows[i][L] = least time of the first i units within L levels
+    j: int
+    opts: list
+    keep: np.ndarray
+
+
+class _Tables:
+    """One problem's per-type option arrays at one memory resolution, and the DP over them."""
+
+    def __init__(self, problem: Problem, limit: int | None, resolution: int | None, buckets: int):
+        rep, kind = problem.unit_types()
+        ok, t, mem, tr = problem.allowed[rep], problem.time[rep], problem.mem[rep], problem.transient[rep]
+        mem_min = np.where(ok, mem, _BIG).min(axis=1)
+        off = np.where(ok, mem - mem_min[:, None], 0)
+        self.kind = kind
+        self.floor = problem.base + int(mem_min[kind].sum())  # bytes every plan pays besides offsets and max transient
+        self.t_min = int(np.where(ok, tr, _BIG).min(axis=1).max())
+        span = int(off.max(axis=1)[kind].sum())
+        room = span if limit is None else max(0, min(span, limit - self.floor - self.t_min))
+        if resolution is None:
+            resolution = _auto_resolution(off[ok], room, buckets)
+        if resolution < 1:
+            raise ValueError(f"resolution must be >= 1 byte, got {resolution}")
+        self.res = int(resolution)
+        levels = -(-off // self.res)
+        self.slack = int((levels * self.res - off).max(axis=1)[kind].sum())
+        self.level_cap = int(levels.max(axis=1)[kind].sum())  # every plan fits in this many levels
+        cells = (len(kind) + 1) * (min(room // self.res, self.level_cap) + 1)
+        if cells > MAX_CELLS:
+            raise ValueError(
+                f"resolution {self.res} bytes needs {cells} DP cells (limit {MAX_CELLS}); use a coarser resolution"
+            )
+        # Options per type sorted by (levels, time, transient, index): a candidate is kept at T iff it is
+        # faster than every candidate before it, which is exactly "not dominated in (memory, time)".
+        idx = np.broadcast_to(np.arange(ok.shape[1]), ok.shape)
+        order = np.lexsort((idx, np.where(ok, tr, _BIG), np.where(ok, t, np.inf), np.where(ok, levels, _BIG)))
+        self.order = order
+        self.ok = np.take_along_axis(ok, order, axis=1)
+        self.levels = np.take_along_axis(levels, order, axis=1)
+        self.t = np.take_along_axis(np.where(ok, t, np.inf), order, axis=1)
+        self.tr = np.take_along_axis(np.where(ok, tr, _BIG), order, axis=1)
+        self.thresholds = np.unique(self.tr[self.ok])
+        self.thresholds = self.thresholds[self.thresholds >= self.t_min]
+        self.keep_all = self.keep(int(self.thresholds[-1]))
+        # DP order: units whose option set is complete at a lower threshold come first, so a DP
+        # restricted to T shares the unrestricted DP's prefix of units with tau <= T.
+        tau = np.where(self.keep_all, self.tr, -1).max(axis=1)
+        self.dp_order = np.argsort(tau[kind], kind="stable")
+        self.dp_types = kind[self.dp_order]
+        self.dp_tau = tau[self.dp_types]
+
+    def keep(self, threshold: int) -> np.ndarray:
+        """[types, options] in sorted order: admitted at this threshold and not dominated in (memory, time)."""
+        t = np.where(self.ok & (self.tr <= threshold), self.t, np.inf)
+        faster_before = np.minimum.accumulate(t, axis=1)
+        faster_before = np.concatenate([np.full((t.shape[0], 1), np.inf), faster_before[:, :-1]], axis=1)
+        return t < faster_before
+
+    def options(self, keep: np.ndarray) -> list[tuple[list[int], list[float], np.ndarray, np.ndarray, np.ndarray]]:
+        """Per type: kept options as lists for the DP loop and arrays for the trace (levels, time, index)."""
+        out = []
+        for q in range(keep.shape[0]):
+            sel = keep[q]
+            lv, tt, ix = self.levels[q, sel], self.t[q, sel], self.order[q, sel]
+            out.append((lv.tolist(), tt.tolist(), lv, tt, ix))
+        return out
+
+    def split(self, threshold: int) -> int:
+        """Number of leading units (DP order) whose option set at this threshold is their full one."""
+        return int(np.searchsorted(self.dp_tau, threshold, side="right"))
+
+    def run(self, rows: np.ndarray, types: np.ndarray, opts: list) -> None:
+        """Fill rows[1:] from rows[0]: rows[i + 1][L] = least time of units so far within L levels.
+
+        One vectorised min-plus step per (unit, option) over the whole memory axis.
+        """
+        n = rows.shape[1]
+        for i, q in enumerate(types):
+            lv, tt = opts[q][0], opts[q][1]
+            prev, cur = rows[i], rows[i + 1]
+            k = lv[0]
+            cur[: min(k, n)] = np.inf
+            if k < n:
+                np.add(prev[: n - k], tt[0], out=cur[k:])
+            for k, t in zip(lv[1:], tt[1:]):
+                if k >= n:
+                    break
+                np.minimum(cur[k:], prev[: n - k] + t, out=cur[k:])
+
+    def trace(self, rows: np.ndarray, types: np.ndarray, opts: list, at: np.ndarray, choice: np.ndarray) -> None:
+        """Backtrack several levels at once through rows filled by ``run``; writes choice[:, i] (DP order)."""
+        for i in range(len(types) - 1, -1, -1):
+            lv, tt, ix = opts[types[i]][2:]
+            src = at[:, None] - lv[None, :]
+            cand = np.where(src >= 0, rows[i][np.maximum(src, 0)] + tt, np.inf)
+            hit = cand == rows[i + 1][at][:, None]
+            assert hit.any(axis=1).all(), "DP table and its trace disagree"
+            o = np.argmax(hit, axis=1)
+            choice[:, i] = ix[o]
+            at -= lv[o]
+
+    def capacity(self, budget: int, thresholds: np.ndarray) -> np.ndarray:
+        return np.minimum((budget - self.floor - thresholds) // self.res, self.level_cap)
+
+    def unrestricted(self, levels: int) -> _Table:
+        opts = self.options(self.keep_all)
+        rows = np.empty((len(self.kind) + 1, levels))
+        rows[0] = 0.0
+        self.run(rows, self.dp_types, opts)
+        return _Table(rows, len(self.kind), opts, self.keep_all)
+
+    def restricted(self, full: _Table, threshold: int, keep: np.ndarray, rows: np.ndarray) -> _Table:
+        """The table at a threshold, in ``rows`` (full's shape), resuming from full after the shared prefix."""
+        j = self.split(threshold)
+        opts = self.options(keep)
+        rows[j] = full.rows[j]
+        self.run(rows[j:], self.dp_types[j:], opts)
+        return _Table(rows, j, opts, keep)
+
+    def choose(self, full: _Table, table: _Table, levels: np.ndarray) -> np.ndarray:
+        """[len(levels), U] option index per unit of the plans that ``table`` holds at these levels."""
+        at = np.array(levels, dtype=np.int64)
+        choice = np.empty((len(at), len(self.kind)), dtype=np.int64)
+        j = table.j
+        self.trace(table.rows[j:], self.dp_types[j:], table.opts, at, choice[:, j:])
+        self.trace(full.rows[: j + 1], self.dp_types[:j], full.opts, at, choice[:, :j])
+        out = np.empty_like(choice)
+        out[:, self.dp_order] = choice
+        return out
+
+
+def solve(
+    problem: Problem, budget: int, *, resolution: int | None = None, buckets: int = DEFAULT_BUCKETS
+) -> Solution:
+    """The fastest choice whose peak fits ``budget`` bytes.
+
+    ``resolution`` is bytes per DP memory level (None: a common divisor of the
+    memory offsets when that is fine enough, which is exact, else the
+    discretionary range / ``buckets``). Raises ``BudgetTooSmall`` when no
+    choice fits.
+    """
+    start = _time.perf_counter()
+    budget = int(budget)
+    need, fallback = min_peak(problem)
+    if budget < need:
+        raise BudgetTooSmall(budget, need, problem.batch_size)
+    tab = _Tables(problem, budget, resolution, buckets)
+    U = problem.num_units
+
+    cand_t = tab.thresholds
+    cand_l = tab.capacity(budget, cand_t)
+    fits = cand_l >= 0
+    cand_t, cand_l = cand_t[fits], cand_l[fits]
+    last_of_level = np.r_[cand_l[1:] != cand_l[:-1], True]  # same capacity: the larger T admits more
+    cand_t, cand_l = cand_t[last_of_level], cand_l[last_of_level]
+
+    choice = fallback
+    if len(cand_t):
+        # Visit thresholds from the largest: the table of the last threshold computed admits a superset
+        # of the options of every smaller one, so its value at a smaller T's capacity bounds that T.
+        full = tab.unrestricted(int(cand_l[0]) + 1)
+        bound, best, best_level, found = full, None, -1, np.inf
+        spare: list[np.ndarray] = []
+        for T, L in zip(cand_t[::-1].tolist(), cand_l[::-1].tolist()):
+            if bound.rows[U, L] >= found:
+                continue
+            keep = tab.keep(T)
+            if not np.array_equal(keep, bound.keep):
+                old, bound = bound, None
+                if old is not full and old is not best:
+                    spare.append(old.rows)
+                bound = tab.restricted(full, T, keep, spare.pop() if spare else np.empty_like(full.rows))
+            if bound.rows[U, L] < found:
+                old, best, best_level, found = best, bound, L, bound.rows[U, L]
+                if old is not None and old is not full and old is not bound:
+                    spare.append(old.rows)
+        if best is not None:
+            planned = tab.choose(full, best, [best_level])[0]
+            if problem.step_time(planned) <= problem.step_time(fallback):  # fallback wins only through rounding
+                choice = planned
+    step_time, peak = problem.step_time(choice), problem.peak(choice)
+    assert peak <= budget, "conservative rounding violated"
+    return Solution(
+        choice=choice,
+        step_time=step_time,
+        peak_bytes=peak,
+        batch_size=problem.batch_size,
+        budget=budget,
+        min_peak_bytes=need,
+        resolution=tab.res,
+        slack_bytes=tab.slack,
+        search_seconds=_time.perf_counter() - start,
+    )
+
+
+def sweep_batch_sizes(
+    problems: Sequence[Problem], budget: int, *, resolution: int | None = None, buckets: int = DEFAULT_BUCKETS
+) -> Sweep:
+    """Solve each micro-batch size's problem and keep the one with the most samples/s.
+
+    Throughput ``batch_size / step_time``, not step time, decides: a larger
+    batch with a longer step can be the faster way through the data. Raises
+    ``BudgetTooSmall`` naming the batch size with the smallest need when no
+    candidate fits.
+    """
+    if not problems:
+        raise ValueError("no batch-size candidates to search")
+    start = _time.perf_counter()
+    candidates = []
+    for p in problems:
+        try:
+            sol = solve(p, budget, resolution=resolution, buckets=buckets)
+            candidates.append(Candidate(p.batch_size, sol, sol.min_peak_bytes))
+        except BudgetTooSmall as e:
+            candidates.append(Candidate(p.batch_size, None, e.min_peak_bytes))
+    feasible = [c.solution for c in candidates if c.solution is not None]
+    if not feasible:
+        smallest = min(candidates, key=lambda c: c.min_peak_bytes)
+        raise BudgetTooSmall(budget, smallest.min_peak_bytes, smallest.batch_size)
+    best = max(feasible, key=lambda s: s.samples_per_s)
+    return Sweep(best=best, candidates=candidates, search_seconds=_time.perf_counter() - start)
