@@ -1,0 +1,238 @@
+"""Train a reference model under a plan or strategy: ``osdp train`` / ``python -m osdp.train``.
+
+Under torchrun every process is one rank. Run directly, it launches its own
+local ranks (``--nproc``, default 2) through torchrun, so a first run needs
+no launcher knowledge. Rank 0 prints the applied plan, the loss, step time and
+tokens/s; at the end every rank's throughput and peak memory (CUDA:
+``max_memory_allocated``; CPU: live tensor bytes) is gathered into one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import osdp
+from osdp import models
+from osdp.data import CorpusLoader, synthetic_batch
+from osdp.distributed import DEFAULT_TIMEOUT_S, all_gather_objects
+from osdp.fsdp_ext.apply import complete_plan
+from osdp.plan import Plan
+from osdp.report import format_bytes, format_table, plan_table
+from osdp.units import build_units
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt2-tiny", help=f"reference model ({', '.join(models.names())})")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--strategy", choices=["ddp", "zero2", "fsdp"], help="a baseline: every unit in one mode")
+    how.add_argument("--plan", type=Path, help="a Plan JSON file (osdp plan --json writes one)")
+    p.add_argument("--batch-size", type=int, default=8, help="micro-batch per rank (default 8)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--data", choices=["corpus", "synthetic"], default="corpus",
+                   help="the shipped text corpus (byte tokens) or random tokens")
+    p.add_argument("--mixed-precision", choices=["fp32", "bf16"], default=None)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--json", type=Path, help="write the run's record (plan, losses, per-rank metrics) here")
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to launch when not under torchrun (default 2)")
+
+
+def without_option(argv: list[str], option: str) -> list[str]:
+    """``argv`` less ``option VALUE`` / ``option=VALUE`` (torchrun would take ``--nproc`` for its own flag)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
+
+
+def launch_local(nproc: int, module: str, argv: list[str]) -> int:
+    """Re-run this command on ``nproc`` local ranks through torchrun."""
+    argv = without_option(argv, "--nproc")
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", module, *argv]
+    return subprocess.call(cmd, env=env)
+
+
+def init_from_env(device_choice: str) -> torch.device:
+    """Join the torchrun process group; pick the device and give each CPU rank one thread."""
+    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        device = torch.device("cpu")
+    import datetime
+
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    return device
+
+
+class PeakMemory:
+    """Peak bytes of one training step on this rank (CUDA allocator, or live CPU tensor bytes)."""
+
+    def __init__(self, device: torch.device, *roots):
+        self.device = device
+        self.roots = roots  # the model and optimizer: their state is the CPU baseline
+        self.peak_bytes: int | None = None
+        self.breakdown: dict[str, int] | None = None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            from osdp.memory import LiveBytesTracker
+
+            self._tracker = LiveBytesTracker(*self.roots).__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._tracker.__exit__(*exc)
+            self.peak_bytes = self._tracker.peak_bytes
+            self.breakdown = self._tracker.peak_breakdown()
+        return False
+
+
+def batches(config, args, rank: int, world_size: int, seq_len: int, device: torch.device):
+    """This rank's batch for every step (deterministic in seed and step)."""
+    if args.data == "corpus" and not config.name.startswith("bert"):
+        loader = CorpusLoader(seq_len, args.batch_size, rank, world_size, seed=args.seed)
+        for inputs, targets in loader:
+            yield inputs.to(device), targets.to(device)
+    else:
+        step = 0
+        while True:
+            g = torch.Generator().manual_seed(args.seed * 100003 + step * world_size + rank)
+            inputs, targets = synthetic_batch(config, args.batch_size, seq_len, generator=g)
+            yield inputs.to(device), targets.to(device)
+            step += 1
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    # Our reference models never modify a unit's output in place, which is what this warns about.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    device = init_from_env(args.device)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    config = models.get_config(args.model)
+    seq_len = args.seq_len or config.seq_len
+
+    torch.manual_seed(args.seed)  # every rank builds the same initial model
+    model = models.build(args.model)
+    if args.plan is not None:
+        plan = Plan.from_json(args.plan.read_text())
+    else:
+        plan = osdp.strategy_plan(model, args.strategy or "fsdp")
+    if args.mixed_precision:
+        plan.mixed_precision = args.mixed_precision
+    plan = complete_plan(model, plan)
+    units = build_units(model, plan.paths)
+    osdp.wrap(model, plan=plan, device=device)
+    if rank == 0:
+        print(plan_table(plan, units), flush=True)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    data = batches(config, args, rank, world_size, seq_len, device)
+    memory_step = min(args.warmup, args.steps - 1)  # measured apart: the CPU tracker slows its step
+    losses, step_times, peak, breakdown = [], [], None, None
+    for step in range(args.steps):
+        inputs, targets = next(data)
+        meter = PeakMemory(device, model, optimizer) if step == memory_step else None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        if meter:
+            meter.__enter__()
+        loss = model(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        if meter:
+            meter.__exit__(None, None, None)
+            peak, breakdown = meter.peak_bytes, meter.breakdown
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        losses.append(loss_value)
+        if step >= args.warmup and step != memory_step:
+            step_times.append(elapsed)
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            print(f"step {step:4d}  loss {loss_value:.4f}  {elapsed * 1e3:8.1f} ms", flush=True)
+
+    tokens = args.batch_size * seq_len
+    median = statistics.median(step_times) if step_times else float("nan")
+    mine = {
+        "rank": rank,
+        "median_step_s": median,
+        "step_s_min": min(step_times, default=float("nan")),
+        "step_s_max": max(step_times, default=float("nan")),
+        "tokens_per_s": tokens / median if step_times else float("nan"),
+        "peak_bytes": peak,
+        "peak_breakdown": breakdown,
+        "losses": losses,
+    }
+    per_rank = all_gather_objects(mine)
+    record = {
+        "model": args.model,
+        "world_size": world_size,
+        "batch_size": args.batch_size,
+        "seq_len": seq_len,
+        "steps": args.steps,
+        "plan": plan.to_dict(),
+        "per_rank": per_rank,
+        "machine": {"platform": platform.platform(), "device": str(device), "torch": torch.__version__},
+    }
+    if rank == 0:
+        rows = [[r["rank"], f"{r['median_step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}", format_bytes(r["peak_bytes"])]
+                for r in per_rank]
+        print(format_table(rows, ["rank", "step ms (median)", "tokens/s", "peak memory"], "rrrr"))
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps", flush=True)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(record, indent=2))
+    dist.destroy_process_group()
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="osdp train", description=__doc__.splitlines()[0])
+    add_run_arguments(parser)
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ:
+        return launch_local(args.nproc, "osdp.train", argv)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
