@@ -53,34 +53,62 @@ def _problem_frontier(p: Problem, max_peak: int | None, resolution: int | None, 
 
     t = p.step_time(fallback)
     candidates = [(need, t, _rate(p.batch_size, t), fallback)]
-    if len(thresholds):
-        full = tab.unrestricted(int(levels[0]) + 1)
-        buffer = np.empty_like(full.rows)
-        # Pass 1: each threshold's least time per level; keep the steps that are Pareto-optimal in
-        # (budget needed on the grid, time) across thresholds: what ``solve`` returns as the budget grows.
-        found = []
-        for T, L in zip(thresholds.tolist(), levels.tolist()):
-            keep = tab.keep(T)
-            if found and np.array_equal(keep, found[-1][1]):
-                continue  # same options as a smaller T: every level costs more bytes
-            table = full if np.array_equal(keep, full.keep) else tab.restricted(full, T, keep, buffer)
-            final = table.rows[U, : L + 1]
-            at = _steps(final)
-            found.append((T, keep, tab.floor + T + at * tab.res, final[at], at))
-        grid = np.concatenate([f[2] for f in found])
-        times = np.concatenate([f[3] for f in found])
-        which = np.concatenate([np.full(len(f[4]), i) for i, f in enumerate(found)])
-        order = np.lexsort((times, grid))
-        faster = times[order] < np.minimum.accumulate(np.r_[np.inf, times[order]])[:-1]
-        survive = order[faster]
-        # Pass 2: backtrack every surviving level of a threshold at once.
-        at = np.concatenate([f[4] for f in found])
-        for i in np.unique(which[survive]).tolist():
-            T, keep = found[i][0], found[i][1]
-            table = full if np.array_equal(keep, full.keep) else tab.restricted(full, T, keep, buffer)
-            for c in tab.choose(full, table, at[survive[which[survive] == i]]):
-                t = p.step_time(c)
-                candidates.append((p.peak(c), t, _rate(p.batch_size, t), c))
+    full = tab.unrestricted(int(levels[0]) + 1)  # non-empty: max_peak >= the min peak
+    buffer = np.empty_like(full.rows)
+    # Pass 1: the envelope of (budget needed on the grid, least time) over thresholds, which is what
+    # ``solve`` returns as the budget grows. Thresholds are computed by bisection: between two computed
+    # ones, the larger one's table bounds every threshold in between from below (it admits more
+    # options), so a threshold whose bound nowhere beats the envelope so far is never computed.
+    env = np.empty((0, 4))  # rows: grid budget, time, threshold number, level
+    finals, keeps = {}, {}
+
+    def grid(i: int) -> np.ndarray:
+        return tab.floor + int(thresholds[i]) + np.arange(int(levels[i]) + 1) * tab.res
+
+    def beats_envelope(i: int, times: np.ndarray) -> bool:
+        if not len(env):
+            return True
+        pos = np.searchsorted(env[:, 0], grid(i), side="right") - 1
+        return bool((times < np.where(pos >= 0, env[np.maximum(pos, 0), 1], np.inf)).any())
+
+    def compute(i: int) -> None:
+        nonlocal env
+        keep, T, L = keeps[i], int(thresholds[i]), int(levels[i])
+        table = full if np.array_equal(keep, full.keep) else tab.restricted(full, T, keep, buffer)
+        finals[i] = table.rows[U].copy()
+        at = _steps(finals[i][: L + 1])
+        new = np.stack([grid(i)[at], finals[i][at], np.full(len(at), i), at], axis=1)
+        env = np.concatenate([env, new])
+        env = env[np.lexsort((env[:, 1], env[:, 0]))]
+        env = env[env[:, 1] < np.minimum.accumulate(np.r_[np.inf, env[:-1, 1]])]
+
+    last = len(thresholds) - 1
+    for i in sorted({0, last}):
+        keeps[i] = tab.keep(int(thresholds[i]))
+        compute(i)
+    intervals = [(0, last)]
+    while intervals:
+        lo, hi = intervals.pop()
+        bound = finals[hi]
+        open_ = [i for i in range(lo + 1, hi) if beats_envelope(i, bound[: int(levels[i]) + 1])]
+        if not open_:
+            continue
+        mid = open_[len(open_) // 2]
+        keeps[mid] = tab.keep(int(thresholds[mid]))
+        if np.array_equal(keeps[mid], keeps[lo]):
+            intervals.append((mid, hi))  # (lo, mid] has lo's options with fewer bytes left: dominated
+            continue
+        compute(mid)
+        intervals += [(lo, mid), (mid, hi)]
+    # Pass 2: backtrack the envelope's levels of each threshold at once.
+    for i in np.unique(env[:, 2]).astype(int).tolist():
+        keep = keeps[i]
+        table = full if np.array_equal(keep, full.keep) else tab.restricted(full, int(thresholds[i]), keep, buffer)
+        choices = tab.choose(full, table, env[env[:, 2] == i, 3].astype(np.int64))
+        rows = np.arange(U)
+        times = p.time[rows, choices].sum(axis=1)
+        peaks = p.base + p.mem[rows, choices].sum(axis=1) + p.transient[rows, choices].max(axis=1)
+        candidates += [(pk, t, _rate(p.batch_size, t), c) for pk, t, c in zip(peaks.tolist(), times.tolist(), choices)]
     return [FrontierPoint(peak, t, sps, c, p.batch_size) for peak, t, sps, c in candidates]
 
 
@@ -94,11 +122,11 @@ def pareto_frontier(
     """Plans from the smallest possible peak up to ``max_peak`` (None: up to the fastest plan), by peak.
 
     Each point has strictly more samples/s than the one before (by more than
-    float rounding). With one
-    problem and the resolution ``solve`` used, the best point whose peak fits
-    a budget is ``solve``'s answer at that budget (exactly so at exact
-    resolution; with rounding, a point can need up to ``slack_bytes`` more
-    budget than its peak for ``solve`` to find it).
+    float rounding). With one problem and ``max_peak`` = a budget (so the same
+    grid as ``solve``), the best point whose peak fits that budget is
+    ``solve``'s answer: exactly at exact resolution; with rounding, a point
+    can need up to ``slack_bytes`` more budget than its peak for ``solve`` to
+    find it.
     """
     if isinstance(problems, Problem):
         problems = [problems]

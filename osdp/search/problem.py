@@ -64,7 +64,7 @@ def _int_array(name: str, a: Any, shape: tuple[int, ...]) -> np.ndarray:
     return a.astype(np.int64, copy=False)
 
 
-@dataclass
+@dataclass(eq=False)
 class Problem:
     """One search instance: costs of every (unit, option) at one micro-batch size.
 
@@ -76,6 +76,8 @@ class Problem:
     batch_size: the micro-batch these costs are for (samples per step per rank)
     group:     [U] ids of identical units (repeated blocks); None = detected from the arrays
     units, options: optional labels (unit paths, option descriptions) for reports
+
+    Treat the arrays as read-only once built: identical-unit detection is cached.
     """
 
     time: np.ndarray

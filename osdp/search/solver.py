@@ -10,12 +10,13 @@ How:
   multiple-choice knapsack with capacity ``budget - base - T``. The optimum is
   the best over T. Within one T the transient no longer matters, so options
   dominated in (memory, time) are dropped before the DP.
-* Work is shared across thresholds. One unrestricted DP (all options) gives,
-  at T's capacity, a lower bound for every T; thresholds are visited in
-  increasing T (decreasing capacity, non-decreasing bound) and the search
-  stops at the first bound that cannot beat the best plan found. Units whose
-  option set does not change at T form a prefix of the DP order, so a
-  restricted DP resumes from the unrestricted table after that prefix.
+* Work is shared across thresholds. Thresholds are visited from the largest
+  down. The table of the last threshold computed admits a superset of the
+  options of every smaller one, so its value at a smaller T's (larger)
+  capacity is a lower bound for that T: a threshold whose bound cannot beat
+  the best plan found costs one lookup. Units whose option set is already
+  complete at T come first in the DP order, so a restricted DP resumes from
+  the unrestricted table after that shared prefix.
 * Memory is discretised conservatively: each unit's memory above its cheapest
   option is rounded *up* to the grid, the capacity *down*, so a plan the DP
   calls feasible is feasible in exact bytes. Rounding can cost optimality but
@@ -57,6 +58,7 @@ class Solution:
     budget: int
     min_peak_bytes: int  # smallest peak any plan can have at this batch size
     resolution: int  # bytes per DP memory level (1 or a common divisor = exact)
+    levels: int  # DP grid size: memory levels searched
     slack_bytes: int  # rounding bound: step_time <= exact optimum at budget - slack_bytes
     search_seconds: float
 
@@ -84,7 +86,7 @@ class Sweep:
 
 
 def min_peak(problem: Problem) -> tuple[int, np.ndarray]:
-    """(smallest peak of any choice, a fastest choice attaining it), exactly.
+    """(smallest peak of any choice, a choice attaining it), exactly.
 
     ``min over T of T + base + sum_u min{mem[u, o] : transient[u, o] <= T}``,
     evaluated for every T at once by sweeping each unit's running minimum of
@@ -106,7 +108,7 @@ def min_peak(problem: Problem) -> tuple[int, np.ndarray]:
     peaks = at[last] + total[last]
     best = int(np.argmin(peaks))
     threshold = int(at[last][best])
-    # Per type: cheapest memory under the threshold, then fastest among those.
+    # Per type: cheapest memory under the threshold, the fastest among equals.
     admissible = ok & (tr <= threshold)
     cheapest = admissible & (mem == np.where(admissible, mem, _BIG).min(axis=1, keepdims=True))
     pick = np.argmin(np.where(cheapest, t, np.inf), axis=1)
@@ -121,7 +123,7 @@ def _auto_resolution(offsets: np.ndarray, room: int, buckets: int) -> int:
     return max(1, -(-room // buckets))
 
 
-@dataclass
+@dataclass(eq=False)
 class _Table:
     """DP rows for one threshold; units [0, j) in DP order are shared with the unrestricted table."""
 
@@ -261,9 +263,12 @@ def solve(
 ) -> Solution:
     """The fastest choice whose peak fits ``budget`` bytes.
 
-    ``resolution`` is bytes per DP memory level (None: a common divisor of the
-    memory offsets when that is fine enough, which is exact, else the
-    discretionary range / ``buckets``). Raises ``BudgetTooSmall`` when no
+    The returned plan always fits in exact bytes. It is optimal when
+    ``slack_bytes`` is 0 and otherwise at least as fast as the optimum under
+    ``budget - slack_bytes``. ``resolution`` is bytes per DP memory level
+    (None: a common divisor of the memory offsets when that gives fewer than
+    ``buckets`` levels, which is exact, else the budget's discretionary range
+    / ``buckets``; 1 is always exact). Raises ``BudgetTooSmall`` when no
     choice fits.
     """
     start = _time.perf_counter()
@@ -281,30 +286,31 @@ def solve(
     last_of_level = np.r_[cand_l[1:] != cand_l[:-1], True]  # same capacity: the larger T admits more
     cand_t, cand_l = cand_t[last_of_level], cand_l[last_of_level]
 
-    choice = fallback
-    if len(cand_t):
-        # Visit thresholds from the largest: the table of the last threshold computed admits a superset
-        # of the options of every smaller one, so its value at a smaller T's capacity bounds that T.
-        full = tab.unrestricted(int(cand_l[0]) + 1)
-        bound, best, best_level, found = full, None, -1, np.inf
-        spare: list[np.ndarray] = []
-        for T, L in zip(cand_t[::-1].tolist(), cand_l[::-1].tolist()):
-            if bound.rows[U, L] >= found:
-                continue
-            keep = tab.keep(T)
-            if not np.array_equal(keep, bound.keep):
-                old, bound = bound, None
-                if old is not full and old is not best:
-                    spare.append(old.rows)
-                bound = tab.restricted(full, T, keep, spare.pop() if spare else np.empty_like(full.rows))
-            if bound.rows[U, L] < found:
-                old, best, best_level, found = best, bound, L, bound.rows[U, L]
-                if old is not None and old is not full and old is not bound:
-                    spare.append(old.rows)
-        if best is not None:
-            planned = tab.choose(full, best, [best_level])[0]
-            if problem.step_time(planned) <= problem.step_time(fallback):  # fallback wins only through rounding
-                choice = planned
+    # Non-empty: the min-peak plan's threshold has a capacity >= 0.
+    full = tab.unrestricted(int(cand_l[0]) + 1)
+    bound, best, best_level, found = full, None, -1, np.inf
+    spare: list[np.ndarray] = []  # row buffers of tables that are neither the bound nor the best
+
+    def release(table: _Table | None) -> None:
+        if table is not None and table is not full and table is not bound and table is not best:
+            spare.append(table.rows)
+
+    for T, L in zip(cand_t[::-1].tolist(), cand_l[::-1].tolist()):
+        if bound.rows[U, L] >= found:
+            continue
+        keep = tab.keep(T)
+        if not np.array_equal(keep, bound.keep):
+            old, bound = bound, None
+            release(old)
+            bound = tab.restricted(full, T, keep, spare.pop() if spare else np.empty_like(full.rows))
+        if bound.rows[U, L] < found:
+            old, best, best_level, found = best, bound, L, bound.rows[U, L]
+            release(old)
+    choice = fallback  # exactly feasible; the DP can miss it only through rounding
+    if best is not None:
+        planned = tab.choose(full, best, [best_level])[0]
+        if problem.step_time(planned) <= problem.step_time(fallback):
+            choice = planned
     step_time, peak = problem.step_time(choice), problem.peak(choice)
     assert peak <= budget, "conservative rounding violated"
     return Solution(
@@ -315,6 +321,7 @@ def solve(
         budget=budget,
         min_peak_bytes=need,
         resolution=tab.res,
+        levels=full.rows.shape[1],
         slack_bytes=tab.slack,
         search_seconds=_time.perf_counter() - start,
     )

@@ -1,0 +1,179 @@
+"""How fast is the search? Synthetic but realistic instances, solved end to end.
+
+* gpt48: the OSDP paper's 48-layer, hidden-1536 GPT on 8 ranks with an 8 GiB
+  budget: 97 units (attention and MLP of every layer, plus the root holding the
+  embeddings and final norm), the 24-option table, 4 micro-batch candidates.
+  The paper's pure-Python DP took about 12 s per batch candidate on this model.
+* deep500: the same blocks, 249 layers + root + head = 500 units.
+* mixed500: 500 units of 50 different widths, so transient sizes (the
+  thresholds the max term enumerates) are many and distinct.
+
+Costs are an analytic stand-in for the measured cost model: FLOPs at a fixed
+rate, alpha-beta collectives with partial overlap, fp32 parameters with Adam,
+activations of a non-fused attention. Run: python experiments/bench_search.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from osdp.search import OPTIONS, Problem, pareto_frontier, plot_frontier, sweep_batch_sizes
+from osdp.search.problem import format_bytes
+
+WORLD = 8
+FLOPS = 100e12  # achieved FLOP/s
+BUS_BW = 50e9  # bytes/s per rank for ring collectives
+ALPHA = 30e-6  # seconds per collective message
+OVERLAP = 0.7  # fraction of compute that hides communication
+SEQ, VOCAB, HEADS = 1024, 50257, 16
+STATE_BYTES = 16  # fp32 param + grad + Adam m and v
+GiB = 2**30
+
+
+def unit_costs(params: int, flops_per_sample: float, act_bytes: int, ckpt_bytes: int, batch: int, splittable: bool):
+    """[O] time, mem, transient, allowed of one unit under every option of OPTIONS."""
+    O = len(OPTIONS)
+    t, mem, tr, ok = np.zeros(O), np.zeros(O, np.int64), np.zeros(O, np.int64), np.zeros(O, bool)
+    full = 4 * params  # fp32 gathered bytes
+    ring = (WORLD - 1) / WORLD * full / BUS_BW
+    compute = 3 * flops_per_sample * batch / FLOPS
+    for o, (mode, split, ckpt) in enumerate(OPTIONS):
+        ok[o] = split == 1 or (mode == "zero3" and splittable)
+        work = compute * (4 / 3 if ckpt else 1.0)
+        if mode == "replicate":  # bucketed all-reduce, overlaps best
+            comm, exposed_frac = 2 * ring + ALPHA, 0.5
+            states = STATE_BYTES * params
+            transient = 0
+        elif mode == "zero2":  # gather once, keep until backward; reduce-scatter grads
+            comm, exposed_frac = 2 * ring + 2 * ALPHA, 1.0
+            states = STATE_BYTES * params // WORLD + full
+            transient = full  # unsharded gradient before its reduce-scatter
+        else:  # zero3: gather for forward and backward, k messages each
+            comm, exposed_frac = 3 * ring + 3 * split * ALPHA, 1.0
+            states = STATE_BYTES * params // WORLD
+            transient = 2 * (full // split) + full // split  # this slice, the prefetched one, its gradient
+        t[o] = work + exposed_frac * max(0.0, comm - OVERLAP * work) + 0.02 * comm
+        mem[o] = states + batch * (ckpt_bytes if ckpt else act_bytes)
+        tr[o] = transient
+    return t, mem, tr, ok
+
+
+def gpt(layers: int, hidden, batch: int, head_unit: bool = False) -> Problem:
+    """A GPT: per layer an attention and an MLP unit; the root holds embeddings (and the head if tied)."""
+    hidden = np.broadcast_to(np.asarray(hidden), (layers,))
+    rows, names = [], []
+    for i, h in enumerate(hidden.tolist()):
+        attn_p, mlp_p = 4 * h * h + 6 * h, 8 * h * h + 7 * h
+        attn_flops = 2 * attn_p * SEQ + 4 * SEQ * SEQ * h
+        attn_act = 4 * (6 * SEQ * h) + 8 * HEADS * SEQ * SEQ
+        mlp_act = 4 * (10 * SEQ * h)
+        rows.append(unit_costs(attn_p, attn_flops, attn_act, 4 * SEQ * h, batch, True))
+        rows.append(unit_costs(mlp_p, 2 * mlp_p * SEQ, mlp_act, 4 * SEQ * h, batch, True))
+        names += [f"h.{i}.attn", f"h.{i}.mlp"]
+    h0 = int(hidden[0])
+    root_p = VOCAB * h0 + SEQ * h0 + 2 * h0
+    logits = 4 * SEQ * VOCAB * 2  # logits and their softmax
+    rows.append(unit_costs(root_p, 2 * VOCAB * h0 * SEQ, logits, logits, batch, False))
+    names.append("")
+    if head_unit:
+        rows.append(unit_costs(VOCAB * h0, 2 * VOCAB * h0 * SEQ, logits // 2, logits // 2, batch, True))
+        names.append("lm_head")
+    t, mem, tr, ok = (np.stack(x) for x in zip(*rows))
+    return Problem(t, mem, tr, ok, base=512 * 2**20, batch_size=batch, units=names, options=OPTIONS)
+
+
+def instances() -> dict[str, list[Problem]]:
+    widths = np.random.default_rng(0).choice(np.arange(1024, 4096 + 1, 64), size=50)
+    return {
+        "gpt48": [gpt(48, 1536, b) for b in (1, 2, 4, 8)],
+        "deep500": [gpt(249, 1536, b, head_unit=True) for b in (1, 2, 4, 8)],
+        "mixed500": [gpt(249, np.repeat(widths, 5)[:249], b, head_unit=True) for b in (1, 2, 4, 8)],
+    }
+
+
+BUDGETS = {"gpt48": 8 * GiB, "deep500": 40 * GiB, "mixed500": 120 * GiB}
+TARGETS = {"gpt48": 0.050, "deep500": 1.0, "mixed500": 1.0}
+
+
+def timed(fn, repeats: int):
+    """Best of ``repeats`` wall times (the machine is shared) and the last result."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_search.json"))
+    args = parser.parse_args()
+
+    machine = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+    }
+    rows = []
+    header = f"{'instance':<10} {'units':>5} {'options':>7} {'batches':>7} {'levels':>7} {'resolution':>11} " \
+             f"{'slack':>10} {'solve s':>8} {'target s':>8} {'frontier s':>10} {'best':>26}"
+    print(header)
+    print("-" * len(header))
+    for name, problems in instances().items():
+        budget = BUDGETS[name]
+        seconds, sweep = timed(lambda: sweep_batch_sizes(problems, budget), args.repeats)
+        best = sweep.best
+        frontier_s, points = timed(lambda: pareto_frontier(problems, max_peak=budget), 1)
+        levels = max(c.solution.levels for c in sweep.candidates if c.solution)
+        row = {
+            "instance": name,
+            "units": problems[0].num_units,
+            "options": problems[0].num_options,
+            "batch_candidates": [p.batch_size for p in problems],
+            "budget_bytes": budget,
+            "grid_levels": levels,
+            "resolution_bytes": best.resolution,
+            "slack_bytes": best.slack_bytes,
+            "solve_seconds": seconds,
+            "target_seconds": TARGETS[name],
+            "frontier_seconds": frontier_s,
+            "frontier_points": len(points),
+            "best_batch_size": best.batch_size,
+            "best_samples_per_s": best.samples_per_s,
+            "best_peak_bytes": best.peak_bytes,
+            "candidates": [
+                {"batch_size": c.batch_size, "min_peak_bytes": c.min_peak_bytes,
+                 "samples_per_s": c.solution.samples_per_s if c.solution else None,
+                 "peak_bytes": c.solution.peak_bytes if c.solution else None,
+                 "levels": c.solution.levels if c.solution else None,
+                 "search_seconds": c.solution.search_seconds if c.solution else None}
+                for c in sweep.candidates
+            ],
+        }
+        rows.append(row)
+        if name == "gpt48":
+            plot_frontier(points, str(Path(args.out).with_name("frontier_gpt48.png")), budget=budget,
+                          title="48-layer GPT (hidden 1536), 8 ranks: predicted frontier")
+        print(f"{name:<10} {row['units']:>5} {row['options']:>7} {len(problems):>7} {levels:>7} "
+              f"{format_bytes(best.resolution):>11} {format_bytes(best.slack_bytes):>10} {seconds:>8.4f} {TARGETS[name]:>8.3f} {frontier_s:>10.3f} "
+              f"{f'b={best.batch_size} {best.samples_per_s:.1f}/s {format_bytes(best.peak_bytes)}':>26}")
+    print(f"machine: {machine}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine, "repeats": args.repeats, "results": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
