@@ -1,0 +1,343 @@
+// The loop of osdp.split.SplitLinear, driven through a c10d ProcessGroup.
+//
+// Forward: all-gather slice i+1 while slice i multiplies into its part of the
+// output. Backward: gather again, compute the input gradient and the slice's
+// weight gradient, reduce-scatter that gradient behind the next slice's
+// compute. Same arguments, collectives and order as osdp/split/_loop.py.
+//
+// Layout: each rank holds rows_per_rank = sum(piece_sizes) rows of the weight
+// (FSDP2's Shard(0) chunk, padded on the tail ranks), cut into pieces; slice i
+// is piece i of every rank, gathered rank-major into (N * q_i, in).
+//
+// On CPU (gloo), collectives run on the process group's threads and
+// Work::wait() blocks. With OSDP_WITH_CUDA and CUDA tensors, collectives are
+// issued from a communication stream, ordered against the compute stream with
+// events, into two gather buffers used in turn (ping-pong); Work::wait() only
+// makes the issuing stream wait, so the CPU never blocks.
+
+#include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <deque>
+#include <numeric>
+#include <optional>
+#include <utility>
+
+#ifdef OSDP_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <mutex>
+#include <unordered_map>
+#endif
+
+namespace {
+
+using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// _allgather_base / _reduce_scatter_base exist in every torch >= 2.9; newer
+// releases deprecate them in favour of all_gather_single / reduce_scatter_single.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+WorkPtr all_gather(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in) {
+  return pg->_allgather_base(out, in);
+}
+WorkPtr reduce_scatter(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in) {
+  c10d::ReduceScatterOptions opts;
+  // Data-parallel mean, like FSDP2 (which also avoids AVG on a single rank).
+  opts.reduceOp = pg->getSize() > 1 ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  return pg->_reduce_scatter_base(out, in, opts);
+}
+#pragma GCC diagnostic pop
+
+// Live and peak bytes of the buffers the op holds.
+struct Counter {
+  std::atomic<int64_t> live{0};
+  std::atomic<int64_t> peak{0};
+  void add(int64_t n) {
+    int64_t now = live.fetch_add(n) + n;
+    int64_t old = peak.load();
+    while (now > old && !peak.compare_exchange_weak(old, now)) {
+    }
+  }
+};
+Counter gathered_bytes, grad_bytes;
+
+// A buffer counted from its allocation until the op lets go of it. (A collective's
+// backend may hold it a moment longer, e.g. gloo's worker thread.)
+class Counted {
+ public:
+  Counted(at::Tensor t, Counter& counter) : t_(std::move(t)), counter_(&counter), nbytes_(t_.nbytes()) {
+    counter_->add(nbytes_);
+  }
+  Counted(Counted&& other) noexcept
+      : t_(std::move(other.t_)), counter_(other.counter_), nbytes_(std::exchange(other.nbytes_, 0)) {}
+  Counted(const Counted&) = delete;
+  Counted& operator=(const Counted&) = delete;
+  Counted& operator=(Counted&&) = delete;
+  ~Counted() { counter_->add(-nbytes_); }
+  at::Tensor& tensor() { return t_; }
+
+ private:
+  at::Tensor t_;
+  Counter* counter_;
+  int64_t nbytes_;
+};
+
+std::vector<int64_t> offsets_of(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> offsets(sizes.size(), 0);
+  for (size_t i = 1; i < sizes.size(); ++i) offsets[i] = offsets[i - 1] + sizes[i - 1];
+  return offsets;
+}
+
+#ifdef OSDP_WITH_CUDA
+c10::cuda::CUDAStream comm_stream(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  static std::unordered_map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = streams.find(device);
+  if (it == streams.end()) {
+    it = streams.emplace(device, c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)).first;
+  }
+  return it->second;
+}
+
+void wait_stream(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& on) {
+  at::cuda::CUDAEvent event;
+  event.record(on);
+  event.block(waiter);
+}
+#endif
+
+// Orders collectives against compute: a no-op on CPU, streams and events on CUDA.
+class Streams {
+ public:
+  explicit Streams(const at::Tensor& like) {
+#ifdef OSDP_WITH_CUDA
+    if (like.is_cuda()) {
+      compute_ = c10::cuda::getCurrentCUDAStream(like.get_device());
+      comm_ = comm_stream(like.get_device());
+    }
+#endif
+  }
+
+  // Runs `issue` (which enqueues a collective) on the communication stream, after
+  // everything already enqueued on the compute stream; returns when it is queued.
+  template <typename F>
+  WorkPtr on_comm(F issue, int slot) {
+#ifdef OSDP_WITH_CUDA
+    if (comm_) {
+      wait_stream(*comm_, *compute_);
+      c10::cuda::CUDAStreamGuard guard(*comm_);
+      WorkPtr work = issue();
+      work->wait();  // the communication stream waits for the collective; the CPU does not
+      done_[slot].record(*comm_);
+      return work;
+    }
+#endif
+    return issue();
+  }
+
+  // The compute stream (or, on CPU, the calling thread) waits for a collective.
+  void wait(const WorkPtr& work, int slot) {
+#ifdef OSDP_WITH_CUDA
+    if (comm_) {
+      done_[slot].block(*compute_);
+      return;
+    }
+#endif
+    work->wait();
+  }
+
+  // Called before buffers that collectives used are freed: on CUDA, the compute
+  // stream (where they were allocated) waits for the communication stream. On CPU
+  // a collective's Work holds its tensors until it completes.
+  void drain() {
+#ifdef OSDP_WITH_CUDA
+    if (comm_) wait_stream(*compute_, *comm_);
+#endif
+  }
+
+ private:
+#ifdef OSDP_WITH_CUDA
+  std::optional<c10::cuda::CUDAStream> compute_, comm_;
+  at::cuda::CUDAEvent done_[4];  // slots 0-1: the two gather buffers; 2-3: reduce-scatters in flight
+#endif
+};
+
+// All-gathers slice i+1 into one of two buffers while slice i, in the other, is used.
+class Gatherer {
+ public:
+  Gatherer(const at::Tensor& w, const ProcessGroupPtr& pg, const std::vector<int64_t>& sizes, at::ScalarType dtype,
+           Streams& streams)
+      : w_(w), pg_(pg), sizes_(sizes), offsets_(offsets_of(sizes)), dtype_(dtype), streams_(streams) {
+    int64_t q_max = *std::max_element(sizes.begin(), sizes.end());
+    int count = sizes.size() > 1 ? 2 : 1;
+    for (int b = 0; b < count; ++b) {
+      buffers_.emplace_back(at::empty({pg->getSize() * q_max, w.size(1)}, w.options().dtype(dtype)), gathered_bytes);
+    }
+  }
+
+  ~Gatherer() { streams_.drain(); }
+
+  void start(int64_t i) {
+    int slot = i % buffers_.size();
+    out_[slot] = buffers_[slot].tensor().narrow(0, 0, pg_->getSize() * sizes_[i]);
+    work_[slot] = streams_.on_comm(
+        [&] {
+          in_[slot] = piece(i);  // on CUDA: cast/padded on the communication stream, off the compute path
+          return all_gather(pg_, out_[slot], in_[slot]);
+        },
+        slot);
+  }
+
+  at::Tensor wait(int64_t i) {
+    int slot = i % buffers_.size();
+    streams_.wait(work_[slot], slot);
+    work_[slot].reset();
+    in_[slot].reset();
+    return out_[slot];
+  }
+
+ private:
+  at::Tensor piece(int64_t i) {
+    int64_t off = offsets_[i], q = sizes_[i];
+    int64_t real = std::clamp<int64_t>(w_.size(0) - off, 0, q);
+    if (real == q && w_.scalar_type() == dtype_ && w_.is_contiguous()) return w_.narrow(0, off, q);
+    auto p = at::zeros({q, w_.size(1)}, w_.options().dtype(dtype_));  // padding rows of the tail ranks stay zero
+    if (real > 0) p.narrow(0, 0, real).copy_(w_.narrow(0, off, real));
+    return p;
+  }
+
+  at::Tensor w_;
+  ProcessGroupPtr pg_;
+  std::vector<int64_t> sizes_, offsets_;
+  at::ScalarType dtype_;
+  Streams& streams_;
+  std::vector<Counted> buffers_;
+  at::Tensor out_[2], in_[2];
+  WorkPtr work_[2];
+};
+
+at::Tensor split_linear_forward(const at::Tensor& x, const at::Tensor& w_local, const ProcessGroupPtr& pg,
+                                const std::vector<int64_t>& piece_sizes, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && w_local.dim() == 2 && x.size(1) == w_local.size(1), "split_linear_forward: bad shapes");
+  int64_t n = pg->getSize(), m = x.size(0);
+  int64_t c = std::accumulate(piece_sizes.begin(), piece_sizes.end(), int64_t{0});
+  auto out = at::empty({m, n * c}, x.options());
+  auto out_by_rank = out.view({m, n, c});
+  Streams streams(x);
+  {
+    Gatherer gatherer(w_local, pg, piece_sizes, x.scalar_type(), streams);
+    auto offsets = offsets_of(piece_sizes);
+    gatherer.start(0);
+    for (size_t i = 0; i < piece_sizes.size(); ++i) {
+      auto w_i = gatherer.wait(i);
+      if (i + 1 < piece_sizes.size()) gatherer.start(i + 1);
+      int64_t q = piece_sizes[i];
+      out_by_rank.narrow(2, offsets[i], q).copy_(at::mm(x, w_i.t()).view({m, n, q}));
+    }
+  }
+  return n * c == out_features ? out : out.narrow(1, 0, out_features).contiguous();
+}
+
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> split_linear_backward(
+    const at::Tensor& grad_out_in, const at::Tensor& x, const at::Tensor& w_local, const ProcessGroupPtr& pg,
+    const std::vector<int64_t>& piece_sizes, int64_t out_features, bool need_input_grad, bool need_weight_grad,
+    std::optional<at::ScalarType> reduce_dtype_opt) {
+  int64_t n = pg->getSize(), m = x.size(0);
+  int64_t c = std::accumulate(piece_sizes.begin(), piece_sizes.end(), int64_t{0});
+  auto offsets = offsets_of(piece_sizes);
+  at::Tensor grad_out = n * c == out_features ? grad_out_in : at::constant_pad_nd(grad_out_in, {0, n * c - out_features});
+  auto grad_by_rank = grad_out.view({m, n, c});
+  auto reduce_dtype = reduce_dtype_opt.value_or(x.scalar_type());
+  std::optional<at::Tensor> grad_x, grad_w;
+  if (need_input_grad) grad_x = at::zeros_like(x);
+  if (need_weight_grad) grad_w = at::empty({c, w_local.size(1)}, w_local.options());
+  bool in_place = need_weight_grad && reduce_dtype == grad_w->scalar_type();
+
+  Streams streams(x);
+  {
+    std::optional<Gatherer> gatherer;
+    if (need_input_grad) gatherer.emplace(w_local, pg, piece_sizes, x.scalar_type(), streams);
+
+    // Reduce-scatters in flight use event slots 2 and 3 in turn: at most two are in flight.
+    struct Pending {
+      WorkPtr work;
+      Counted unreduced;
+      at::Tensor reduced;
+      int64_t offset;
+      int slot;
+    };
+    struct InFlight {
+      Streams& streams;
+      std::deque<Pending> queue;
+      ~InFlight() { streams.drain(); }
+    } in_flight{streams, {}};
+    auto& pending = in_flight.queue;
+    auto finish = [&] {
+      auto& p = pending.front();
+      streams.wait(p.work, p.slot);
+      if (!in_place) grad_w->narrow(0, p.offset, p.reduced.size(0)).copy_(p.reduced);
+      pending.pop_front();
+    };
+
+    if (gatherer) gatherer->start(0);
+    for (size_t i = 0; i < piece_sizes.size(); ++i) {
+      int64_t off = offsets[i], q = piece_sizes[i];
+      auto g_i = grad_by_rank.narrow(2, off, q).reshape({m, n * q});
+      if (gatherer) {
+        auto w_i = gatherer->wait(i);
+        if (i + 1 < piece_sizes.size()) gatherer->start(i + 1);
+        grad_x->addmm_(g_i, w_i);
+      }
+      if (need_weight_grad) {
+        at::Tensor product = at::mm(g_i.t(), x);  // (n * q, in), rank-major
+        Counted unreduced(reduce_dtype == product.scalar_type() ? product : product.to(reduce_dtype), grad_bytes);
+        auto reduced = in_place ? grad_w->narrow(0, off, q) : at::empty({q, x.size(1)}, x.options().dtype(reduce_dtype));
+        int slot = 2 + i % 2;
+        auto work = streams.on_comm([&] { return reduce_scatter(pg, reduced, unreduced.tensor()); }, slot);
+        pending.push_back({work, std::move(unreduced), reduced, off, slot});
+        while (pending.size() > 1) finish();
+      }
+    }
+    gatherer.reset();
+    while (!pending.empty()) finish();
+  }
+  if (grad_w && grad_w->size(0) != w_local.size(0)) grad_w = grad_w->narrow(0, 0, w_local.size(0));
+  return {grad_x, grad_w};
+}
+
+std::unordered_map<std::string, int64_t> memory_stats() {
+  return {{"gathered_bytes", gathered_bytes.live.load()},
+          {"peak_gathered_bytes", gathered_bytes.peak.load()},
+          {"grad_bytes", grad_bytes.live.load()},
+          {"peak_grad_bytes", grad_bytes.peak.load()}};
+}
+
+void reset_peak_memory_stats() {
+  gathered_bytes.peak.store(gathered_bytes.live.load());
+  grad_bytes.peak.store(grad_bytes.live.load());
+}
+
+bool with_cuda() {
+#ifdef OSDP_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The loops release the GIL: they block on collectives run by other threads.
+  m.def("forward", &split_linear_forward, py::call_guard<py::gil_scoped_release>());
+  m.def("backward", &split_linear_backward, py::call_guard<py::gil_scoped_release>());
+  m.def("memory_stats", &memory_stats);
+  m.def("reset_peak_memory_stats", &reset_peak_memory_stats);
+  m.def("with_cuda", &with_cuda);
+}

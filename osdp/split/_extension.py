@@ -1,0 +1,134 @@
+"""Which implementation of the split loop runs: the C++ extension in csrc/, or osdp/split/_loop.py.
+
+The extension is compiled on first use with ``torch.utils.cpp_extension.load``
+(a JIT build against the installed torch, so installing osdp never builds
+anything and never asks pip for another torch) and cached under
+``$OSDP_EXTENSIONS_DIR`` or ``~/.cache/osdp/torch_extensions``, one folder per
+Python, torch and flavour; later processes load it in a fraction of a second.
+It needs a C++ compiler and ``ninja``. Flavour "cuda" (CUDA streams and
+events) is compiled when torch sees a GPU and a CUDA toolkit; otherwise "cpp".
+
+``OSDP_SPLIT_BACKEND`` (or ``set_backend``) chooses: ``auto`` (default: the
+extension, or the Python loop with a warning if it cannot be built),
+``python`` (never build), ``cpp`` (the extension or an error).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from osdp.split import _loop
+
+MODES = ("auto", "python", "cpp")
+SOURCES = [Path(__file__).resolve().parents[2] / "csrc" / "split_linear.cpp"]
+
+_lock = threading.Lock()
+_mode: str | None = None  # None: from the environment
+_ext: ModuleType | None = None
+_error: BaseException | None = None
+
+
+def _current_mode() -> str:
+    mode = _mode or os.environ.get("OSDP_SPLIT_BACKEND", "auto")
+    if mode not in MODES:
+        raise ValueError(f"OSDP_SPLIT_BACKEND={mode!r}: use one of {', '.join(MODES)}")
+    return mode
+
+
+def _flavour() -> str:
+    from torch.utils import cpp_extension
+
+    cuda = torch.cuda.is_available() and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    return "cuda" if cuda else "cpp"
+
+
+def build_directory(flavour: str) -> Path:
+    root = os.environ.get("OSDP_EXTENSIONS_DIR") or Path.home() / ".cache" / "osdp" / "torch_extensions"
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}_{flavour}"
+    return Path(root) / tag
+
+
+def build_extension(verbose: bool = False) -> ModuleType:
+    """Compile (once, then from the cache) and load the extension; raise if that fails."""
+    global _ext, _error
+    with _lock:
+        if _ext is not None:
+            return _ext
+        from torch.utils import cpp_extension
+
+        flavour = _flavour()
+        directory = build_directory(flavour)
+        directory.mkdir(parents=True, exist_ok=True)
+        missing = [str(s) for s in SOURCES if not s.exists()]
+        if missing:
+            raise FileNotFoundError(f"extension sources not found: {missing} (osdp installed without csrc/)")
+        _ext = cpp_extension.load(
+            name=f"osdp_split_{flavour}",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=["-O2"] + (["-DOSDP_WITH_CUDA"] if flavour == "cuda" else []),
+            with_cuda=flavour == "cuda",
+            build_directory=str(directory),
+            verbose=verbose,
+        )
+        _error = None
+        return _ext
+
+
+def set_backend(mode: str) -> None:
+    """``auto``, ``python`` or ``cpp``; overrides ``OSDP_SPLIT_BACKEND`` in this process."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"backend mode {mode!r}: use one of {', '.join(MODES)}")
+    _mode = mode
+
+
+def implementation():
+    """The module whose ``forward``/``backward`` run the loop under the current mode."""
+    global _error
+    mode = _current_mode()
+    if mode == "python":
+        return _loop
+    if _ext is not None:
+        return _ext
+    if mode == "cpp":
+        return build_extension()
+    if _error is None:
+        try:
+            return build_extension()
+        except Exception as e:  # noqa: BLE001 - any build failure falls back to the Python loop
+            _error = e
+            warnings.warn(
+                f"osdp.split: C++ extension unavailable ({type(e).__name__}: {str(e).strip()[:500]}); "
+                "using the PyTorch loop (same semantics). Set OSDP_SPLIT_BACKEND=python to silence this.",
+                stacklevel=3,
+            )
+    return _loop
+
+
+def backend() -> str:
+    """The implementation that runs now: ``"cuda"``, ``"cpp"`` or ``"python"`` (may build the extension)."""
+    impl = implementation()
+    if impl is _loop:
+        return "python"
+    return "cuda" if impl.with_cuda() else "cpp"
+
+
+def memory_stats() -> dict[str, int]:
+    """Live and peak bytes of gathered weight slices and unreduced gradient slices, measured by the
+    active implementation when its buffers' storage is allocated and freed: ``gathered_bytes``,
+    ``peak_gathered_bytes``, ``grad_bytes``, ``peak_grad_bytes``."""
+    return dict(implementation().memory_stats())
+
+
+def reset_peak_memory_stats() -> None:
+    """Set the peaks of both implementations to their live bytes."""
+    if _ext is not None:
+        _ext.reset_peak_memory_stats()
+    _loop.reset_peak_memory_stats()

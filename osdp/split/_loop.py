@@ -1,0 +1,185 @@
+"""The split-Linear loop in PyTorch: the reference for, and fallback of, csrc/split_linear.cpp.
+
+Both implementations take the same arguments and do the same collectives in
+the same order, so ranks may even mix them. Layout (see ``SplitLinear``): each
+rank holds ``rows_per_rank`` rows of the weight (FSDP2's Shard(0) chunk, padded
+on the tail ranks), cut into pieces of ``piece_sizes`` rows; slice i is piece i
+of every rank, gathered rank-major into a buffer of shape (N * q_i, in).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+# all_gather_single / reduce_scatter_single replace the *_tensor names in recent torch.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class MemoryCounter:
+    """Live and peak bytes of the buffers the loop holds: counted when it allocates one and when it lets go.
+
+    (A collective's backend may hold a buffer a moment longer, e.g. gloo's
+    worker thread until it has finished its bookkeeping.)
+    """
+
+    KINDS = ("gathered", "grad")
+
+    def __init__(self) -> None:
+        self.live = dict.fromkeys(self.KINDS, 0)
+        self.peak = dict.fromkeys(self.KINDS, 0)
+
+    def allocate(self, kind: str, t: torch.Tensor) -> torch.Tensor:
+        self.live[kind] += t.nbytes
+        self.peak[kind] = max(self.peak[kind], self.live[kind])
+        return t
+
+    def release(self, kind: str, t: torch.Tensor) -> None:
+        self.live[kind] -= t.nbytes
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "gathered_bytes": self.live["gathered"],
+            "peak_gathered_bytes": self.peak["gathered"],
+            "grad_bytes": self.live["grad"],
+            "peak_grad_bytes": self.peak["grad"],
+        }
+
+    def reset_peak(self) -> None:
+        self.peak = dict(self.live)
+
+
+COUNTER = MemoryCounter()
+memory_stats = COUNTER.stats
+reset_peak_memory_stats = COUNTER.reset_peak
+
+
+def _offsets(piece_sizes: list[int]) -> list[int]:
+    offsets, off = [], 0
+    for q in piece_sizes:
+        offsets.append(off)
+        off += q
+    return offsets
+
+
+def _avg(group: dist.ProcessGroup) -> dist.ReduceOp:
+    # Data-parallel mean, like FSDP2 (which also avoids AVG on a single rank).
+    return dist.ReduceOp.AVG if group.size() > 1 else dist.ReduceOp.SUM
+
+
+class _Gatherer:
+    """All-gathers slice i+1 into one of two buffers while slice i, in the other, is used."""
+
+    def __init__(self, w_local: torch.Tensor, group: dist.ProcessGroup, piece_sizes: list[int], dtype: torch.dtype):
+        self.w, self.group, self.sizes, self.dtype = w_local, group, piece_sizes, dtype
+        self.offsets = _offsets(piece_sizes)
+        n, q_max = group.size(), max(piece_sizes)
+        count = 2 if len(piece_sizes) > 1 else 1
+        self.buffers = [COUNTER.allocate("gathered", w_local.new_empty(n * q_max, w_local.shape[1], dtype=dtype)) for _ in range(count)]
+        self.work: dict[int, tuple] = {}
+
+    def __enter__(self) -> "_Gatherer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for buffer in self.buffers:
+            COUNTER.release("gathered", buffer)
+        self.buffers, self.work = [], {}
+
+    def _piece(self, i: int) -> torch.Tensor:
+        off, q = self.offsets[i], self.sizes[i]
+        real = min(max(self.w.shape[0] - off, 0), q)
+        if real == q and self.w.dtype == self.dtype and self.w.is_contiguous():
+            return self.w[off : off + q]
+        piece = self.w.new_zeros(q, self.w.shape[1], dtype=self.dtype)  # padding rows of the tail ranks stay zero
+        piece[:real].copy_(self.w[off : off + real])
+        return piece
+
+    def start(self, i: int) -> None:
+        out = self.buffers[i % len(self.buffers)][: self.group.size() * self.sizes[i]]
+        piece = self._piece(i)
+        self.work[i] = (_all_gather(out, piece, group=self.group, async_op=True), out, piece)
+
+    def wait(self, i: int) -> torch.Tensor:
+        work, out, _ = self.work.pop(i)
+        work.wait()
+        return out
+
+
+def forward(x: torch.Tensor, w_local: torch.Tensor, group: dist.ProcessGroup, piece_sizes: list[int], out_features: int) -> torch.Tensor:
+    """``x @ W.T`` for a 2-D ``x``, W gathered slice by slice."""
+    n, c, m = group.size(), sum(piece_sizes), x.shape[0]
+    out = x.new_empty(m, n * c)
+    out_by_rank = out.view(m, n, c)
+    with _Gatherer(w_local, group, piece_sizes, x.dtype) as gatherer:
+        gatherer.start(0)
+        for i, (off, q) in enumerate(zip(gatherer.offsets, piece_sizes)):
+            w_i = gatherer.wait(i)
+            if i + 1 < len(piece_sizes):
+                gatherer.start(i + 1)
+            out_by_rank[:, :, off : off + q] = torch.mm(x, w_i.t()).view(m, n, q)
+    return out if n * c == out_features else out[:, :out_features].contiguous()
+
+
+def backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    w_local: torch.Tensor,
+    group: dist.ProcessGroup,
+    piece_sizes: list[int],
+    out_features: int,
+    need_input_grad: bool,
+    need_weight_grad: bool,
+    reduce_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(grad of x, this rank's rows of the data-parallel mean of grad W).
+
+    The input gradient needs W again, gathered slice by slice as in forward;
+    the weight gradient does not, so a layer whose input needs no gradient
+    gathers nothing. Each slice's weight gradient is reduce-scattered behind
+    the next slice's compute; at most two are in flight, so unreduced slice
+    gradients never exceed 2/k of the weight.
+    """
+    n, c, m = group.size(), sum(piece_sizes), x.shape[0]
+    offsets = _offsets(piece_sizes)
+    if n * c != out_features:
+        grad_out = torch.nn.functional.pad(grad_out, (0, n * c - out_features))
+    grad_by_rank = grad_out.view(m, n, c)
+    reduce_dtype = reduce_dtype or x.dtype
+    grad_x = torch.zeros_like(x) if need_input_grad else None
+    grad_w = w_local.new_empty(c, w_local.shape[1]) if need_weight_grad else None
+    pending: deque = deque()  # (work, unreduced input, reduced output if not written in place, offset)
+
+    def finish(work, unreduced, reduced, off) -> None:
+        work.wait()
+        COUNTER.release("grad", unreduced)
+        if reduced is not None:
+            grad_w[off : off + reduced.shape[0]].copy_(reduced)
+
+    with _Gatherer(w_local, group, piece_sizes, x.dtype) if need_input_grad else contextlib.nullcontext() as gatherer:
+        if gatherer is not None:
+            gatherer.start(0)
+        for i, (off, q) in enumerate(zip(offsets, piece_sizes)):
+            g_i = grad_by_rank[:, :, off : off + q].reshape(m, n * q)
+            if gatherer is not None:
+                w_i = gatherer.wait(i)
+                if i + 1 < len(piece_sizes):
+                    gatherer.start(i + 1)
+                grad_x.addmm_(g_i, w_i)
+            if grad_w is not None:
+                unreduced = COUNTER.allocate("grad", torch.mm(g_i.t(), x).to(reduce_dtype))  # (n * q, in), rank-major
+                in_place = reduce_dtype == grad_w.dtype
+                dst = grad_w[off : off + q] if in_place else grad_w.new_empty(q, grad_w.shape[1], dtype=reduce_dtype)
+                work = _reduce_scatter(dst, unreduced, op=_avg(group), group=group, async_op=True)
+                pending.append((work, unreduced, None if in_place else dst, off))
+                while len(pending) > 1:
+                    finish(*pending.popleft())
+    while pending:
+        finish(*pending.popleft())
+    if grad_w is not None and grad_w.shape[0] != w_local.shape[0]:
+        grad_w = grad_w[: w_local.shape[0]]
+    return grad_x, grad_w

@@ -1,0 +1,230 @@
+"""SplitLinear: an nn.Linear whose weight is gathered in k slices, and the rule for which Linears to split."""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Shard
+
+from osdp.split import _extension
+
+# Linears smaller than this (weight elements) are not worth k extra collectives;
+# small enough that the MLP Linears of tiny test models still qualify.
+MIN_SPLIT_NUMEL = 2**12
+
+
+def split_layout(out_features: int, world_size: int, k: int) -> tuple[int, list[int]]:
+    """(rows per rank, rows of each slice per rank) for ``out_features`` rows on ``world_size`` ranks.
+
+    Rows per rank is the chunk of DTensor's (and FSDP2's) Shard(0), ``ceil(out / N)``;
+    the tail ranks pad theirs. It is cut into min(k, rows) balanced pieces.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    rows = math.ceil(out_features / world_size)
+    pieces = min(k, rows)
+    return rows, [rows // pieces + (1 if i < rows % pieces else 0) for i in range(pieces)]
+
+
+class _SplitLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w_local: torch.Tensor, bias: torch.Tensor | None, module: "SplitLinear"):
+        impl = _extension.implementation()
+        x2d = x.reshape(-1, module.in_features)
+        group = module.weight.device_mesh.get_group()
+        y = impl.forward(x2d, w_local, group, module.piece_sizes, module.out_features)
+        if bias is not None:
+            y.add_(bias)
+        ctx.save_for_backward(x2d, w_local)
+        ctx.impl, ctx.group, ctx.module = impl, group, module
+        ctx.x_shape, ctx.bias_dtype = x.shape, None if bias is None else bias.dtype
+        return y.view(*x.shape[:-1], module.out_features)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        x2d, w_local = ctx.saved_tensors
+        module = ctx.module
+        need_x, need_w, need_b, _ = ctx.needs_input_grad
+        grad_y = grad_y.reshape(-1, module.out_features).contiguous()
+        grad_x, grad_w = ctx.impl.backward(
+            grad_y, x2d, w_local, ctx.group, module.piece_sizes, module.out_features, need_x, need_w, module.reduce_dtype
+        )
+        grad_b = grad_y.sum(0).to(ctx.bias_dtype) if need_b else None
+        return None if grad_x is None else grad_x.view(ctx.x_shape), grad_w, grad_b, None
+
+
+class SplitLinear(nn.Module):
+    """``nn.Linear`` whose weight is sharded over a 1-D mesh and gathered in k slices.
+
+    ``weight`` is a Parameter holding a DTensor with placement Shard(0), exactly
+    as FSDP2 holds a sharded ``nn.Linear`` weight (rank r: rows
+    ``[r*c, (r+1)*c)``, c = ceil(out / N), fewer or none on the tail ranks).
+    Optimizers, ``state_dict()``, ``torch.distributed.checkpoint`` and its
+    ``get/set_model_state_dict`` therefore treat it like any FSDP2 parameter,
+    under the key ``weight``; checkpoints move between split and unsplit
+    models (see ``osdp/split/__init__.py``).
+
+    Each rank cuts its c rows into k pieces; slice i is piece i of every rank,
+    i.e. k slices of output rows, each sharded over the N ranks. Forward
+    all-gathers slice i+1 while slice i multiplies into its columns of the
+    output; backward gathers again for the input gradient and reduce-scatters
+    each slice's weight gradient (mean over ranks, like FSDP2) behind the next
+    slice's compute. At most two gathered slices exist at a time: the peak of
+    gathered weight is 2/k of the full weight (1 for k = 1), measured by
+    ``osdp.split.memory_stats()``.
+
+    ``bias`` stays an ordinary Parameter for the enclosing FSDP2 unit to manage.
+    With ``mp_policy``, inputs are cast to its ``param_dtype`` and slices are
+    gathered in it; gradients are reduced in ``reduce_dtype`` (default: the
+    compute dtype), as FSDP2 does.
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, k: int, *, mp_policy: MixedPrecisionPolicy | None = None):
+        super().__init__()
+        if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+            raise ValueError("SplitLinear needs its weight as a DTensor with placements (Shard(0),) on a 1-D mesh")
+        self.out_features, self.in_features = weight.shape
+        self.k = k
+        self.rows_per_rank, self.piece_sizes = split_layout(self.out_features, weight.device_mesh.size(), k)
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        self.bias = bias
+        mp_policy = mp_policy or MixedPrecisionPolicy()
+        self.param_dtype = mp_policy.param_dtype
+        self.reduce_dtype = mp_policy.reduce_dtype
+        self.register_load_state_dict_pre_hook(_shard_full_weight)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, k: int, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None) -> "SplitLinear":
+        """Keep this rank's rows of ``linear.weight`` (the same full weight on every rank); reuse ``linear.bias``."""
+        if mesh.ndim != 1:
+            raise ValueError(f"SplitLinear needs a 1-D mesh, got {mesh.ndim}-D")
+        weight = nn.Parameter(_shard(linear.weight.detach(), mesh), requires_grad=linear.weight.requires_grad)
+        bias = linear.bias
+        if bias is not None and bias.device != weight.device:
+            bias.data = bias.data.to(weight.device)
+        return cls(weight, bias, k, mp_policy=mp_policy)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.param_dtype is not None:
+            x = x.to(self.param_dtype)
+        return _SplitLinearFunction.apply(x, self.weight.to_local(), self.bias, self)
+
+    @torch.no_grad()
+    def full_weight(self) -> torch.Tensor:
+        """The full (out, in) weight on every rank. Collective."""
+        return self.weight.full_tensor()
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"k={self.k}, world_size={self.weight.device_mesh.size()}"
+        )
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+def _shard(full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """This rank's Shard(0) chunk of a tensor that every rank holds in full; no communication."""
+    rows = math.ceil(full.shape[0] / mesh.size())
+    start = min(mesh.get_local_rank() * rows, full.shape[0])
+    local = full[start : start + rows].to(_mesh_device(mesh), copy=True).contiguous()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.contiguous().stride())
+
+
+def _shard_full_weight(module: SplitLinear, state_dict, prefix, *args) -> None:
+    # A plain full weight (from an unsplit nn.Linear) loads by keeping this rank's
+    # rows; DTensors (FSDP2, DCP, set_model_state_dict) load as they are.
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == module.weight.shape:
+        state_dict[key] = _shard(value, module.weight.device_mesh)
+
+
+def splittable_linears(
+    module: nn.Module,
+    exclude: Iterable[nn.Module] = (),
+    min_numel: int = MIN_SPLIT_NUMEL,
+    *,
+    root: nn.Module | None = None,
+) -> list[tuple[str, nn.Linear]]:
+    """The ``nn.Linear`` modules that a plan's ``split: k`` for this unit turns into SplitLinear.
+
+    Walks ``module`` (itself included, as name ``""``), not descending into
+    ``exclude`` (the nested child units). A Linear qualifies when it is exactly
+    ``nn.Linear`` (subclasses such as MultiheadAttention's ``out_proj`` are used
+    through their weight by their parent), its weight has at least ``min_numel``
+    elements and is not a DTensor already, and neither the weight nor the
+    module is shared: the weight appears once among the parameters of
+    ``root`` (default ``module``; pass the whole model to see ties across
+    units). Shared by the cost model, the search and ``apply_split``.
+    """
+    excluded = {id(m) for m in exclude}
+    occurrences = collections.Counter(id(p) for _, p in (root or module).named_parameters(remove_duplicate=False))
+    found: list[tuple[str, nn.Linear]] = []
+
+    def visit(name: str, m: nn.Module) -> None:
+        if id(m) in excluded:
+            return
+        if type(m) is nn.Linear:
+            w = m.weight
+            if w.numel() >= min_numel and not isinstance(w, DTensor) and occurrences[id(w)] == 1:
+                found.append((name, m))
+            return
+        for child_name, child in m.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", module)
+    return found
+
+
+def apply_split(
+    unit: nn.Module,
+    k: int,
+    mesh: DeviceMesh,
+    *,
+    exclude: Iterable[nn.Module] = (),
+    min_numel: int = MIN_SPLIT_NUMEL,
+    root: nn.Module | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> list[str]:
+    """Replace ``splittable_linears(unit, ...)`` by SplitLinear in place; return their names (relative to ``unit``).
+
+    Module paths stay, so state-dict keys stay. ``k = 1`` means not split (the
+    Plan's convention) and replaces nothing. A unit that is itself an
+    ``nn.Linear`` (name ``""``) is replaced in ``root``, which must then be given.
+    Call it before ``fully_shard`` of the unit, and pass ``split_parameters(unit)``
+    as that call's ``ignored_params``.
+    """
+    if k < 2:
+        return []
+    replaced = []
+    for name, linear in splittable_linears(unit, exclude, min_numel, root=root):
+        split = SplitLinear.from_linear(linear, k, mesh, mp_policy=mp_policy)
+        if name:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(unit.get_submodule(parent_name), attr, split)
+        else:
+            if root is None:
+                raise ValueError("the unit is itself an nn.Linear: pass root= (the model holding it) to replace it")
+            path = next(p for p, m in root.named_modules() if m is unit)
+            if not path:
+                raise ValueError("cannot replace the root module itself; split it inside a parent module")
+            parent_name, _, attr = path.rpartition(".")
+            setattr(root.get_submodule(parent_name), attr, split)
+        replaced.append(name)
+    return replaced
+
+
+def split_parameters(module: nn.Module) -> set[nn.Parameter]:
+    """The weights of the SplitLinears under ``module``: the ``ignored_params`` for ``fully_shard``."""
+    return {m.weight for m in module.modules() if isinstance(m, SplitLinear)}
