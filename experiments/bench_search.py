@@ -166,7 +166,8 @@ def main() -> None:
             plot_frontier(points, str(Path(args.out).with_name("frontier_gpt48.png")), budget=budget,
                           title="48-layer GPT (hidden 1536), 8 ranks: predicted frontier")
         print(f"{name:<10} {row['units']:>5} {row['options']:>7} {len(problems):>7} {levels:>7} "
-              f"{format_bytes(best.resolution):>11} {format_bytes(best.slack_bytes):>10} {seconds:>8.4f} {TARGETS[name]:>8.3f} {frontier_s:>10.3f} "
+              f"{format_bytes(best.resolution):>11} {format_bytes(best.slack_bytes):>10} {seconds:>8.4f} "
+              f"{TARGETS[name]:>8.3f} {frontier_s:>10.3f} "
               f"{f'b={best.batch_size} {best.samples_per_s:.1f}/s {format_bytes(best.peak_bytes)}':>26}")
     print(f"machine: {machine}")
     out = Path(args.out)

@@ -169,12 +169,12 @@ def plot_frontier(
     points: Sequence[FrontierPoint], path: str, *, budget: int | None = None, title: str | None = None
 ) -> None:
     """Samples/s against peak memory as a step curve, one colour per batch size, the budget as a line."""
-    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg without touching pyplot's global backend
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     gib = np.array([pt.peak_bytes for pt in points]) / 2**30
     sps = np.array([pt.samples_per_s for pt in points])
     ax.step(gib, sps, where="post", color="0.6", linewidth=1, zorder=1)
@@ -194,4 +194,3 @@ def plot_frontier(
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -140,10 +140,8 @@ class Problem:
         """
         if self._types is None:
             ok = self.allowed
-            rows = np.concatenate(
-                [ok, np.where(ok, self.time, 0.0).view(np.int64), np.where(ok, self.mem, 0), np.where(ok, self.transient, 0)],
-                axis=1,
-            ).astype(np.int64)
+            cells = [np.where(ok, self.time, 0.0).view(np.int64), np.where(ok, self.mem, 0), np.where(ok, self.transient, 0)]
+            rows = np.concatenate([ok.astype(np.int64), *cells], axis=1)
             key = self.group if self.group is not None else rows
             _, rep, kind = np.unique(key, axis=0, return_index=True, return_inverse=True)
             kind = kind.reshape(-1)

@@ -268,8 +268,10 @@ def solve(
     ``budget - slack_bytes``. ``resolution`` is bytes per DP memory level
     (None: a common divisor of the memory offsets when that gives fewer than
     ``buckets`` levels, which is exact, else the budget's discretionary range
-    / ``buckets``; 1 is always exact). Raises ``BudgetTooSmall`` when no
-    choice fits.
+    / ``buckets``; 1 is always exact). The default grid follows the budget,
+    so to compare plans across budgets (monotone in the budget) or with
+    ``pareto_frontier``, pass one explicit resolution. Raises
+    ``BudgetTooSmall`` when no choice fits.
     """
     start = _time.perf_counter()
     budget = int(budget)
