@@ -1,0 +1,571 @@
+"""The machine side of the cost model: memory sizes, collective costs, compute rate.
+
+A plan is only as good as the numbers it is made from, so every number here is
+either measured on the live process group (``measure_collectives``,
+``measure_flops``, ``measure_device``) or comes from a named preset whose
+sources are written next to it (``DEVICE_PRESETS``). All of it is plain data
+(``DeviceInfo.to_dict``) so a plan can be made offline and reproduced.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from numbers import Integral, Real
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from scipy.optimize import nnls
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+# --------------------------------------------------------------------------- sizes
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_AMBIGUOUS = {"k", "m", "g", "t", "ki", "mi", "gi", "ti"}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([A-Za-z]*)\s*$")
+_SIZE_HELP = (
+    "examples: 16GiB, '16 GiB', 1.5GB, 512MiB, 2048 (bytes); units are case-insensitive: "
+    "kB MB GB TB (powers of 1000), KiB MiB GiB TiB (powers of 1024)"
+)
+
+
+def parse_size(x: Any) -> int:
+    """Bytes from an int or a string like "16GiB" / "1.5 GB" / "2048"; ValueError on anything else.
+
+    Strict on purpose: a memory budget that is silently misread (GB vs GiB, a
+    stray "16 GB GB") produces a plan that does not fit. Fractional results are
+    rounded down to whole bytes.
+    """
+    def bad(reason: str) -> ValueError:
+        return ValueError(f"invalid memory size {x!r}: {reason}; {_SIZE_HELP}")
+
+    if isinstance(x, bool) or x is None:
+        raise bad("expected a number of bytes or a string with a unit")
+    if isinstance(x, Integral):
+        n = int(x)
+    elif isinstance(x, Real):
+        if not (math.isfinite(x) and float(x).is_integer()):
+            raise bad("a plain number is a count of bytes and must be whole")
+        n = int(x)
+    elif isinstance(x, str):
+        m = _SIZE_RE.match(x)
+        if x.strip().startswith("-"):
+            raise bad("a memory size must be positive")
+        if m is None:
+            raise bad("expected a number followed by an optional unit")
+        number, unit = m.group(1), m.group(2).lower()
+        if unit in _AMBIGUOUS:
+            raise bad(f"unit {m.group(2)!r} is ambiguous, write {number}{unit[0].upper()}B or {number}{unit[0].upper()}iB")
+        if unit not in _UNITS:
+            raise bad(f"unknown unit {m.group(2)!r}")
+        if not unit and "." in number:
+            raise bad("a plain number is a count of bytes and must be whole")
+        n = math.floor(Fraction(number) * _UNITS[unit])
+    else:
+        raise bad(f"expected int or str, got {type(x).__name__}")
+    if n <= 0:
+        raise bad("a memory size must be positive")
+    return n
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: 512 B, 1.50 KiB, 16.00 GiB (signed, for differences)."""
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    if n < 1024:
+        return f"{sign}{n:g} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------- collectives
+
+def ring_factor(collective: str, world_size: int) -> float:
+    """Fraction of the full message each rank sends in a ring: (N-1)/N, or 2(N-1)/N for all-reduce.
+
+    This is nccl-tests' "bus bandwidth" factor: busbw = factor * bytes / time.
+    """
+    _check_collective(collective)
+    f = (world_size - 1) / world_size
+    return 2 * f if collective == "all_reduce" else f
+
+
+def _check_collective(collective: str) -> None:
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """time(bytes) = alpha_s + bytes * beta_s_per_byte, bytes being the full (unsharded) message."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def __post_init__(self) -> None:
+        for v in (self.alpha_s, self.beta_s_per_byte):
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"alpha and beta must be finite and >= 0, got {self}")
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha_s + nbytes * self.beta_s_per_byte
+
+    @classmethod
+    def fit(cls, nbytes: Sequence[float], seconds: Sequence[float]) -> "AlphaBeta":
+        """Non-negative least squares on relative error.
+
+        Weighting each point by 1/time makes a 4 KiB message (alpha-bound) count
+        as much as a 16 MiB one (beta-bound); plain least squares would fit
+        only the largest messages and leave alpha to noise.
+        """
+        x, t = np.asarray(nbytes, dtype=float), np.asarray(seconds, dtype=float)
+        if x.shape != t.shape or x.size < 2 or len(set(x.tolist())) < 2:
+            raise ValueError("fitting alpha and beta needs timings at two or more message sizes")
+        if not (np.all(np.isfinite(t)) and np.all(t > 0)):
+            raise ValueError(f"timings must be positive and finite, got {t.tolist()}")
+        scale = x.max()  # condition the system: beta is ~1e-10, alpha ~1e-5
+        a = np.stack([np.ones_like(x), x / scale], axis=1) / t[:, None]
+        (alpha, beta_scaled), _ = nnls(a, np.ones_like(t))
+        return cls(float(alpha), float(beta_scaled / scale))
+
+
+@dataclass(frozen=True)
+class CollectiveModel:
+    """Alpha-beta cost of each FSDP collective on one process group (world_size ranks)."""
+
+    world_size: int
+    costs: Mapping[str, AlphaBeta]
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if set(self.costs) != set(COLLECTIVES):
+            raise ValueError(f"costs must cover exactly {COLLECTIVES}, got {sorted(self.costs)}")
+
+    def time(self, collective: str, nbytes: float) -> float:
+        """Seconds for one collective whose full (unsharded) message is ``nbytes``."""
+        _check_collective(collective)
+        return self.costs[collective].time(nbytes)
+
+    def bus_bandwidth(self, collective: str) -> float:
+        """Bytes/s in nccl-tests' bus-bandwidth convention (inf when free, e.g. world size 1)."""
+        beta = self.costs[collective].beta_s_per_byte
+        return math.inf if beta == 0 else ring_factor(collective, self.world_size) / beta
+
+    @classmethod
+    def zero(cls, source: str = "world size 1: no communication") -> "CollectiveModel":
+        return cls(1, {c: AlphaBeta(0.0, 0.0) for c in COLLECTIVES}, source)
+
+    @classmethod
+    def ring(
+        cls,
+        world_size: int,
+        bus_bandwidth: Mapping[str, float],
+        latency_s: Mapping[str, float],
+        source: str = "",
+    ) -> "CollectiveModel":
+        """Costs of ring collectives from bus bandwidth (bytes/s) and latency (s) per collective."""
+        if world_size == 1:
+            return cls.zero()
+        return cls(world_size, {
+            c: AlphaBeta(latency_s[c], ring_factor(c, world_size) / bus_bandwidth[c]) for c in COLLECTIVES
+        }, source)
+
+    @classmethod
+    def fit(
+        cls, world_size: int, samples: Mapping[str, Sequence[tuple[float, float]]], source: str = ""
+    ) -> "CollectiveModel":
+        """Fit each collective from (full message bytes, seconds) samples."""
+        costs = {}
+        for c in COLLECTIVES:
+            nbytes, seconds = zip(*samples[c])
+            costs[c] = AlphaBeta.fit(nbytes, seconds)
+        return cls(world_size, costs, source)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "source": self.source,
+            **{c: {"alpha_s": ab.alpha_s, "beta_s_per_byte": ab.beta_s_per_byte} for c, ab in self.costs.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "CollectiveModel":
+        missing = [k for k in ("world_size", *COLLECTIVES) if k not in d]
+        if missing:
+            raise ValueError(f"collective model is missing {missing}")
+        return cls(
+            int(d["world_size"]),
+            {c: AlphaBeta(float(d[c]["alpha_s"]), float(d[c]["beta_s_per_byte"])) for c in COLLECTIVES},
+            str(d.get("source", "")),
+        )
+
+
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the group's tensors live: CUDA for NCCL, else CPU (no group: CUDA if there is one)."""
+    if dist.is_available() and dist.is_initialized():
+        nccl = "nccl" in str(dist.get_backend(group))
+    else:
+        nccl = torch.cuda.is_available()
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+# torch 2.13 names the c10d ops FSDP2 calls all_gather_single / reduce_scatter_single
+# (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: DefaultAllGather,
+# DefaultReduceScatter); older torch has only the *_into_tensor / *_tensor names,
+# now deprecated aliases of the same ops.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+DEFAULT_MESSAGE_SIZES = tuple(4 * 2**10 * 8**i for i in range(5))  # 4 KiB .. 16 MiB
+
+
+def measure_collectives(
+    group: dist.ProcessGroup | None = None,
+    *,
+    sizes: Sequence[int] = DEFAULT_MESSAGE_SIZES,
+    repeats: int = 50,
+    time_budget_s: float = 4.0,
+    dtype: torch.dtype = torch.float32,
+) -> CollectiveModel:
+    """Measure and fit all-gather, reduce-scatter and all-reduce on the live process group.
+
+    Collective call on every rank of ``group``. Uses the calls FSDP2 makes
+    (all_gather_single, reduce_scatter_single with ReduceOp.AVG, all_reduce
+    with ReduceOp.AVG for replicated units), on CUDA for NCCL groups and on CPU
+    otherwise; about ``time_budget_s`` seconds (at least three rounds, at most
+    ``repeats``). Each timing starts after a barrier and counts the slowest rank
+    (a collective is done when every rank is). Sizes and collectives are
+    interleaved round by round, so a burst of interference from elsewhere on
+    the machine spreads over all points instead of bending the fit, and the
+    median over rounds is fitted. Per-round maxima are all-reduced before
+    fitting, so every rank computes the identical model and plans identically.
+    Without a process group, or at world size 1, communication costs nothing.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return CollectiveModel.zero()
+    world_size = dist.get_world_size(group)
+    backend = str(dist.get_backend(group))
+    device = _group_device(group)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    quantum = world_size * itemsize
+    sizes = sorted({max(quantum, -(-int(s) // quantum) * quantum) for s in sizes})
+    if len(sizes) < 2:
+        raise ValueError("measure_collectives needs two or more distinct message sizes")
+    full_buf = torch.zeros(sizes[-1] // itemsize, dtype=dtype, device=device)
+    shard_buf = torch.zeros(sizes[-1] // itemsize // world_size, dtype=dtype, device=device)
+
+    def make_op(collective: str, nbytes: int):
+        full, shard = full_buf[: nbytes // itemsize], shard_buf[: nbytes // itemsize // world_size]
+        if collective == "all_gather":
+            return lambda: _all_gather(full, shard, group=group)
+        if collective == "reduce_scatter":
+            return lambda: _reduce_scatter(shard, full, op=dist.ReduceOp.AVG, group=group)
+        return lambda: dist.all_reduce(full, op=dist.ReduceOp.AVG, group=group)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    cells = [(c, nbytes, make_op(c, nbytes)) for c in COLLECTIVES for nbytes in sizes]
+
+    def timed_round(since: float) -> tuple[list[float], float, float]:
+        """Seconds per cell, seconds since ``since``, and the wall clock: each the max over ranks."""
+        out = torch.empty(len(cells) + 2, dtype=torch.float64)
+        for i, (_, _, op) in enumerate(cells):
+            dist.barrier(group)
+            sync()
+            t0 = time.perf_counter()
+            op()
+            sync()
+            out[i] = time.perf_counter() - t0
+        out[-2] = time.perf_counter() - since
+        out[-1] = time.time()
+        out = out.to(device)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+        *cell_times, elapsed, wall = out.cpu().tolist()
+        return cell_times, elapsed, wall
+
+    timed_round(time.perf_counter())  # first calls pay for connection setup (NCCL communicators)
+    start, rounds = time.perf_counter(), []
+    while len(rounds) < repeats:
+        cell_times, elapsed, wall = timed_round(start)
+        rounds.append(cell_times)
+        if len(rounds) >= 3 and elapsed >= time_budget_s:
+            break
+    samples: dict[str, list[tuple[float, float]]] = {c: [] for c in COLLECTIVES}
+    for i, (c, nbytes, _) in enumerate(cells):
+        samples[c].append((nbytes, statistics.median(r[i] for r in rounds)))
+    date = time.strftime("%Y-%m-%d", time.gmtime(wall))  # from the reduced clock: the same string on every rank
+    return CollectiveModel.fit(world_size, samples, f"measured {backend} {device.type} {world_size} ranks {date}")
+
+
+# --------------------------------------------------------------------------- compute
+
+def measure_flops(
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    n: int | None = None,
+    time_budget_s: float = 0.25,
+) -> float:
+    """FLOP/s of an n x n matmul (median over repeats): the rate the large Linears of a model reach.
+
+    Smaller operators (norms, activations, attention softmax) run below it, so
+    compute times derived from it are optimistic; measured per-unit times are
+    preferred where a model can be profiled.
+    """
+    device = torch.device(device)
+    n = n or (8192 if device.type == "cuda" else 512)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    torch.mm(a, b)  # warm-up: kernel selection, lazy init
+    sync()
+    times: list[float] = []
+    while len(times) < 3 or sum(times) < time_budget_s:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times)
+
+
+# --------------------------------------------------------------------------- device
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the search needs to know about the machine: per-rank memory, communication, compute."""
+
+    name: str
+    memory_bytes: int  # per rank; a size string ("16GiB") is parsed
+    world_size: int
+    device_type: str  # "cpu" or "cuda"
+    collectives: CollectiveModel
+    flops: Mapping[str, float] = field(default_factory=dict)  # dtype name -> achievable FLOP/s
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "memory_bytes", parse_size(self.memory_bytes))
+        if self.device_type not in ("cpu", "cuda"):
+            raise ValueError(f"device_type must be 'cpu' or 'cuda', got {self.device_type!r}")
+        if self.collectives.world_size != self.world_size:
+            raise ValueError(
+                f"collective model is for {self.collectives.world_size} ranks, device for {self.world_size}"
+            )
+
+    def flops_for(self, dtype: torch.dtype | str) -> float:
+        key = _dtype_name(dtype)
+        if key not in self.flops:
+            raise KeyError(f"{self.name} has no FLOP/s figure for {key}; known: {sorted(self.flops)}")
+        return self.flops[key]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "memory_bytes": self.memory_bytes,
+            "world_size": self.world_size,
+            "device_type": self.device_type,
+            "collectives": self.collectives.to_dict(),
+            "flops": dict(self.flops),
+            "notes": self.notes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DeviceInfo":
+        missing = [k for k in ("name", "memory_bytes", "world_size", "device_type", "collectives") if k not in d]
+        if missing:
+            raise ValueError(f"device info is missing {missing}")
+        return cls(
+            name=str(d["name"]),
+            memory_bytes=int(d["memory_bytes"]),
+            world_size=int(d["world_size"]),
+            device_type=str(d["device_type"]),
+            collectives=CollectiveModel.from_dict(d["collectives"]),
+            flops={str(k): float(v) for k, v in d.get("flops", {}).items()},
+            notes=str(d.get("notes", "")),
+        )
+
+
+def measure_device(
+    memory: int | str,
+    group: dist.ProcessGroup | None = None,
+    *,
+    dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
+    time_budget_s: float = 4.0,
+    name: str | None = None,
+) -> DeviceInfo:
+    """DeviceInfo for this machine, measured; collective call when a process group exists.
+
+    Every rank measures its matmul rate and the slowest rank's figure is used
+    (it sets the step time), so all ranks hold identical numbers.
+    """
+    collectives = measure_collectives(group, time_budget_s=time_budget_s)
+    device = _group_device(group)
+    flops = {_dtype_name(dt): measure_flops(device, dt) for dt in dtypes}
+    if collectives.world_size > 1:
+        out: list[Any] = [None] * collectives.world_size
+        dist.all_gather_object(out, flops, group=group)
+        flops = {k: min(f[k] for f in out) for k in flops}
+    if name is None:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return DeviceInfo(
+        name=name, memory_bytes=parse_size(memory), world_size=collectives.world_size,
+        device_type=device.type, collectives=collectives, flops=flops,
+        notes="measured: collectives on the live process group, FLOP/s of a large matmul",
+    )
+
+
+# --------------------------------------------------------------------------- presets
+
+@dataclass(frozen=True)
+class DevicePreset:
+    """A machine described from published numbers, for planning without the hardware."""
+
+    description: str
+    device_type: str
+    memory_bytes: int
+    flops: Mapping[str, float]
+    bus_bandwidth: Mapping[str, float]  # bytes/s, nccl-tests busbw convention
+    latency_s: Mapping[str, float]
+    max_world_size: int | None = None  # ranks one interconnect domain holds
+
+    def device_info(self, name: str, world_size: int, memory: int | str | None = None) -> DeviceInfo:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if self.max_world_size is not None and world_size > self.max_world_size:
+            raise ValueError(
+                f"preset {name!r} describes at most {self.max_world_size} ranks ({self.description}); "
+                f"for more ranks use a multi-node preset such as 'h100-ib'"
+            )
+        return DeviceInfo(
+            name=name,
+            memory_bytes=self.memory_bytes if memory is None else parse_size(memory),
+            world_size=world_size,
+            device_type=self.device_type,
+            collectives=CollectiveModel.ring(world_size, self.bus_bandwidth, self.latency_s, f"preset {name}"),
+            flops=dict(self.flops),
+            notes=self.description,
+        )
+
+
+def _same(value: float) -> dict[str, float]:
+    return dict.fromkeys(COLLECTIVES, value)
+
+
+GB, GiB, TFLOPS = 10**9, 2**30, 1e12
+# Achievable compute = MFU_FRACTION x dense peak from NVIDIA's data sheets: 45% is
+# a typical model FLOP utilisation of well-tuned transformer training, not a
+# matmul benchmark. fp32 uses the non-tensor-core FP32 peak because PyTorch does
+# not use TF32 for fp32 matmuls by default (torch.backends.cuda.matmul.allow_tf32).
+MFU_FRACTION = 0.45
+# Memory: the data-sheet capacity (HBM is built in binary units, "80 GB" = 80 GiB);
+# the CUDA context and allocator fragmentation take 1-2 GiB of it, so pass an
+# explicit budget when it matters.
+DEVICE_PRESETS: dict[str, DevicePreset] = {
+    "h100-nvlink": DevicePreset(
+        "8x H100 SXM5 80GB, NVLink 4 + NVSwitch (900 GB/s bidirectional per GPU)",
+        "cuda", 80 * GiB,
+        # H100 SXM data sheet: 989 TFLOP/s dense BF16, 67 TFLOP/s FP32.
+        {"bfloat16": MFU_FRACTION * 989 * TFLOPS, "float32": MFU_FRACTION * 67 * TFLOPS},
+        # NCCL maintainer: "360 GB/s is exactly what we'd expect on H100" for all_gather and
+        # all_reduce busbw (NVIDIA/nccl-tests#326); all-reduce reaches ~470 GB/s with
+        # NVLink SHARP (NVLS, NVIDIA/nccl-tests#290), which NCCL picks by default on H100.
+        {"all_gather": 360 * GB, "reduce_scatter": 360 * GB, "all_reduce": 470 * GB},
+        # Small-message time of nccl-tests inside one NVLink node: ~10-30 us.
+        _same(20e-6),
+        max_world_size=8,
+    ),
+    "a100-80gb-nvlink": DevicePreset(
+        "8x A100 SXM4 80GB, NVLink 3 + NVSwitch (600 GB/s bidirectional per GPU)",
+        "cuda", 80 * GiB,
+        # A100 data sheet: 312 TFLOP/s dense BF16, 19.5 TFLOP/s FP32.
+        {"bfloat16": MFU_FRACTION * 312 * TFLOPS, "float32": MFU_FRACTION * 19.5 * TFLOPS},
+        # nccl-tests busbw on 8x A100 SXM4: ~200-250 GB/s (NVIDIA/nccl-tests#149 reports ~200
+        # on an HPE Apollo; ~230 is the usual DGX A100 figure). No NVLS on A100.
+        _same(230 * GB),
+        _same(20e-6),
+        max_world_size=8,
+    ),
+    "a100-40gb-nvlink": DevicePreset(
+        "8x A100 SXM4 40GB, NVLink 3 + NVSwitch (600 GB/s bidirectional per GPU)",
+        "cuda", 40 * GiB,
+        {"bfloat16": MFU_FRACTION * 312 * TFLOPS, "float32": MFU_FRACTION * 19.5 * TFLOPS},
+        _same(230 * GB),  # same fabric as a100-80gb-nvlink
+        _same(20e-6),
+        max_world_size=8,
+    ),
+    "v100-32gb-nvlink": DevicePreset(
+        "8x V100 SXM2 32GB, NVLink 2 hybrid cube mesh (DGX-1V: 6 links x 25 GB/s per direction)",
+        "cuda", 32 * GiB,
+        # V100 SXM2 data sheet: 125 TFLOP/s FP16 tensor cores, 15.7 TFLOP/s FP32; no
+        # bf16 hardware, so no bfloat16 figure.
+        {"float16": MFU_FRACTION * 125 * TFLOPS, "float32": MFU_FRACTION * 15.7 * TFLOPS},
+        # Estimate, not a cited measurement: 150 GB/s per direction x ~0.85, the
+        # busbw/link-rate ratio seen on H100 and A100 above.
+        _same(130 * GB),
+        _same(25e-6),
+        max_world_size=8,
+    ),
+    "h100-ib": DevicePreset(
+        "H100 SXM5 80GB ranks talking over 400 Gb/s NDR InfiniBand, one NIC per GPU "
+        "(every ring hop crosses the network: one rank per node, or a data-parallel "
+        "group strided across nodes)",
+        "cuda", 80 * GiB,
+        {"bfloat16": MFU_FRACTION * 989 * TFLOPS, "float32": MFU_FRACTION * 67 * TFLOPS},
+        # "For NDR @ 400Gbps you should see 46-48GB/s per NIC" (NCCL maintainer,
+        # NVIDIA/nccl-tests#290); 50 GB/s is the line rate.
+        _same(46 * GB),
+        # nccl-tests small-message all-reduce over 2 nodes of NDR: ~46 us (NVIDIA/nccl#1244).
+        _same(50e-6),
+    ),
+    "cpu-loopback": DevicePreset(
+        "CPU ranks on one host, gloo over loopback TCP, one thread per rank "
+        "(measured 2026-11-22 on a 2-core AMD EPYC KVM guest with 23 GiB, torch 2.13.0+cpu, 2 ranks)",
+        "cpu",
+        8 * GiB,  # nominal per-rank budget for test-sized models on that host; pass memory=
+        # measure_flops(dtype=...) on an otherwise idle core (median of 3 runs): bf16
+        # matmuls run ~4.5x faster than fp32 on that CPU (AVX512-BF16).
+        {"float32": 98e9, "bfloat16": 445e9},
+        # measure_collectives() on 2 gloo ranks, 4 KiB..16 MiB, median of 5 runs; the
+        # fitted beta converted to busbw with the 2-rank ring factor. gloo's
+        # reduce-scatter reduces a full copy of its input (hence slower than
+        # all-reduce here); extrapolating to more ranks assumes ring algorithms,
+        # which gloo only approximates.
+        {"all_gather": 1.16e9, "reduce_scatter": 0.52e9, "all_reduce": 1.54e9},
+        {"all_gather": 340e-6, "reduce_scatter": 600e-6, "all_reduce": 530e-6},
+    ),
+}
+
+
+def list_presets() -> list[str]:
+    return sorted(DEVICE_PRESETS)
+
+
+def device_preset(name: str, world_size: int, memory: int | str | None = None) -> DeviceInfo:
+    """DeviceInfo for a named preset at ``world_size`` ranks; ``memory`` overrides the capacity."""
+    if name not in DEVICE_PRESETS:
+        raise ValueError(f"unknown device preset {name!r}; known presets: {', '.join(list_presets())}")
+    return DEVICE_PRESETS[name].device_info(name, world_size, memory)
