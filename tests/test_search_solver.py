@@ -233,7 +233,6 @@ def test_frontier_table_and_plot(tmp_path):
     points = pareto_frontier(problems, max_peak=budget)
     table = format_frontier(points, budget=budget, max_rows=10)
     assert "<- best within budget" in table and "MiB" in table and f"{len(points)} frontier points" in table
-    pytest.importorskip("matplotlib")
     path = tmp_path / "frontier.png"
     plot_frontier(points, str(path), budget=budget)
     assert path.stat().st_size > 1000
