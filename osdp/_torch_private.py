@@ -1,0 +1,46 @@
+"""Every private PyTorch API OSDP uses, in one module, so a torch upgrade breaks one place.
+
+Checked against torch 2.13. Heavy imports (FSDPMemTracker pulls in the whole
+FSDP and DTensor stack, about a second) load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+# TorchDispatchMode is documented, but lives in a private module.
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
+
+__all__ = [
+    "FSDPMemTracker",
+    "TorchDispatchMode",
+    "init_fake_process_group",
+    "is_traceable_wrapper_subclass",
+    "is_traceable_wrapper_subclass_type",
+]
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Pose as ``rank`` of ``world_size`` in this one process: collectives do nothing.
+
+    FSDP2 then shards, gathers and reduces exactly as it would on that rank
+    (tensor shapes, memory), which is what planning and memory checks need;
+    the values are garbage (all-gather outputs are never filled).
+    """
+    # Importing fake_pg registers the "fake" backend with c10d.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FSDPMemTracker":
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        return FSDPMemTracker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
