@@ -243,6 +243,7 @@ def _fsdp_peaks(model, opt, x) -> dict:
         "peak": tracker.peak_bytes,
         "breakdown": tracker.peak_breakdown(),
         "reference_peak": ref_snapshot["Total"],
+        "external": tracker.external_peak_bytes,
     }
 
 
@@ -286,3 +287,5 @@ def test_fsdp2_on_two_gloo_ranks():
     assert r0["breakdown"]["parameters"] == r0["padded"] == r0["full"] // 2
     assert r0["peak"] == r0["reference_peak"] and r1["peak"] == r1["reference_peak"]
     assert r0["peak"] == r1["peak"]  # same shapes on both ranks, same peak
+    # gloo's reduce-scatter reduces a full copy of a unit's gradients made on its own thread.
+    assert r0["external"] >= 64 * 65 * 4
