@@ -4,17 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from osdp.device import format_bytes
 from osdp.plan import Plan, display_path
 from osdp.units import Unit
-
-
-def format_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def format_table(rows: Sequence[Sequence[Any]], headers: Sequence[str], align: str | None = None) -> str:

@@ -29,6 +29,7 @@ from osdp import models
 from osdp.data import CorpusLoader, synthetic_batch
 from osdp.distributed import DEFAULT_TIMEOUT_S, all_gather_objects
 from osdp.fsdp_ext.apply import complete_plan
+from osdp.memory import PeakMemory
 from osdp.plan import Plan
 from osdp.report import format_bytes, format_table, plan_table
 from osdp.units import build_units
@@ -92,36 +93,6 @@ def init_from_env(device_choice: str) -> torch.device:
     return device
 
 
-class PeakMemory:
-    """Peak bytes of one training step on this rank (CUDA allocator, or live CPU tensor bytes)."""
-
-    def __init__(self, device: torch.device, *roots):
-        self.device = device
-        self.roots = roots  # the model and optimizer: their state is the CPU baseline
-        self.peak_bytes: int | None = None
-        self.breakdown: dict[str, int] | None = None
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            from osdp.memory import LiveBytesTracker
-
-            self._tracker = LiveBytesTracker(*self.roots).__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
-        else:
-            self._tracker.__exit__(*exc)
-            self.peak_bytes = self._tracker.peak_bytes
-            self.breakdown = self._tracker.peak_breakdown()
-        return False
-
-
 def batches(config, args, rank: int, world_size: int, seq_len: int, device: torch.device):
     """This rank's batch for every step (deterministic in seed and step)."""
     if args.data == "corpus" and not config.name.startswith("bert"):
@@ -178,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         loss_value = loss.item()
         if meter:
             meter.__exit__(None, None, None)
-            peak, breakdown = meter.peak_bytes, meter.breakdown
+            peak, breakdown = meter.stats().peak_bytes, dict(meter.stats().peak_breakdown)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start

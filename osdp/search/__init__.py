@@ -1,7 +1,7 @@
 """Search: the fastest per-unit plan under a memory budget, exactly, in milliseconds."""
 
 from osdp.search.frontier import FrontierPoint, best_under, format_frontier, pareto_frontier, plot_frontier
-from osdp.search.problem import OPTIONS, BudgetTooSmall, Problem, format_bytes
+from osdp.search.problem import OPTIONS, BudgetTooSmall, Problem
 from osdp.search.solver import Candidate, Solution, Sweep, min_peak, solve, sweep_batch_sizes
 
 __all__ = [
@@ -13,7 +13,6 @@ __all__ = [
     "Solution",
     "Sweep",
     "best_under",
-    "format_bytes",
     "format_frontier",
     "min_peak",
     "pareto_frontier",

@@ -12,7 +12,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from osdp.search.problem import Problem, format_bytes
+from osdp.search.problem import Problem
+from osdp.sizes import format_bytes
 from osdp.search.solver import DEFAULT_BUCKETS, _Tables, min_peak
 
 

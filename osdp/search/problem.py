@@ -23,19 +23,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from osdp.plan import MODES, SPLIT_CHOICES
+from osdp.sizes import format_bytes
 
 # The standard option table: (mode, split, checkpoint). Splitting only exists
 # for zero3, so a cost model marks the other (mode, split > 1) rows not allowed.
 OPTIONS: tuple[tuple[str, int, bool], ...] = tuple(
     itertools.product(MODES, SPLIT_CHOICES, (False, True))
 )
-
-
-def format_bytes(n: float) -> str:
-    """Human units for messages and tables: GiB above 1 GiB, MiB below."""
-    if abs(n) >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
-    return f"{n / 2**20:.1f} MiB"
 
 
 class BudgetTooSmall(ValueError):
