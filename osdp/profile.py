@@ -1,0 +1,945 @@
+"""Describe a model for the cost model: per unit, what it stores and how long it computes.
+
+``describe(model, example_input)`` runs forward and backward on the device the
+job runs on and measures, for every unit (``osdp.units``):
+
+* parameter bytes and shapes (exact, from the parameters; the shapes give
+  FSDP's padding and the split Linears);
+* activation bytes saved for backward: saved-tensor hooks attribute each saved
+  storage to the innermost unit running when autograd saves it (module hooks
+  keep a stack), counted once however many views share it, parameters left out;
+  and what checkpointing keeps instead (the unit's inputs);
+* temporaries: the peak of the other live bytes (not parameters, gradients,
+  saved activations or the batch) while the unit runs forward or backward,
+  e.g. logits on their way into the loss or gradients in flight, measured with
+  ``osdp.memory.LiveBytesTracker``;
+* forward and backward compute time, timed per unit with the same attribution.
+
+Everything is measured at a few micro-batch sizes and fitted linear in the
+size. Units with the same ``signature`` (repeated blocks) are averaged, so they
+get identical costs and the search treats them as one type. The optimizer's
+step time per parameter byte is measured too. The result is cached on disk
+(``OSDP_CACHE_DIR``, default ``~/.cache/osdp``), keyed by everything that
+changes it, so a second ``describe`` of the same model is instant.
+
+Attribution. Forward: a segment of time (or memory peak) between two hook
+events belongs to the innermost unit whose forward is running; time outside
+every unit (the loss of a model returning logits) is the root's. Backward, where
+module hooks cannot say when a unit is done: a segment belongs to the unit the
+event that closes it names, because that event fires right after the op that
+produced it: the arrival of a unit's output gradient closes a segment of the
+unit around it, the gradient of a unit's input or of one of its parameters
+closes a segment of that unit. Every second is attributed to exactly one unit,
+so the units add up to the timed step (``ModelDescription.checks`` records both).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from osdp.memory import CATEGORIES, LiveBytesTracker
+from osdp.plan import ROOT, display_path
+from osdp.units import Unit, _common_ancestor, _is_within, _param_owners, build_units, count_calls, discover_units
+
+PROFILE_VERSION = 1  # bump when what is measured changes: old cache entries are ignored
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PHASES = ("fwd", "bwd")
+_GRADIENTS = CATEGORIES.index("gradients")
+
+
+class ProfileError(ValueError):
+    """The model cannot be described as given (the message names the unit)."""
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class Affine:
+    """``intercept + slope * b``: a cost as a function of the micro-batch size b."""
+
+    intercept: float
+    slope: float
+
+    def __call__(self, b: float) -> float:
+        return self.intercept + self.slope * b
+
+    def bytes(self, b: float) -> int:
+        """As whole bytes, rounded up and never negative."""
+        return max(0, self.signed_bytes(b))
+
+    def signed_bytes(self, b: float) -> int:
+        """As whole bytes, rounded up (for net amounts, which may be negative)."""
+        return math.ceil(self(b) - 1e-6)
+
+    @classmethod
+    def fit(cls, xs: Sequence[float], ys: Sequence[float]) -> "Affine":
+        """Least squares over the measured sizes; one size gives a line through the origin."""
+        xs, ys = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+        if len(set(xs.tolist())) < 2:
+            return cls(0.0, float(ys.mean() / xs.mean()))
+        slope, intercept = np.polyfit(xs, ys, 1)
+        return cls(float(intercept), float(slope))
+
+    @classmethod
+    def zero(cls) -> "Affine":
+        return cls(0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """One unit's compute and activation costs at one precision, per micro-batch size."""
+
+    fwd_s: Affine
+    bwd_s: Affine
+    act_bytes: Affine  # saved for backward by this unit
+    ckpt_bytes: Affine  # kept instead when the unit is checkpointed: its inputs nobody else saves
+    # Peak working set (its own live saved bytes + all temporaries) while the unit's forward,
+    # backward, or recomputed forward and backward (when checkpointed) run; for units other than
+    # the root, net of the root's activations that do not exist at that moment (see _working_sets).
+    fwd_peak_bytes: Affine
+    bwd_peak_bytes: Affine
+    recompute_peak_bytes: Affine
+    fwd_flops: Affine | None = None  # analytic descriptions only
+    bwd_flops: Affine | None = None
+
+
+@dataclass(frozen=True)
+class UnitProfile:
+    """A unit (``osdp.units.Unit``) with its parameter shapes and its costs per precision."""
+
+    path: str
+    module_type: str
+    signature: str
+    numel: int
+    param_bytes: int
+    param_shapes: tuple[tuple[int, ...], ...]  # own parameters
+    split_shapes: tuple[tuple[int, int], ...]  # weights a split plan turns into SplitLinear
+    nested: tuple[str, ...]
+    costs: Mapping[str, UnitCosts]  # precision -> costs
+
+    @property
+    def name(self) -> str:
+        return display_path(self.path)
+
+
+@dataclass
+class ModelDescription:
+    """What the cost model knows about a model: its units, bottom-up with the root last."""
+
+    model: str
+    signature: str  # osdp.units.structure_signature of the model
+    units: list[UnitProfile]
+    batch_sizes: tuple[int, ...]  # the micro-batch sizes measured
+    precisions: tuple[str, ...]
+    optimizer_s_per_byte: Mapping[str, float]  # optimizer -> step seconds per fp32 parameter byte
+    source: str  # "measured on ..." or "analytic: ..."
+    device: str
+    torch_version: str = torch.__version__
+    input_spec: str = ""
+    forward_order: tuple[str, ...] = ()  # units in the order their forward ends (FSDP2 prefetches backward by it)
+    checks: Mapping[str, Any] = field(default_factory=dict)  # whole step vs sum of units, per precision and size
+    profile_seconds: float = 0.0
+    cache_key: str | None = None
+    from_cache: bool = False
+
+    def unit(self, path: str) -> UnitProfile:
+        for u in self.units:
+            if u.path == path:
+                return u
+        raise KeyError(f"no unit '{display_path(path)}' in the description of {self.model}")
+
+    @property
+    def paths(self) -> list[str]:
+        return [u.path for u in self.units]
+
+    def costs(self, precision: str) -> list[UnitCosts]:
+        if precision not in self.precisions:
+            raise KeyError(
+                f"the description of {self.model} was made for {list(self.precisions)}, not {precision}; "
+                f"describe it with precisions=(..., '{precision}')"
+            )
+        return [u.costs[precision] for u in self.units]
+
+    # -- JSON ---------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("from_cache")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelDescription":
+        def affine(x: Any) -> Affine | None:
+            return None if x is None else Affine(**x)
+
+        def costs(c: Mapping[str, Any]) -> UnitCosts:
+            return UnitCosts(**{k: affine(v) for k, v in c.items()})
+
+        units = [
+            UnitProfile(
+                **{
+                    **u,
+                    "param_shapes": tuple(tuple(s) for s in u["param_shapes"]),
+                    "split_shapes": tuple(tuple(s) for s in u["split_shapes"]),
+                    "nested": tuple(u["nested"]),
+                    "costs": {p: costs(c) for p, c in u["costs"].items()},
+                }
+            )
+            for u in d["units"]
+        ]
+        rest = {k: v for k, v in d.items() if k != "units"}
+        rest["batch_sizes"] = tuple(rest["batch_sizes"])
+        rest["precisions"] = tuple(rest["precisions"])
+        rest["forward_order"] = tuple(rest.get("forward_order", ()))
+        return cls(units=units, **rest)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelDescription":
+        return cls.from_dict(json.loads(text))
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, Mapping):
+        for x in obj.values():
+            yield from _tensors(x)
+
+
+def batch_size_of(example_input: Any) -> int:
+    """The batch size: dim 0 of the example's tensors (which must agree)."""
+    sizes = {t.shape[0] for t in _tensors(example_input) if t.dim() >= 1}
+    if len(sizes) != 1:
+        found = "no tensor with a batch dimension" if not sizes else f"batch dimensions {sorted(sizes)}"
+        raise ProfileError(
+            f"example_input must hold tensors with one batch size in dim 0 (a tensor, a tuple of "
+            f"positional arguments or a dict of keyword arguments); found {found}"
+        )
+    return sizes.pop()
+
+
+def resize_batch(example_input: Any, b: int) -> Any:
+    """The example with ``b`` samples: its first b rows, or its rows repeated."""
+    n = batch_size_of(example_input)
+
+    def resize(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] != n:
+            return t
+        if b <= n:
+            return t[:b].clone(memory_format=torch.contiguous_format)  # its own storage: saved bytes are its bytes
+        reps = [math.ceil(b / n)] + [1] * (t.dim() - 1)
+        return t.repeat(*reps)[:b].contiguous()
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return resize(obj)
+        if isinstance(obj, tuple):
+            return tuple(walk(x) for x in obj)
+        if isinstance(obj, list):
+            return [walk(x) for x in obj]
+        if isinstance(obj, Mapping):
+            return {k: walk(v) for k, v in obj.items()}
+        return obj
+
+    return walk(example_input)
+
+
+def input_spec(example_input: Any) -> str:
+    """Per-sample shapes and dtypes of the example: part of the cache key."""
+
+    def spec(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return f"{str(obj.dtype).removeprefix('torch.')}{list(obj.shape[1:])}"
+        if isinstance(obj, (list, tuple)):
+            return [spec(x) for x in obj]
+        if isinstance(obj, Mapping):
+            return {str(k): spec(v) for k, v in obj.items()}
+        return repr(obj)
+
+    return json.dumps(spec(example_input), sort_keys=True)
+
+
+def call_model(model: nn.Module, example_input: Any) -> Any:
+    """A tensor is one argument, a tuple or list positional arguments, a dict keyword arguments."""
+    if isinstance(example_input, Mapping):
+        return model(**example_input)
+    if isinstance(example_input, (tuple, list)):
+        return model(*example_input)
+    return model(example_input)
+
+
+def loss_of(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
+    """The scalar to call backward on: ``loss_fn(output)``, or the output when it is a loss."""
+    if loss_fn is not None:
+        loss = loss_fn(output)
+    elif isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        loss = output["loss"]
+    else:
+        loss = getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ProfileError(
+            "the model's output is not a scalar loss; pass loss_fn=... (called on the output, "
+            "returning a scalar tensor)"
+        )
+    return loss
+
+
+# --------------------------------------------------------------------------- attribution
+
+
+def param_homes(model: nn.Module, units: Sequence[Unit]) -> dict[int, str]:
+    """id(parameter) -> path of the unit that owns it (as ``osdp.units.build_units`` assigns them)."""
+    paths = [u.path for u in units]
+    params = {id(p): p for p in model.parameters()}
+    homes = {}
+    for pid, owners in _param_owners(model).items():
+        if pid in params:
+            home = _common_ancestor(owners)
+            homes[pid] = max((u for u in paths if _is_within(home, u)), key=len)
+    return homes
+
+
+class Segments:
+    """Cuts a forward and backward into segments, each owned by one unit, and reports them.
+
+    ``on_close(owner, phase)`` is called at every boundary for the segment that
+    ends there (see the module docstring for the rules). ``stack`` is the
+    forward's unit stack: after an exception in forward, its top is the unit
+    that failed.
+    """
+
+    def __init__(self, model: nn.Module, units: Sequence[Unit], on_close: Callable[[str, str], None]):
+        self.model, self.units, self.on_close = model, units, on_close
+        self.modules = dict(model.named_modules())
+        self.parent = {n: u.path for u in units for n in u.nested}
+        self.homes = param_homes(model, units)
+        self.stack: list[str] = []
+        self.phase = "fwd"
+        self.inputs: dict[str, list[tuple[int, int, Any]]] = {}  # unit -> (storage key, bytes, weakref) of its inputs
+        self.finished: list[str] = []  # units in the order their forward ended (FSDP2's post-forward order)
+        self._handles: list[Any] = []
+
+    def close(self, owner: str) -> None:
+        self.on_close(owner, self.phase)
+
+    def start(self, phase: str) -> None:
+        """Close what ran before (outside every unit: the root's) and enter ``phase``."""
+        self.close(ROOT)
+        self.phase = phase
+
+    def __enter__(self) -> "Segments":
+        for u in self.units:
+            m = self.modules[u.path]
+            self._handles.append(m.register_forward_pre_hook(self._pre(u.path), with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post(u.path)))
+            if u.path != ROOT:
+                parent = self.parent.get(u.path, ROOT)
+                self._handles.append(m.register_full_backward_pre_hook(lambda *_, o=parent: self.close(o)))
+                self._handles.append(m.register_full_backward_hook(lambda *_, o=u.path: self.close(o)))
+        for p in self.model.parameters():
+            if p.requires_grad:
+                home = self.homes[id(p)]
+                self._handles.append(p.register_post_accumulate_grad_hook(lambda _, o=home: self.close(o)))
+        self.stack.clear()
+        self.phase = "fwd"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre(self, path: str):
+        def hook(_module, args, kwargs):
+            self.close(self.stack[-1] if self.stack else ROOT)
+            self.stack.append(path)
+            self.inputs[path] = [
+                (_storage_key(t), t.untyped_storage().nbytes(), weakref.ref(t.untyped_storage()))
+                for t in _tensors((args, kwargs))
+                if t.layout == torch.strided
+            ]
+
+        return hook
+
+    def _post(self, path: str):
+        def hook(_module, _args, _output):
+            self.close(path)
+            self.stack.pop()
+            if path not in self.finished:
+                self.finished.append(path)
+
+        return hook
+
+
+class _Timer:
+    """Seconds per (phase, unit) between segment boundaries."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[str, str], float] = {}
+        self.last = time.perf_counter()
+
+    def __call__(self, owner: str, phase: str) -> None:
+        now = time.perf_counter()
+        key = (phase, owner)
+        self.seconds[key] = self.seconds.get(key, 0.0) + now - self.last
+        self.last = now
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _Saved:
+    """Saved-tensor attribution: each storage counted once, for the first unit that saves it.
+
+    Follows how many saved bytes of each unit are alive (``live``), so that a
+    memory peak can be split into the running unit's own saved bytes and the
+    rest.
+    """
+
+    def __init__(self, segments: Segments, param_keys: set[int], chain: Callable[[torch.Tensor], Any] | None):
+        self.segments, self.param_keys, self.chain = segments, param_keys, chain
+        self.first_saver: dict[int, str] = {}
+        self.nbytes: dict[int, int] = {}
+        self.live: dict[str, int] = {}
+        self.total_live = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.chain is not None:
+            self.chain(t)
+        if self.segments.phase == "fwd" and t.layout == torch.strided:
+            key = _storage_key(t)
+            if key not in self.param_keys and key not in self.first_saver:
+                owner = self.segments.stack[-1] if self.segments.stack else ROOT
+                nbytes = t.untyped_storage().nbytes()
+                self.first_saver[key] = owner
+                self.nbytes[key] = nbytes
+                self.live[owner] = self.live.get(owner, 0) + nbytes
+                self.total_live += nbytes
+                weakref.finalize(t.untyped_storage(), self._freed, owner, nbytes)
+        return t
+
+    def _freed(self, owner: str, nbytes: int) -> None:
+        self.live[owner] -= nbytes
+        self.total_live -= nbytes
+
+    def per_unit(self, paths: Iterable[str]) -> dict[str, dict[str, int]]:
+        """act and ckpt bytes per unit (see UnitCosts). Call it between forward and backward.
+
+        A checkpointed unit keeps its inputs alive: those it saves itself, and
+        those nobody saves (dead by now); inputs saved by another unit or kept
+        alive by the caller (the batch) cost nothing extra.
+        """
+        out = {p: {"act": 0, "ckpt": 0} for p in paths}
+        for key, owner in self.first_saver.items():
+            out[owner]["act"] += self.nbytes[key]
+        for path, inputs in self.segments.inputs.items():
+            alive = {k: n for k, n, ref in inputs if ref() is not None and k not in self.param_keys}
+            dead = {k: n for k, n, ref in inputs if ref() is None}
+            own = sum(n for k, n in alive.items() if self.first_saver.get(k) == path)
+            out[path]["ckpt"] = own + sum(dead.values())
+        return out
+
+
+def _working_sets(memory: dict[str, dict[str, int]], segments: Sequence[tuple[str, str, int, int]], root_total: int) -> None:
+    """Per unit, the peaks of its working set in forward, backward, and when recomputed in backward.
+
+    A working set is the unit's own live saved bytes plus all temporaries at
+    the peak of one of its segments. For a unit other than the root, the
+    root's saved bytes that do not exist at that moment (not saved yet in
+    forward, freed in backward) are subtracted: the cost model counts all of
+    the root's activations, whatever else it counts; the root is never
+    checkpointed, so this holds for every plan. A checkpointed unit redoes its
+    forward at the start of its backward, so its recomputed working set is
+    the larger of the two, at the backward's moment.
+    """
+    net: dict[tuple[str, str], int] = {}  # (phase, unit) -> largest working set net of the root's absent bytes
+    raw: dict[tuple[str, str], int] = {}
+    credit_bwd: dict[str, int] = {}  # the smallest such credit while the unit's backward runs
+    for phase, owner, working, root_live in segments:
+        credit = 0 if owner == ROOT else root_total - root_live
+        key = (phase, owner)
+        net[key] = max(net.get(key, working - credit), working - credit)
+        raw[key] = max(raw.get(key, working), working)
+        if phase == "bwd":
+            credit_bwd[owner] = min(credit_bwd.get(owner, credit), credit)
+    for path, m in memory.items():
+        m["fwd_peak"] = net.get(("fwd", path), 0)
+        m["bwd_peak"] = net.get(("bwd", path), 0)
+        both = max(raw.get(("fwd", path), 0), raw.get(("bwd", path), 0))
+        m["recompute_peak"] = both - credit_bwd.get(path, 0)
+
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+class _Progress:
+    """One stderr line, rewritten in place on a terminal."""
+
+    def __init__(self, enabled: bool, what: str):
+        self.enabled, self.what, self.start = enabled, what, time.perf_counter()
+        self.tty = enabled and sys.stderr.isatty()
+
+    def __call__(self, message: str) -> None:
+        if self.enabled:
+            line = f"osdp describe {self.what}: {message} ({time.perf_counter() - self.start:.1f}s)"
+            print(("\r\033[K" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def done(self, message: str) -> None:
+        self(message)
+        if self.tty:
+            print(file=sys.stderr, flush=True)
+
+
+def _step(model: nn.Module, batch: Any, loss_fn, segments: Segments | None = None, after_forward=None) -> None:
+    out = call_model(model, batch)
+    loss = loss_of(out, loss_fn)
+    del out
+    if after_forward is not None:
+        after_forward()
+    if segments is not None:
+        segments.start("bwd")
+    loss.backward()
+    if segments is not None:
+        segments.close(ROOT)
+
+
+def _checked_forward(model: nn.Module, units: Sequence[Unit] | None, batch: Any, loss_fn) -> None:
+    """A forward (no grad) that, if it fails, names the innermost unit and module running."""
+    modules: list[str] = []
+    handles = []
+
+    def enter(path: str) -> None:
+        modules.append(path)
+
+    def leave(*_: Any) -> None:
+        modules.pop()
+
+    for path, m in model.named_modules():
+        handles.append(m.register_forward_pre_hook(lambda *_, p=path: enter(p)))
+        handles.append(m.register_forward_hook(leave))
+    try:
+        with torch.no_grad():
+            loss_of(call_model(model, batch), loss_fn)
+    except ProfileError:
+        raise
+    except Exception as e:
+        unit_paths = {u.path for u in units} if units is not None else None
+        inner = modules[-1] if modules else ROOT
+        unit = next((p for p in reversed(modules) if unit_paths is None or p in unit_paths), ROOT)
+        if unit_paths is None:  # units not discovered yet: the innermost default unit candidate
+            unit = _innermost_default_unit(model, modules)
+        where = f"unit '{display_path(unit)}'"
+        if inner != unit:
+            where += f" (module '{display_path(inner)}', {type(model.get_submodule(inner)).__name__})"
+        raise ProfileError(f"the forward of the example batch failed in {where}: {type(e).__name__}: {e}") from e
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _innermost_default_unit(model: nn.Module, running: list[str]) -> str:
+    paths = {u.path for u in discover_units(model)}
+    return next((p for p in reversed(running) if p in paths), ROOT)
+
+
+def _check_units(model: nn.Module, units: Sequence[Unit], counts: Mapping[str, int]) -> None:
+    for u in units:
+        if u.path != ROOT and u.numel == 0:
+            raise ProfileError(
+                f"unit '{u.name}' owns no parameters (they all belong to units nested in it, or it has "
+                "none): a unit is a module whose parameters are sharded together; remove it"
+            )
+        if counts.get(u.path, 0) > 1:
+            raise ProfileError(
+                f"unit '{u.name}' runs {counts[u.path]} times per forward; FSDP would gather it each "
+                "time and its activations add up: make its parent the unit (osdp.discover_units does "
+                "this by itself when given call counts)"
+            )
+
+
+def _median_by_key(runs: list[dict]) -> dict:
+    keys = set().union(*runs)
+    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
+
+
+def _measure_at(
+    model: nn.Module, units: Sequence[Unit], batch: Any, loss_fn, repeats: int, param_keys: set[int]
+) -> dict[str, Any]:
+    """Memory attribution (one step) and per-unit times (median of ``repeats``) at one batch size."""
+    model.zero_grad(set_to_none=True)
+    # per segment: phase, owner, the owner's saved bytes plus temporaries at the segment's peak, root saved live
+    segments_seen: list[tuple[str, str, int, int]] = []
+    batch_tensors = list(_tensors(batch))
+    with LiveBytesTracker(model, *batch_tensors) as tracker:
+        last_root = 0
+
+        pending: dict[str, list[nn.Parameter]] = {}  # gradients of a unit whose backward is running
+
+        def on_close(owner: str, phase: str) -> None:
+            nonlocal last_root
+            # A unit's gradients are temporaries while its backward runs (FSDP reduces and frees
+            # them right after), gradients from then on; the enclosing units' (the root's) stay
+            # temporaries, as FSDP keeps them unsharded to the end of backward.
+            for unit in [w for w in pending if w != owner]:
+                for p in pending.pop(unit):
+                    tracker._note(p.grad, _GRADIENTS)
+            peak = tracker.peak_breakdown()
+            others = saved.total_live - saved.live.get(owner, 0)  # other units' saved bytes do not change here
+            working = peak["temporaries"] + peak["activations"] - others
+            root = saved.live.get(ROOT, 0)
+            # the root's saved bytes during the segment: at its end in forward, its start in backward
+            segments_seen.append((phase, owner, working, max(last_root, root)))
+            last_root = root
+            tracker.reset_peak()
+
+        segments = Segments(model, units, on_close)
+        saved = _Saved(segments, param_keys, chain=tracker._pack)
+        enclosing = {u.path for u in units if u.nested or u.path == ROOT}
+        grad_hooks = [
+            p.register_post_accumulate_grad_hook(lambda p, home=home: pending.setdefault(home, []).append(p))
+            for p in model.parameters()
+            if p.requires_grad and (home := segments.homes[id(p)]) not in enclosing
+        ]
+        memory: dict[str, dict[str, int]] = {}
+        root_total = 0
+
+        def after_forward() -> None:
+            nonlocal root_total
+            memory.update(saved.per_unit(u.path for u in units))
+            root_total = saved.live.get(ROOT, 0)
+
+        try:
+            with segments, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                _step(model, batch, loss_fn, segments, after_forward)
+        finally:
+            for h in grad_hooks:
+                h.remove()
+    _working_sets(memory, segments_seen, root_total)
+    order = list(segments.finished)
+
+    timed, plain = [], []
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=True)
+        timer = _Timer()
+        with Segments(model, units, timer) as segments:
+            timer.last = time.perf_counter()
+            _step(model, batch, loss_fn, segments)
+        timed.append(timer.seconds)
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        _step(model, batch, loss_fn)
+        plain.append(time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    seconds = _median_by_key(timed)
+    return {
+        "memory": memory,
+        "order": order,
+        "seconds": seconds,
+        "step_s": statistics.median(plain),
+        "units_s": statistics.median(sum(t.values()) for t in timed),
+    }
+
+
+def time_optimizers(params: Sequence[torch.Tensor], names: Iterable[str], repeats: int = 3) -> dict[str, float]:
+    """Step seconds per fp32 parameter byte of each optimizer, on fresh tensors shaped like ``params``."""
+    from osdp.cost import make_optimizer
+
+    out = {}
+    shapes = [tuple(p.shape) for p in params if p.requires_grad]
+    device = next(iter(params)).device
+    nbytes = 4 * sum(math.prod(s) for s in shapes)
+    for name in names:
+        tensors = [nn.Parameter(torch.zeros(s, device=device)) for s in shapes]
+        for t in tensors:
+            t.grad = torch.zeros_like(t)
+        optimizer = make_optimizer(name, tensors)
+        optimizer.step()  # creates the state
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            optimizer.step()
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times) / nbytes
+        del optimizer, tensors
+    return out
+
+
+def unit_profiles(model: nn.Module, units: Sequence[Unit], costs: Mapping[str, Mapping[str, UnitCosts]]) -> list[UnitProfile]:
+    """UnitProfiles from measured or analytic costs (precision -> path -> costs)."""
+    from osdp.split import splittable_linears
+
+    modules = dict(model.named_modules())
+    homes = param_homes(model, units)
+    shapes: dict[str, list[tuple[int, ...]]] = {u.path: [] for u in units}
+    for p in model.parameters():
+        shapes[homes[id(p)]].append(tuple(p.shape))
+    out = []
+    for u in units:
+        nested = [modules[n] for n in u.nested]
+        linears = splittable_linears(modules[u.path], exclude=nested, root=model) if u.path != ROOT else []
+        out.append(
+            UnitProfile(
+                path=u.path,
+                module_type=u.module_type,
+                signature=u.signature,
+                numel=u.numel,
+                param_bytes=u.param_bytes,
+                param_shapes=tuple(shapes[u.path]),
+                split_shapes=tuple(tuple(lin.weight.shape) for _, lin in linears),
+                nested=u.nested,
+                costs={prec: by_path[u.path] for prec, by_path in costs.items()},
+            )
+        )
+    return out
+
+
+def average_repeated(units: Sequence[Unit], per_unit: Mapping[str, Mapping[str, float]], how: Callable) -> dict:
+    """Per-unit measurements with every group of identical units (same signature) replaced by ``how`` of the group."""
+    groups: dict[str, list[str]] = {}
+    for u in units:
+        groups.setdefault(u.signature if u.path != ROOT else "\0root", []).append(u.path)
+    out = {}
+    for paths in groups.values():
+        keys = set().union(*(per_unit[p] for p in paths))
+        merged = {k: how([per_unit[p].get(k, 0) for p in paths]) for k in keys}
+        out.update({p: merged for p in paths})
+    return out
+
+
+def _fit_costs(units: Sequence[Unit], sizes: Sequence[int], measured: Mapping[int, dict]) -> dict[str, UnitCosts]:
+    paths = [u.path for u in units]
+    times = {
+        b: average_repeated(
+            units,
+            {p: {ph: measured[b]["seconds"].get((ph, p), 0.0) for ph in PHASES} for p in paths},
+            statistics.fmean,
+        )
+        for b in sizes
+    }
+    mems = {b: measured[b]["memory"] for b in sizes}  # exact per unit (a unit's place in the schedule matters)
+
+    def fit(table: Mapping[int, Mapping[str, Mapping[str, float]]], path: str, key: str) -> Affine:
+        return Affine.fit(sizes, [table[b][path].get(key, 0) for b in sizes])
+
+    return {
+        p: UnitCosts(
+            fwd_s=fit(times, p, "fwd"),
+            bwd_s=fit(times, p, "bwd"),
+            act_bytes=fit(mems, p, "act"),
+            ckpt_bytes=fit(mems, p, "ckpt"),
+            fwd_peak_bytes=fit(mems, p, "fwd_peak"),
+            bwd_peak_bytes=fit(mems, p, "bwd_peak"),
+            recompute_peak_bytes=fit(mems, p, "recompute_peak"),
+        )
+        for p in paths
+    }
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("OSDP_CACHE_DIR") or Path.home() / ".cache" / "osdp")
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Structure plus the plain settings of every module (head counts, flags) that change costs, not shapes."""
+    parts = []
+    for name, m in model.named_modules():
+        settings = sorted(
+            (k, v) for k, v in vars(m).items()
+            if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))
+        )
+        parts.append(f"{name}:{type(m).__qualname__}:{settings}")
+    for name, p in model.named_parameters():
+        parts.append(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu:{cpu}:{torch.get_num_threads()} threads"
+
+
+def _cache_key(parts: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def describe(
+    model: nn.Module,
+    example_input: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    batch_sizes: Sequence[int] | None = None,
+    precisions: Sequence[str] = ("fp32",),
+    units: Sequence[Unit] | None = None,
+    optimizers: Sequence[str] = ("sgd", "sgd-momentum", "adamw"),
+    repeats: int | None = None,
+    time_budget_s: float = 20.0,
+    cache: bool = True,
+    progress: bool = True,
+    name: str | None = None,
+) -> ModelDescription:
+    """Measure ``model`` on the device its parameters are on (see the module docstring).
+
+    ``example_input``: a tensor (one argument), a tuple (positional arguments)
+    or a dict (keyword arguments), batch in dim 0. The model must return a
+    scalar loss, or ``loss_fn(output)`` must. ``batch_sizes`` default to half
+    the example's and the example's. ``precisions``: "fp32" and/or "bf16"
+    (measured on a bf16 copy, as FSDP's mixed precision computes). ``units``
+    default to ``osdp.discover_units`` with call counts, so a module that runs
+    twice per forward is merged into its parent. The model's parameters,
+    gradients and RNG state are left as they were.
+    """
+    start = time.perf_counter()
+    params = list(model.parameters())
+    if not params:
+        raise ProfileError("the model has no parameters: there is nothing to describe")
+    device = params[0].device
+    if device.type == "meta":
+        raise ProfileError("the model is on the meta device: describe it with osdp.analytic.describe_analytic")
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise ProfileError(f"precision {p!r} is not one of {list(PRECISIONS)}")
+    n = batch_size_of(example_input)
+    sizes = tuple(sorted(set(batch_sizes or (max(1, n // 2), n))))
+    if sizes[0] < 1:
+        raise ProfileError(f"batch sizes must be >= 1, got {list(sizes)}")
+    name = name or getattr(getattr(model, "config", None), "name", None) or type(model).__name__
+    show = _Progress(progress, name)
+
+    show("checking the forward")
+    counts = count_calls(model, lambda: _checked_forward(model, units, resize_batch(example_input, sizes[0]), loss_fn))
+    if units is None:
+        units = discover_units(model, counts)
+    else:
+        units = build_units(model, [u.path for u in units])
+    _check_units(model, units, counts)
+
+    key_parts = {
+        "version": PROFILE_VERSION, "model": model_fingerprint(model), "units": [u.path for u in units],
+        "input": input_spec(example_input), "sizes": sizes, "precisions": list(precisions),
+        "device": device_name(device), "torch": torch.__version__, "optimizers": list(optimizers),
+        "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)) if loss_fn else None,
+    }
+    key = _cache_key(key_parts)
+    path = cache_dir() / "describe" / f"{key}.json"
+    if cache and path.exists():
+        try:
+            description = ModelDescription.from_json(path.read_text())
+            description.from_cache = True
+            show.done(f"from cache {path}")
+            return description
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable entry (older format): measure again
+
+    from osdp.units import structure_signature
+
+    saved_grads = {p: p.grad for p in params}
+    costs: dict[str, dict[str, UnitCosts]] = {}
+    checks: dict[str, Any] = {}
+    order: list[str] = []
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for prec in precisions:
+                runnable = model if prec == "fp32" else _copy_in(model, PRECISIONS[prec])
+                runnable_units = build_units(runnable, [u.path for u in units])
+                param_keys = {_storage_key(p) for p in runnable.parameters()}
+                show(f"{prec}: warm-up")
+                step_s = _warm_up(runnable, resize_batch(example_input, sizes[-1]), loss_fn)
+                reps = repeats or max(2, min(7, int(time_budget_s / len(precisions) / max(step_s, 1e-4) / 2.5 / len(sizes))))
+                measured = {}
+                for i, b in enumerate(sizes):
+                    show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps")
+                    measured[b] = _measure_at(runnable, runnable_units, resize_batch(example_input, b), loss_fn, reps, param_keys)
+                costs[prec] = _fit_costs(runnable_units, sizes, measured)
+                order = measured[sizes[-1]]["order"]
+                checks[prec] = {str(b): {"step_s": m["step_s"], "units_s": m["units_s"]} for b, m in measured.items()}
+                if runnable is not model:
+                    del runnable
+            show("timing the optimizers")
+            opt = time_optimizers(params, optimizers)
+    finally:
+        for p, g in saved_grads.items():
+            p.grad = g
+    description = ModelDescription(
+        model=name,
+        signature=structure_signature(model),
+        units=unit_profiles(model, units, costs),
+        batch_sizes=sizes,
+        precisions=tuple(precisions),
+        optimizer_s_per_byte=opt,
+        source=f"measured on {device_name(device)}",
+        device=device_name(device),
+        input_spec=input_spec(example_input),
+        forward_order=tuple(order),
+        checks=checks,
+        profile_seconds=time.perf_counter() - start,
+        cache_key=key,
+    )
+    show.done(f"done in {description.profile_seconds:.1f}s")
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(description.to_json())
+        tmp.replace(path)
+    return description
+
+
+def _copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy with floating parameters and buffers in ``dtype``: what FSDP's mixed precision computes with."""
+    return copy.deepcopy(model).to(dtype)
+
+
+def _warm_up(model: nn.Module, batch: Any, loss_fn) -> float:
+    """Two steps (first-call costs, allocator warm-up); returns the second's seconds."""
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        _step(model, batch, loss_fn)
+        elapsed = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    return elapsed
