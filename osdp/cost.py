@@ -1,0 +1,458 @@
+"""The cost model: step time and peak memory per rank of any plan, and the search problem.
+
+Every plan is costed unit by unit, with the same function behind ``predict``
+and ``build_problem``, so the search is exact under this model:
+
+    step_s = sum_u time[u, o_u]
+    peak   = base + sum_u mem[u, o_u] + max_u transient[u, o_u]
+
+Per unit u with option o = (mode, split k, checkpoint), at micro-batch b, on N
+ranks (``osdp.profile.ModelDescription`` gives the unit's parameter shapes and
+its measured or analytic per-b costs; FSDP2's behaviour on torch 2.13 gives
+the rest):
+
+time
+    forward + backward compute, + one more forward when checkpointed; the
+    collectives of the mode with the device's alpha-beta model (zero3: 2
+    all-gathers + 1 reduce-scatter; zero2: 1 + 1; replicate: 1 all-reduce;
+    split k: the split Linears' weights in k slice messages each way), of
+    which only the part the device cannot hide behind the unit's compute
+    (``Calibration.overlap``; 0 for gloo, where FSDP2 issues collectives
+    synchronously); FSDP's per-unit runtime overhead by mode, and the
+    optimizer step on this unit's parameter shard.
+mem (present at the peak, additive)
+    sharded (or replicated) parameters and optimizer state, plus the larger of
+    what the unit holds before its backward (saved activations, or only its
+    inputs when checkpointed; the gathered parameters zero2 and replicate keep
+    from forward to backward) and after it (its reduced gradient, plus the
+    optimizer's foreach temporaries on CUDA). The two never coexist for one
+    unit, so this is a bound, tight when the peak is at the turn from forward
+    to backward. A unit that encloses others (the root) is gathered for the
+    whole step and holds its unsharded gradient through all of backward, so
+    those count here too.
+transient (only the largest counts)
+    what exists only while the unit runs: its measured temporaries; for zero3
+    the gathered parameters plus FSDP's flat all-gather buffer (forward) or
+    the prefetched neighbour's buffer (backward, taken as the unit's own size,
+    an upper bound for the largest unit); the unsharded gradient and the
+    reduce-scatter buffers (FSDP keeps the previous unit's input buffer alive,
+    again taken at the unit's own size; gloo copies its input once more);
+    a checkpointed unit's recomputed activations; split Linears' two slice
+    buffers and two unreduced slice gradients; the single-tensor optimizer's
+    temporaries (CPU).
+base
+    the calibration's measured margin (what the model does not see: the
+    batch, loss and FSDP bookkeeping tensors, allocator rounding).
+
+Conservative decomposition: the true peak is a maximum over the schedule of
+sums that change as units run; this form adds each unit's worst phase and the
+single largest transient, so it can only over-estimate, most when a late
+transient (the root's reduce-scatter at the end of backward) is the largest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from osdp.device import DeviceInfo
+from osdp.plan import MODES, ROOT, Plan, PlanError, UnitPlan, display_path
+from osdp.profile import ModelDescription, UnitProfile
+from osdp.search.problem import OPTIONS, Problem
+
+# fp32 state tensors per parameter (momentum, Adam's two moments)
+OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}
+# bytes of temporaries per byte of parameter shard in a foreach (CUDA) step: Adam's sqrt(v) list
+_FOREACH_TEMPS = {"sgd": 0, "sgd-momentum": 0, "adamw": 1}
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+_REDUCE_BYTES = 4  # gradients are reduced in fp32 (MixedPrecisionPolicy(reduce_dtype=float32) for bf16)
+
+
+def make_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """The optimizers the cost model knows, with PyTorch's default implementation choice."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}; the cost model knows {sorted(OPTIMIZER_STATES)}")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Runtime costs of FSDP2 on one machine and world size, measured once (not per model).
+
+    ``osdp.validate.measure_calibration`` measures them on the live process
+    group with a synthetic model; ``Calibration()`` is the ideal runtime (no
+    overheads, full overlap on CUDA, none on CPU), for planning offline.
+    """
+
+    unit_overhead_s: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(MODES, 0.0))
+    param_overhead_s: float = 0.0  # per parameter tensor of a unit, per step (FSDP's per-parameter work)
+    optimizer_tensor_s: float = 0.0  # per parameter tensor, per optimizer step (DTensor dispatch)
+    slice_overhead_s: float = 0.0  # per split slice gathered or reduced
+    copy_s_per_byte: float = 0.0  # memcpy into and out of collective buffers
+    overlap: float | None = None  # fraction of a unit's compute that hides its collectives; None: by device
+    collective_copies: Mapping[str, float] = field(default_factory=dict)  # extra full-size buffers per collective
+    margin_bytes: int = 0
+    source: str = "ideal (not measured)"
+
+    def overlap_for(self, device: DeviceInfo) -> float:
+        if self.overlap is not None:
+            return self.overlap
+        return 1.0 if device.device_type == "cuda" else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "unit_overhead_s": dict(self.unit_overhead_s),
+            "param_overhead_s": self.param_overhead_s,
+            "optimizer_tensor_s": self.optimizer_tensor_s,
+            "slice_overhead_s": self.slice_overhead_s,
+            "copy_s_per_byte": self.copy_s_per_byte,
+            "overlap": self.overlap,
+            "collective_copies": dict(self.collective_copies),
+            "margin_bytes": self.margin_bytes,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Calibration":
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One unit under one option: the three numbers the search adds up, and their parts."""
+
+    time_s: float
+    mem_bytes: int
+    transient_bytes: int
+    parts: Mapping[str, float]
+
+
+@dataclass
+class Prediction:
+    step_s: float
+    peak_bytes: int
+    breakdown: dict[str, Any]
+
+
+# --------------------------------------------------------------------------- bytes
+
+
+def _padded_numel(shape: Sequence[int], n: int) -> int:
+    """Elements FSDP2 stores for a parameter sharded on n ranks: dim 0 padded to a multiple of n."""
+    if not shape:
+        return n
+    rows = math.ceil(shape[0] / n) * n
+    return rows * math.prod(shape[1:])
+
+
+def _remove(shapes: Sequence[tuple[int, ...]], taken: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    rest = list(shapes)
+    for s in taken:
+        rest.remove(tuple(s))
+    return rest
+
+
+@dataclass(frozen=True)
+class _Context:
+    n: int
+    b: int
+    precision: str
+    optimizer: str
+    device: DeviceInfo
+    calibration: Calibration
+    optimizer_s_per_byte: float
+    # unsharded gradients of the units that enclose others (the root): they exist from the
+    # root's first backward op (the head) to the end of backward, whatever the plan
+    enclosing_grad_bytes: int
+    # per unit, FSDP buffers of its neighbours in forward order that exist during its backward
+    # whatever its own option: the previous unit's all-gather output (FSDP2 prefetches it; taken as
+    # if zero3, the worst case) and the next unit's reduce-scatter input (kept until this one reduces)
+    neighbours: Mapping[str, tuple[int, int]]
+    last_in_forward: str | None
+
+    @property
+    def compute_bytes(self) -> int:
+        return _DTYPE_BYTES[self.precision]
+
+
+def _collective(ctx: _Context, kind: str, nbytes: float, messages: int = 1) -> float:
+    if nbytes <= 0 or ctx.n == 1:
+        return 0.0
+    return messages * ctx.device.collectives.time(kind, nbytes / messages)
+
+
+def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: _Context) -> UnitCost:
+    """Time, additive memory and transient memory of ``unit`` under ``option`` (see the module docstring)."""
+    mode, k, ckpt = (option.mode, option.split, option.checkpoint) if isinstance(option, UnitPlan) else option
+    where = f"unit '{unit.name}'"
+    if k > 1 and mode != "zero3":
+        raise PlanError(f"{where}: split={k} needs mode 'zero3'")
+    if k > 1 and not unit.split_shapes:
+        raise PlanError(f"{where} cannot be split: it holds no splittable Linear")
+    if ckpt and unit.nested:
+        raise PlanError(f"{where}: checkpointing a unit that encloses other units is not modelled")
+    n, b, dt = ctx.n, ctx.b, ctx.compute_bytes
+    cal, opt = ctx.calibration, ctx.optimizer
+    costs = unit.costs[ctx.precision]
+    enclosing = bool(unit.nested) or unit.path == ROOT
+
+    split = list(unit.split_shapes) if k > 1 else []
+    fsdp_shapes = _remove(unit.param_shapes, split)
+    shard_n = 1 if mode == "replicate" else n
+    fsdp_padded = sum(_padded_numel(s, shard_n) for s in fsdp_shapes)
+    fsdp_full = sum(math.prod(s) for s in fsdp_shapes)
+    split_rows = []  # (rows per rank, largest slice rows per rank, in_features) per split Linear
+    if split:
+        from osdp.split import split_layout
+
+        for out_f, in_f in split:
+            rows, pieces = split_layout(out_f, n, k)
+            split_rows.append((rows, max(pieces), in_f, len(pieces)))
+    shard_numel = fsdp_padded // shard_n + sum(rows * in_f for rows, _, in_f, _ in split_rows)
+
+    # -- memory ------------------------------------------------------------------
+    states = OPTIMIZER_STATES[opt]
+    persistent = 4 * shard_numel * (1 + states) + (4 * len(unit.param_shapes) if opt == "adamw" else 0)
+    gathered = dt * fsdp_padded  # FSDP's unsharded parameters (and its flat all-gather buffer)
+    unsharded_grad = dt * fsdp_full
+    rs_input = _REDUCE_BYTES * fsdp_padded
+    grad = 4 * shard_numel
+    act = costs.ckpt_bytes.bytes(b) if ckpt else costs.act_bytes.bytes(b)
+    held = gathered if (mode != "zero3" and not enclosing) else 0
+    foreach = ctx.device.device_type == "cuda"
+    after = grad + (_FOREACH_TEMPS[opt] * 4 * shard_numel if foreach else 0)
+    mem = persistent + max(act + held, after)
+    if enclosing:  # gathered through the whole step (its gradient: see enclosing_grad_bytes)
+        mem += gathered
+    if unit.path == ctx.last_in_forward and mode != "replicate":
+        mem += gathered  # FSDP2 keeps the last forward all-gather's output until the next forward
+
+    copies = cal.collective_copies
+    rs_buffers = rs_input * (1 + copies.get("reduce_scatter", 0.0))
+    # the working sets beyond what mem already counts of this unit's activations
+    temp_fwd = costs.fwd_peak_bytes.signed_bytes(b) - act
+    temp_bwd = (costs.recompute_peak_bytes if ckpt else costs.bwd_peak_bytes).signed_bytes(b) - act
+    flat = gathered if mode != "replicate" else 0  # all-gather output kept until the next unit gathers
+    if enclosing:
+        fwd = temp_fwd + flat
+        bwd = temp_bwd  # (zero3 gathers it again for backward: its flat buffer is freed before compute)
+        post = unsharded_grad + rs_buffers
+    else:
+        own = gathered if mode == "zero3" else 0
+        fwd = temp_fwd + own + flat
+        prefetched, rs_previous = ctx.neighbours.get(unit.path, (0, 0))
+        bwd = temp_bwd + own + prefetched + rs_previous
+        post = prefetched + unsharded_grad + rs_buffers + ctx.enclosing_grad_bytes
+    if split_rows:
+        slice_fwd = max(2 * n * q * in_f * dt for _, q, in_f, _ in split_rows)
+        slice_bwd = max(2 * n * q * in_f * (dt + _REDUCE_BYTES) for _, q, in_f, _ in split_rows)
+        fwd, bwd = fwd + slice_fwd, bwd + slice_bwd
+    largest_shard = max((4 * math.ceil(math.prod(s) / shard_n) for s in unit.param_shapes), default=0)
+    optimizer_temp = 0 if foreach else 2 * largest_shard
+    transient = max(fwd, bwd, post, optimizer_temp)
+
+    # -- time --------------------------------------------------------------------
+    compute = costs.fwd_s(b) + costs.bwd_s(b) + (costs.fwd_s(b) if ckpt else 0.0)
+    if mode == "replicate":
+        comm = _collective(ctx, "all_reduce", _REDUCE_BYTES * fsdp_full)
+        copied = gathered + 2 * rs_input  # unshard copy; gradients into the reduce buffer and out of it
+    else:
+        gathers = 2 if mode == "zero3" else 1
+        comm = gathers * _collective(ctx, "all_gather", gathered) + _collective(ctx, "reduce_scatter", rs_input)
+        copied = gathers * (gathered // n + gathered) + rs_input  # shard in, gathered out; gradients in
+    slices = 0
+    for rows, q, in_f, pieces in split_rows:
+        weight = n * rows * in_f
+        gathers = 3 if ckpt else 2  # forward, backward (input gradient), recomputed forward
+        comm += gathers * _collective(ctx, "all_gather", dt * weight, pieces)
+        comm += _collective(ctx, "reduce_scatter", _REDUCE_BYTES * weight, pieces)
+        slices += (gathers + 1) * pieces
+    overlap = cal.overlap_for(ctx.device)
+    exposed = max(comm - overlap * compute, 0.0)
+    overhead = (
+        cal.unit_overhead_s.get(mode, 0.0) + cal.param_overhead_s * len(fsdp_shapes)
+        + cal.slice_overhead_s * slices + cal.copy_s_per_byte * copied
+    )
+    optimizer_s = (
+        ctx.calibration.optimizer_tensor_s * len(unit.param_shapes)
+        + ctx.optimizer_s_per_byte * 4 * shard_numel
+    )
+    time_s = compute + exposed + overhead + optimizer_s
+    parts = {
+        "compute_s": compute, "comm_s": comm, "exposed_comm_s": exposed, "overhead_s": overhead,
+        "optimizer_s": optimizer_s, "persistent_bytes": persistent, "activation_bytes": act,
+        "held_bytes": held, "gradient_bytes": grad, "fwd_transient_bytes": fwd, "bwd_transient_bytes": bwd,
+        "post_backward_bytes": post, "optimizer_temp_bytes": optimizer_temp,
+    }
+    return UnitCost(time_s, int(mem), int(transient), parts)
+
+
+def _context(
+    description: ModelDescription,
+    device: DeviceInfo,
+    batch_size: int,
+    precision: str,
+    optimizer: str,
+    calibration: Calibration | None,
+) -> _Context:
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; the cost model knows {sorted(OPTIMIZER_STATES)}")
+    description.costs(precision)  # raises, saying how to fix it, if this precision was not described
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    enclosing = {u.path for u in description.units if u.nested or u.path == ROOT}
+    enclosing_grads = sum(
+        _DTYPE_BYTES[precision] * sum(math.prod(s) for s in u.param_shapes)
+        for u in description.units if u.path in enclosing
+    )
+    n = device.world_size
+    padded = {u.path: sum(_padded_numel(s, n) for s in u.param_shapes) for u in description.units}
+    order = [p for p in description.forward_order if p not in enclosing]
+    neighbours = {}
+    for i, path in enumerate(order):
+        before = _DTYPE_BYTES[precision] * padded[order[i - 1]] if i > 0 else 0
+        after = _REDUCE_BYTES * padded[order[i + 1]] if i + 1 < len(order) else 0
+        neighbours[path] = (before, after)
+    return _Context(
+        n, batch_size, precision, optimizer, device, calibration or Calibration(),
+        description.optimizer_s_per_byte.get(optimizer, 0.0), enclosing_grads, neighbours,
+        order[-1] if order else None,
+    )
+
+
+def _options_of(description: ModelDescription, plan: Plan | Sequence[Any]) -> list[tuple[str, int, bool]]:
+    """One (mode, split, checkpoint) per described unit, from a Plan or a list of options / OPTIONS indices."""
+    if isinstance(plan, Plan):
+        paths = set(plan.paths)
+        unknown = sorted(paths - set(description.paths))
+        if unknown:
+            raise PlanError(f"unit '{display_path(unknown[0])}' of the plan is not a unit of {description.model}")
+        missing = [p for p in description.paths if p not in paths and p != ROOT]
+        if missing:
+            raise PlanError(
+                f"the plan has no decision for unit '{display_path(missing[0])}' (and {len(missing) - 1} more); "
+                "plan every unit the description has"
+            )
+        by_path = {u.path: u for u in plan.units}
+        default = UnitPlan(ROOT, mode="zero3")  # what osdp.wrap does with a plan that leaves the root out
+        return [
+            (d.mode, d.split, d.checkpoint) for d in (by_path.get(p, default) for p in description.paths)
+        ]
+    choices = list(plan)
+    if len(choices) != len(description.units):
+        raise ValueError(f"{len(choices)} choices for {len(description.units)} units")
+    return [OPTIONS[int(c)] if isinstance(c, (int, np.integer)) else tuple(c) for c in choices]
+
+
+def predict(
+    description: ModelDescription,
+    plan_or_choices: Plan | Sequence[Any],
+    device_info: DeviceInfo,
+    *,
+    batch_size: int | None = None,
+    precision: str | None = None,
+    optimizer: str = "adamw",
+    calibration: Calibration | None = None,
+) -> Prediction:
+    """Step time and peak memory per rank of a plan (or one option per unit, in description order).
+
+    ``batch_size`` and ``precision`` default to the plan's. For a plan whose
+    options are all in ``OPTIONS`` the numbers are exactly those of
+    ``build_problem(...)``'s ``step_time`` and ``peak`` for the same choice.
+    """
+    if isinstance(plan_or_choices, Plan):
+        batch_size = batch_size or plan_or_choices.batch_size
+        precision = precision or plan_or_choices.mixed_precision
+        if plan_or_choices.world_size not in (None, device_info.world_size):
+            raise PlanError(
+                f"the plan is for {plan_or_choices.world_size} ranks, the device for {device_info.world_size}"
+            )
+    if batch_size is None:
+        raise ValueError("give batch_size= (the plan has none)")
+    ctx = _context(description, device_info, batch_size, precision or "fp32", optimizer, calibration)
+    options = _options_of(description, plan_or_choices)
+    costs = [unit_cost(u, o, ctx) for u, o in zip(description.units, options)]
+    times = np.array([c.time_s for c in costs], dtype=np.float64)
+    mem = np.array([c.mem_bytes for c in costs], dtype=np.int64)
+    transient = np.array([c.transient_bytes for c in costs], dtype=np.int64)
+    base = _base(ctx)
+    step_s = float(times.sum())
+    peak = base + int(mem.sum()) + int(transient.max())
+    totals = {k: float(sum(c.parts[k] for c in costs)) for k in costs[0].parts}
+    breakdown = {
+        "base_bytes": base,
+        "mem_bytes": int(mem.sum()),
+        "transient_bytes": int(transient.max()),
+        "largest_transient_unit": description.units[int(transient.argmax())].path,
+        "totals": totals,
+        "units": {
+            u.path: {"option": list(o), "time_s": c.time_s, "mem_bytes": c.mem_bytes,
+                     "transient_bytes": c.transient_bytes, **c.parts}
+            for u, o, c in zip(description.units, options, costs)
+        },
+    }
+    return Prediction(step_s, peak, breakdown)
+
+
+def _base(ctx: _Context) -> int:
+    return int(ctx.calibration.margin_bytes)
+
+
+def build_problem(
+    description: ModelDescription,
+    device_info: DeviceInfo,
+    batch_size: int,
+    *,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    calibration: Calibration | None = None,
+    options: Sequence[tuple[str, int, bool]] = OPTIONS,
+) -> Problem:
+    """The search problem at one micro-batch size: every unit under every option, costed by ``unit_cost``."""
+    ctx = _context(description, device_info, batch_size, precision, optimizer, calibration)
+    U, O = len(description.units), len(options)
+    time_ = np.zeros((U, O), dtype=np.float64)
+    mem = np.zeros((U, O), dtype=np.int64)
+    transient = np.zeros((U, O), dtype=np.int64)
+    allowed = np.zeros((U, O), dtype=bool)
+    for i, unit in enumerate(description.units):
+        for j, option in enumerate(options):
+            mode, k, ckpt = option
+            if (k > 1 and (mode != "zero3" or not unit.split_shapes)) or (ckpt and unit.nested):
+                continue
+            c = unit_cost(unit, option, ctx)
+            time_[i, j], mem[i, j], transient[i, j], allowed[i, j] = c.time_s, c.mem_bytes, c.transient_bytes, True
+    # No group ids: repeated blocks cost the same time, but their memory depends on their place in the
+    # schedule (neighbours' buffers, what the root has freed by then); the solver merges identical rows.
+    return Problem(
+        time=time_, mem=mem, transient=transient, allowed=allowed, base=_base(ctx), batch_size=batch_size,
+        units=description.paths, options=list(options),
+    )
+
+
+def choice_of(problem: Problem, plan: Plan) -> np.ndarray:
+    """The Problem's option index for each unit of ``plan`` (the root defaults to zero3)."""
+    by_path = {u.path: u for u in plan.units}
+    index = {tuple(o): i for i, o in enumerate(problem.options)}
+    choice = []
+    for path in problem.units:
+        d = by_path.get(path, UnitPlan(ROOT, mode="zero3"))
+        key = (d.mode, d.split, d.checkpoint)
+        if key not in index:
+            raise PlanError(f"unit '{display_path(path)}': option {key} is not in the problem's option table")
+        choice.append(index[key])
+    return np.array(choice, dtype=np.int64)
+
+
+def plan_from_choice(problem: Problem, choice: Sequence[int], **settings: Any) -> Plan:
+    """A Plan taking option ``choice[u]`` for every unit of ``problem``."""
+    units = [UnitPlan(path, *problem.options[int(c)]) for path, c in zip(problem.units, choice)]
+    return Plan(units=units, batch_size=problem.batch_size, **settings)
