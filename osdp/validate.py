@@ -1,0 +1,545 @@
+"""Check the cost model against reality: ``osdp validate --model NAME --nproc N``.
+
+On N local ranks (gloo on CPU, NCCL on CUDA; launched through torchrun when not
+already under it), every rank:
+
+1. measures the machine: collectives on the live group (``osdp.device``), then
+   FSDP2's runtime overheads and the memory margin on a small synthetic model
+   (``measure_calibration``; never the model being validated);
+2. describes the model (``osdp.profile.describe``), all ranks at once so that
+   compute is timed under the same contention as training; rank 0's
+   description is used everywhere;
+3. trains each plan for a few steps: median step time after warm-up, and the
+   peak memory of one step (``osdp.memory.PeakMemory``: live tensor bytes on
+   CPU, ``max_memory_allocated`` on CUDA), the slowest rank and the largest
+   peak over ranks.
+
+Rank 0 prints predicted against measured with the error of each, the median
+and worst errors and the Kendall tau of the step-time ranking, and writes them
+to ``--json``: one record per plan with ``plan``, ``predicted_step_s``,
+``measured_step_s``, ``predicted_peak_bytes``, ``measured_peak_bytes``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from osdp import models
+from osdp.cost import Calibration, OPTIMIZER_STATES, make_optimizer, predict
+from osdp.device import DeviceInfo, measure_device
+from osdp.distributed import all_gather_objects, broadcast_object
+from osdp.memory import PeakMemory
+from osdp.plan import ROOT, Plan, UnitPlan
+from osdp.profile import ModelDescription, call_model, describe, loss_of
+from osdp.report import format_bytes, format_table
+from osdp.units import structure_signature
+
+# --------------------------------------------------------------------------- running a plan
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_plan(
+    build: Callable[[], nn.Module],
+    plan: Plan,
+    batch: Any,
+    *,
+    device: torch.device,
+    optimizer: str = "adamw",
+    warmup: int = 2,
+    min_steps: int = 3,
+    max_steps: int = 40,
+    time_budget_s: float = 2.0,
+    measure_memory: bool = True,
+    loss_fn: Callable | None = None,
+) -> dict[str, Any]:
+    """Collective: train ``plan`` on a fresh model; this rank's step times and one step's peak memory.
+
+    The number of timed steps fits ``time_budget_s`` (within ``min_steps`` ..
+    ``max_steps``, agreed by all ranks). The memory step is extra, because the
+    CPU tracker slows the step it watches.
+    """
+    import osdp
+
+    model = build().to(device)
+    osdp.wrap(model, plan=plan, device=device)
+    opt = make_optimizer(optimizer, model.parameters())
+
+    def step() -> tuple[float, float]:
+        _sync(device)
+        start = time.perf_counter()
+        loss = loss_of(call_model(model, batch), loss_fn)
+        loss.backward()
+        _sync(device)
+        middle = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        return time.perf_counter() - start, middle - start
+
+    warm = [step() for _ in range(warmup)]
+    wanted = int(time_budget_s / max(warm[-1][0], 1e-6)) if warm else min_steps
+    n = max(min_steps, min(max_steps, max(all_gather_objects(wanted))))
+    timed = [step() for _ in range(n)]
+    result: dict[str, Any] = {"step_s": [t for t, _ in timed], "fwd_bwd_s": [f for _, f in timed]}
+    if measure_memory:
+        with PeakMemory(device, model, opt, *_tensors(batch)) as meter:
+            loss = loss_of(call_model(model, batch), loss_fn)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del loss
+        stats = meter.stats()
+        result.update(peak_bytes=stats.peak_bytes, peak_breakdown=dict(stats.peak_breakdown))
+    del model, opt
+    gc.collect()
+    return result
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _tensors(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _tensors(x)]
+    return []
+
+
+def run_plans(
+    build: Callable[[], nn.Module],
+    plans: dict[str, Plan],
+    batch: Any,
+    *,
+    device: torch.device,
+    rounds: int = 3,
+    time_budget_s: float = 4.0,
+    progress: Callable[[str], None] | None = None,
+    **kwargs: Any,
+) -> dict[str, dict[str, Any]]:
+    """Collective: ``run_plan`` for each plan, round-robin over ``rounds`` rounds.
+
+    Interleaving spreads slow phases of a shared machine over all plans
+    instead of penalising whichever plan ran then. Per plan: the median step
+    time over all timed steps (the slowest rank's), and the largest peak over
+    ranks (measured in the first round).
+    """
+    steps: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in plans}
+    peaks: dict[str, list[dict[str, Any]]] = {}
+    for r in range(rounds):
+        for i, (name, plan) in enumerate(plans.items()):
+            mine = run_plan(build, plan, batch, device=device, time_budget_s=time_budget_s / rounds,
+                            measure_memory=r == 0, **kwargs)
+            ranks = all_gather_objects(mine)
+            steps[name].append(ranks)
+            if r == 0:
+                peaks[name] = [{"peak_bytes": x["peak_bytes"], "peak_breakdown": x["peak_breakdown"]} for x in ranks]
+            if progress:
+                progress(f"round {r + 1}/{rounds}, plan {i + 1}/{len(plans)} {name}")
+    out = {}
+    for name in plans:
+        n_ranks = len(steps[name][0])
+        per_rank = [
+            {
+                "step_s": statistics.median(t for rnd in steps[name] for t in rnd[k]["step_s"]),
+                "fwd_bwd_s": statistics.median(t for rnd in steps[name] for t in rnd[k]["fwd_bwd_s"]),
+                **peaks[name][k],
+            }
+            for k in range(n_ranks)
+        ]
+        out[name] = {
+            "measured_step_s": max(r["step_s"] for r in per_rank),
+            "measured_fwd_bwd_s": max(r["fwd_bwd_s"] for r in per_rank),
+            "measured_peak_bytes": max(r["peak_bytes"] for r in per_rank),
+            "steps": sum(len(rnd[0]["step_s"]) for rnd in steps[name]),
+            "per_rank": per_rank,
+        }
+    return out
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+class _CalibrationBlock(nn.Module):
+    def __init__(self, d: int, linears: int):
+        super().__init__()
+        self.n = linears
+        for i in range(linears):  # direct children, so that the block is the unit (a ModuleList has no forward)
+            self.add_module(f"fc{i}", nn.Linear(d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x
+        for i in range(self.n):
+            y = torch.relu(getattr(self, f"fc{i}")(y))
+        return x + y
+
+
+class CalibrationNet(nn.Module):
+    """The synthetic model FSDP2's overheads are measured on: ``blocks`` units of ``linears`` Linears each."""
+
+    def __init__(self, blocks: int = 8, d: int = 64, linears: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(_CalibrationBlock(d, linears) for _ in range(blocks))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x).square().mean()
+
+
+def measure_copy_rate(device: torch.device, nbytes: int = 16 * 2**20, repeats: int = 7) -> float:
+    """Seconds per byte of a large tensor copy (FSDP copies into and out of its collective buffers)."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) / nbytes
+
+
+def measure_calibration(
+    device_info: DeviceInfo,
+    device: torch.device,
+    *,
+    optimizer: str = "adamw",
+    progress: Callable[[str], None] | None = None,
+) -> Calibration:
+    """Collective: FSDP2's runtime overheads and the memory margin on this machine and world size.
+
+    Trains ``CalibrationNet`` (units with 2 and with 4 Linears, so per-unit and
+    per-parameter costs separate) under every mode and under split, and
+    attributes what the cost model without overheads does not explain:
+    a fixed cost per unit by mode and per parameter tensor (FSDP2's hooks and
+    bookkeeping), per split slice, per parameter tensor in the optimizer step
+    (DTensor dispatch), and the memory margin (median of measured minus
+    modelled peak). Copies in and out of collective buffers are costed at the
+    measured memcpy rate.
+    """
+    from scipy.optimize import nnls
+
+    from osdp.plan import MODES
+
+    say = progress or (lambda _: None)
+    copy = measure_copy_rate(device)
+    overlap = 0.0 if device.type == "cpu" else None
+    base = Calibration(copy_s_per_byte=copy, overlap=overlap, source="partial")
+    rows, residuals, opt_rows, margins = [], [], [], []
+    split_runs = []  # (split residual - zero3 residual, split weights, slices)
+    for linears in (2, 4):
+        build = lambda linears=linears: CalibrationNet(linears=linears)  # noqa: E731
+        g = torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+        batch = (torch.randn(4, 64, generator=g).to(device),)
+        torch.manual_seed(0)
+        net = build().to(device)
+        description = broadcast_object(describe(net, batch, cache=False, progress=False, optimizers=(optimizer,), repeats=5))
+        del net
+        paths = description.paths
+        plans = {mode: Plan([UnitPlan(p, mode) for p in paths], batch_size=4) for mode in MODES}
+        split = Plan([UnitPlan(p, "zero3", split=1 if p == ROOT else 2) for p in paths], batch_size=4)
+        say(f"calibrating FSDP overheads ({linears} Linears per unit)")
+        measured = run_plans(build, plans, batch, device=device, optimizer=optimizer, time_budget_s=1.5)
+        try:  # every rank fails alike if splitting cannot be applied, before any collective of the step
+            measured["split"] = run_plans(build, {"split": split}, batch, device=device, optimizer=optimizer,
+                                          time_budget_s=1.5)["split"]
+            plans["split"] = split
+        except RuntimeError as e:
+            say(f"split plans cannot run here, slice overhead not measured: {e}")
+        n_params = sum(len(u.param_shapes) for u in description.units)
+        residual = {}
+        for name, plan in plans.items():
+            pred = predict(description, plan, device_info, optimizer=optimizer, calibration=base)
+            opt_pred = pred.breakdown["totals"]["optimizer_s"]
+            m = measured[name]
+            residual[name] = m["measured_fwd_bwd_s"] - (pred.step_s - opt_pred)
+            opt_rows.append((m["measured_step_s"] - m["measured_fwd_bwd_s"] - opt_pred) / n_params)
+            margins.append(m["measured_peak_bytes"] - pred.peak_bytes)
+            if name in MODES:
+                rows.append([len(paths) * (mode == name) for mode in MODES] + [n_params])
+                residuals.append(residual[name])
+        if "split" in residual:
+            split_weights = sum(len(u.split_shapes) for u in description.units)
+            split_runs.append((residual["split"] - residual["zero3"], split_weights, 3 * 2 * split_weights))
+    coef, _ = nnls(np.array(rows, dtype=float), np.array(residuals, dtype=float))
+    param_overhead = float(coef[-1])
+    # a split weight leaves FSDP (one parameter less to manage) and moves in 2 slices each way
+    per_slice = [max(0.0, (extra + param_overhead * weights) / slices) for extra, weights, slices in split_runs]
+    return Calibration(
+        unit_overhead_s={mode: float(c) for mode, c in zip(MODES, coef)},
+        param_overhead_s=param_overhead,
+        optimizer_tensor_s=max(0.0, statistics.median(opt_rows)),
+        slice_overhead_s=statistics.median(per_slice) if per_slice else 0.0,
+        copy_s_per_byte=copy,
+        overlap=overlap,
+        margin_bytes=max(0, int(statistics.median(margins))),
+        source=f"measured on {device_info.name}, {device_info.world_size} ranks, {time.strftime('%Y-%m-%d')}",
+    )
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def default_plans(description: ModelDescription, batch_size: int, world_size: int) -> dict[str, Plan]:
+    """The four baselines and mixed plans using every mode, split, checkpointing and bf16 (if described).
+
+    Blocks alternate between their first and second kind of unit (attention,
+    MLP) where a plan treats them differently; the root and embeddings follow
+    the plan's "other" setting.
+    """
+    units = description.units
+    kinds = sorted({u.signature for u in units if u.split_shapes and u.path != ROOT})
+    first = kinds[0] if kinds else None
+
+    def plan(choose: Callable[[Any], tuple[str, int, bool]], precision: str = "fp32", strategy: str | None = None) -> Plan:
+        decisions = []
+        for u in units:
+            mode, k, ckpt = choose(u)
+            if not u.split_shapes:
+                k = 1
+            if u.nested:
+                ckpt = False
+            decisions.append(UnitPlan(u.path, mode, k, ckpt))
+        p = Plan(decisions, batch_size=batch_size, mixed_precision=precision, world_size=world_size,
+                 model_signature=description.signature)
+        if strategy:
+            p.meta["strategy"] = strategy
+        return p
+
+    def block(u) -> bool:
+        return bool(u.split_shapes) and u.path != ROOT
+
+    plans = {
+        "ddp": plan(lambda u: ("replicate", 1, False), strategy="ddp"),
+        "zero2": plan(lambda u: ("zero2", 1, False), strategy="zero2"),
+        "fsdp": plan(lambda u: ("zero3", 1, False), strategy="fsdp"),
+        "fsdp-ckpt": plan(lambda u: ("zero3", 1, block(u))),
+        "ddp-ckpt": plan(lambda u: ("replicate", 1, block(u))),
+        "mixed-rep-z3": plan(lambda u: ("replicate", 1, False) if u.signature == first else ("zero3", 1, False)),
+        "mixed-z2-ckpt": plan(lambda u: ("zero2", 1, True) if u.signature == first else ("zero3", 1, False)),
+        "split2": plan(lambda u: ("zero3", 2, False)),
+        "split4-ckpt": plan(lambda u: ("zero3", 4, block(u) and u.signature != first)),
+        "mixed-all": plan(
+            lambda u: ("replicate", 1, True) if u.signature == first
+            else ("zero3", 2, False) if block(u) else ("zero2", 1, False)
+        ),
+    }
+    if "bf16" in description.precisions:
+        plans["fsdp-bf16"] = plan(lambda u: ("zero3", 1, False), "bf16")
+        plans["mixed-bf16"] = plan(
+            lambda u: ("zero2", 1, False) if u.signature == first else ("zero3", 1, block(u)), "bf16"
+        )
+    return plans
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
+    from scipy.stats import kendalltau
+
+    if len(a) < 2:
+        return float("nan")
+    return float(kendalltau(a, b).statistic)
+
+
+def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Median and worst relative errors of time and memory, Kendall tau of the time ranking."""
+    t_err = [abs(r["step_error"]) for r in records]
+    m_err = [abs(r["peak_error"]) for r in records]
+    return {
+        "plans": len(records),
+        "step_error_median": statistics.median(t_err),
+        "step_error_worst": max(t_err),
+        "peak_error_median": statistics.median(m_err),
+        "peak_error_worst": max(m_err),
+        "kendall_tau_step": kendall_tau(
+            [r["predicted_step_s"] for r in records], [r["measured_step_s"] for r in records]
+        ),
+    }
+
+
+def format_report(records: Sequence[dict[str, Any]], summary: dict[str, Any]) -> str:
+    rows = [
+        [
+            r["plan"],
+            f"{r['predicted_step_s'] * 1e3:.1f}", f"{r['measured_step_s'] * 1e3:.1f}", f"{100 * r['step_error']:+.1f}%",
+            format_bytes(r["predicted_peak_bytes"]), format_bytes(r["measured_peak_bytes"]), f"{100 * r['peak_error']:+.1f}%",
+        ]
+        for r in records
+    ]
+    table = format_table(
+        rows, ["plan", "pred ms", "meas ms", "time err", "pred peak", "meas peak", "mem err"], "lrrrrrr"
+    )
+    s = summary
+    return (
+        f"{table}\n"
+        f"step time: median error {100 * s['step_error_median']:.1f}%, worst {100 * s['step_error_worst']:.1f}%, "
+        f"Kendall tau {s['kendall_tau_step']:.2f}; peak memory: median error "
+        f"{100 * s['peak_error_median']:.1f}%, worst {100 * s['peak_error_worst']:.1f}%"
+    )
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _say(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"osdp validate: {message}", file=sys.stderr, flush=True)
+
+
+def validate(
+    model_name: str,
+    *,
+    device: torch.device,
+    batch_size: int = 8,
+    seq_len: int | None = None,
+    plan_names: Sequence[str] | None = None,
+    precisions: Sequence[str] = ("fp32",),
+    optimizer: str = "adamw",
+    time_budget_s: float = 4.0,
+    calibration: Calibration | None = None,
+) -> dict[str, Any]:
+    """Collective: predicted against measured for a set of plans of a reference model (see the module docstring)."""
+    from osdp.data import synthetic_batch
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    overrides = {"seq_len": seq_len} if seq_len else {}
+    config = models.get_config(model_name, **overrides)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return models.build(model_name, **overrides)
+
+    g = torch.Generator().manual_seed(1000 + rank)
+    batch = tuple(t.to(device) for t in synthetic_batch(config, batch_size, generator=g))
+    start = time.perf_counter()
+    _say("measuring collectives and compute")
+    device_info = broadcast_object(measure_device("1TiB", time_budget_s=3.0))
+    if calibration is None:
+        calibration = broadcast_object(measure_calibration(device_info, device, optimizer=optimizer, progress=_say))
+    _say(f"calibration: {json.dumps(calibration.to_dict())}")
+    model = build().to(device)
+    _say(f"describing {model_name} (every rank at once, as in training)")
+    description = describe(model, batch, precisions=precisions, optimizers=(optimizer,), progress=rank == 0)
+    description = broadcast_object(description)
+    del model
+    plans = default_plans(description, batch_size, world_size)
+    if plan_names:
+        unknown = sorted(set(plan_names) - set(plans))
+        if unknown:
+            raise ValueError(f"unknown plan(s) {unknown}; known: {', '.join(plans)}")
+        plans = {n: plans[n] for n in plan_names}
+    measured = run_plans(build, plans, batch, device=device, optimizer=optimizer, time_budget_s=time_budget_s,
+                         progress=_say)
+    records = []
+    for name, plan in plans.items():
+        pred = predict(description, plan, device_info, optimizer=optimizer, calibration=calibration)
+        m = measured[name]
+        records.append({
+            "plan": name,
+            "plan_hash": plan.hash,
+            "summary": plan.summary(),
+            "predicted_step_s": pred.step_s,
+            "measured_step_s": m["measured_step_s"],
+            "step_error": pred.step_s / m["measured_step_s"] - 1,
+            "predicted_peak_bytes": pred.peak_bytes,
+            "measured_peak_bytes": m["measured_peak_bytes"],
+            "peak_error": pred.peak_bytes / m["measured_peak_bytes"] - 1,
+            "predicted": {k: v for k, v in pred.breakdown.items() if k != "units"},
+            "measured_fwd_bwd_s": m["measured_fwd_bwd_s"],
+            "measured_peak_breakdown": [r["peak_breakdown"] for r in m["per_rank"]],
+            "steps": m["steps"],
+            "plan_json": plan.to_dict(),
+        })
+    summary = summarize(records)
+    return {
+        "model": model_name,
+        "config": {k: v for k, v in vars(config).items()},
+        "world_size": world_size,
+        "batch_size": batch_size,
+        "optimizer": optimizer,
+        "machine": {
+            "platform": platform.platform(), "processor": description.device, "device": str(device),
+            "torch": torch.__version__, "threads_per_rank": torch.get_num_threads(),
+        },
+        "device_info": device_info.to_dict(),
+        "calibration": calibration.to_dict(),
+        "profile_seconds": description.profile_seconds,
+        "profile_checks": description.checks,
+        "summary": summary,
+        "records": records,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="osdp validate", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt2-tiny", help=f"reference model ({', '.join(models.names())})")
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to launch when not under torchrun (default 2)")
+    p.add_argument("--batch-size", type=int, default=8, help="micro-batch per rank (default 8)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--plans", nargs="+", default=None, help="names of plans to run (default: all; see --list-plans)")
+    p.add_argument("--bf16", action="store_true", help="also validate mixed-precision (bf16) plans")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
+    p.add_argument("--time-budget", type=float, default=4.0, help="seconds of timed steps per plan (default 4)")
+    p.add_argument("--calibration", type=Path, help="a calibration JSON (from a previous --json) instead of measuring")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--json", type=Path, help="write the records and summary here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if "RANK" not in os.environ:
+        from osdp.train import launch_local
+
+        return launch_local(args.nproc, "osdp.validate", argv)
+    from osdp.train import init_from_env
+
+    device = init_from_env(args.device)
+    try:
+        calibration = None
+        if args.calibration is not None:
+            data = json.loads(args.calibration.read_text())
+            calibration = Calibration.from_dict(data.get("calibration", data))
+        result = validate(
+            args.model, device=device, batch_size=args.batch_size, seq_len=args.seq_len, plan_names=args.plans,
+            precisions=("fp32", "bf16") if args.bf16 else ("fp32",), optimizer=args.optimizer,
+            time_budget_s=args.time_budget, calibration=calibration,
+        )
+        if dist.get_rank() == 0:
+            print(f"{args.model}, {result['world_size']} ranks, micro-batch {args.batch_size}, {args.optimizer}, "
+                  f"{result['machine']['processor']}")
+            print(format_report(result["records"], result["summary"]), flush=True)
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(result, indent=1, default=str))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
