@@ -36,7 +36,8 @@ def build_hf_gpt2():
 def test_hf_gpt2_matches_single_process():
     paths = [u.path for u in osdp.discover_units(build_hf_gpt2())]
     assert "lm.transformer.h.0.attn" in paths and "lm.transformer.h.1.mlp" in paths
-    plans = every_mode_plans(paths)
+    plans = every_mode_plans(build_hf_gpt2())
+    assert "split" not in plans  # GPT-2's Conv1D is not an nn.Linear: nothing to split
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randint(0, 64, (4, 16), generator=g),) * 2 for _ in range(STEPS)]
     out = run_ranks(train_under_plans, 2, build_hf_gpt2, batches, [p.to_json() for p in plans.values()])

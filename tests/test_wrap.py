@@ -8,6 +8,7 @@ import torch
 import osdp
 from dist_harness import run_ranks
 from osdp.plan import Plan, UnitPlan
+from osdp.split import splittable_linears
 from toy_models import GPT
 from training_check import STEPS, assert_matches_reference, reference, train_under_plans
 
@@ -25,20 +26,33 @@ def toy_batches(global_batch=8):
     ]
 
 
-def every_mode_plans(paths):
-    """Baselines plus two mixed plans that use every mode with checkpointing on and off."""
+def every_mode_plans(model):
+    """Baselines, two mixed plans that use every mode with checkpointing on and off, and one that
+    splits every unit that can be split (k = 2, 3, 4 in turn) next to replicated and zero2 units."""
+    units = osdp.discover_units(model)
+    paths = [u.path for u in units]
     modes = ["replicate", "zero2", "zero3"]
     mixed_a = Plan([UnitPlan(p, modes[i % 3], checkpoint=i % 2 == 0) for i, p in enumerate(paths)])
     mixed_b = Plan([UnitPlan(p, modes[(i + 1) % 3], checkpoint=i % 2 == 1) for i, p in enumerate(paths)])
+    modules = dict(model.named_modules())
+    split = []
+    for i, u in enumerate(units):
+        nested = {modules[p] for p in u.nested}
+        if splittable_linears(modules[u.path], exclude=nested, root=model):
+            split.append(UnitPlan(u.path, "zero3", split=(2, 3, 4)[i % 3], checkpoint=i % 2 == 0))
+        else:
+            split.append(UnitPlan(u.path, modes[i % 2]))
     plans = {s: Plan.for_strategy(paths, s) for s in ("ddp", "zero2", "fsdp")}
     plans.update(mixed_a=mixed_a, mixed_b=mixed_b)
+    if any(u.split > 1 for u in split):
+        plans["split"] = Plan(split)
     return plans
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_toy_model_matches_single_process(world_size):
-    paths = [u.path for u in osdp.discover_units(build_toy())]
-    plans = every_mode_plans(paths)
+    plans = every_mode_plans(build_toy())
+    assert "split" in plans
     batches = toy_batches()
     out = run_ranks(train_under_plans, world_size, build_toy, batches, [p.to_json() for p in plans.values()])
     assert_matches_reference(out, reference(build_toy, batches), list(plans))
@@ -62,8 +76,8 @@ def reference_batches(name, global_batch=4):
 @pytest.mark.parametrize("name, world_size", [("gpt2-tiny", 2), ("gpt2-tiny", 4), ("bert-tiny", 2), ("llama-tiny", 2)])
 def test_reference_models_match_single_process(name, world_size):
     build = functools.partial(build_reference, name)
-    paths = [u.path for u in osdp.discover_units(build())]
-    plans = every_mode_plans(paths)
+    plans = every_mode_plans(build())
+    assert "split" in plans, f"{name} has no unit that can be split"
     batches = reference_batches(name)
     out = run_ranks(train_under_plans, world_size, build, batches, [p.to_json() for p in plans.values()], timeout=240)
     assert_matches_reference(out, reference(build, batches), list(plans))

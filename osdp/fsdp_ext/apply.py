@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import Sequence
-
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -33,6 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from osdp.distributed import all_gather_objects, world
 from osdp.plan import ROOT, Plan, PlanError, UnitPlan, display_path
+from osdp.split import apply_split, split_parameters, splittable_linears
 from osdp.units import Unit, build_units, structure_signature
 
 _PLAN_ATTR = "_osdp_plan"
@@ -117,10 +116,8 @@ def validate_plan(model: nn.Module, plan: Plan, world_size: int) -> list[Unit]:
             )
         decision = plan.unit(unit.path)
         if decision.split > 1:
-            from osdp.split import splittable_linears
-
             nested = {modules[p] for p in unit.nested}
-            if not splittable_linears(modules[unit.path], exclude=nested):
+            if not splittable_linears(modules[unit.path], exclude=nested, root=model):
                 raise PlanError(
                     f"unit '{unit.name}' cannot be split (split={decision.split}): it holds no Linear large "
                     "enough to split that is not tied to another module; use split=1"
@@ -167,8 +164,13 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None =
     mp_policy = mixed_precision_policy(plan.mixed_precision)
     for unit in units:  # bottom-up, root last
         decision = plan.unit(unit.path)
-        module = modules[unit.path]
-        ignored = _split_unit(module, decision, unit, modules, meshes) if decision.split > 1 else None
+        ignored = None
+        if decision.split > 1:
+            nested = {modules[p] for p in unit.nested}
+            apply_split(modules[unit.path], decision.split, meshes.shard, exclude=nested, root=model,
+                        mp_policy=mp_policy)
+            ignored = split_parameters(model.get_submodule(unit.path))
+        module = model.get_submodule(unit.path)  # a unit that is itself a Linear was just replaced
         if decision.checkpoint:
             _checkpoint(module)
         fully_shard(
@@ -182,14 +184,6 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None =
     return model
 
 
-def _split_unit(module: nn.Module, decision: UnitPlan, unit: Unit, modules, meshes: Meshes) -> set[nn.Parameter]:
-    from osdp.split import apply_split
-
-    nested = {modules[p] for p in unit.nested}
-    apply_split(module, decision.split, meshes.shard, exclude=nested)
-    return {p for m in module.modules() if getattr(m, "is_split_linear", False) for p in m.split_parameters()}
-
-
 def _checkpoint(module: nn.Module) -> None:
     from torch.distributed._composable import checkpoint
 
@@ -201,7 +195,3 @@ def plan_of(model: nn.Module) -> Plan:
     if plan is None:
         raise ValueError("this model has not been wrapped by osdp.wrap")
     return plan
-
-
-def unit_paths(units: Sequence[Unit]) -> list[str]:
-    return [u.path for u in units]
