@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from osdp.fsdp_ext.apply import apply_plan, plan_of
+from osdp.fsdp_ext.apply import apply_plan, ensure_process_group, plan_of
 from osdp.plan import STRATEGIES, Plan, PlanError
 from osdp.units import discover_units
 
@@ -22,19 +22,46 @@ def strategy_plan(model: nn.Module, strategy: str, **settings: Any) -> Plan:
 def wrap(
     model: nn.Module,
     *,
+    device_mem: int | str | None = None,
+    example_input: Any = None,
     plan: Plan | str | None = None,
     strategy: str | None = None,
     device: torch.device | str | None = None,
     mixed_precision: str | None = None,
+    **plan_options: Any,
 ) -> nn.Module:
-    """Apply a plan (a :class:`Plan` or its JSON) or a baseline strategy to ``model`` in place.
+    """Make ``model`` data parallel in place, under a memory budget, a given plan, or a baseline.
 
-    Collective: every rank of the default process group calls it with the same
-    plan. Returns the model, now managed by FSDP2; ``osdp.plan_of(model)`` gives
-    the plan that was applied.
+    * ``wrap(model, device_mem="16GiB", example_input=batch)``: measure, search
+      the fastest plan that fits the budget per rank, apply it (``plan_options``
+      go to :func:`osdp.plan`: ``batch_sizes``, ``optimizer``, ``loss_fn``, and
+      ``planning_device`` for a preset name);
+    * ``wrap(model, plan=plan)``: apply a :class:`Plan` or its JSON;
+    * ``wrap(model, strategy="fsdp")``: a baseline, ``ddp``, ``zero2`` or ``fsdp``.
+
+    Collective: every rank of the default process group calls it the same way.
+    Returns the model, now managed by FSDP2; ``osdp.plan_of(model)`` gives the
+    plan that was applied.
     """
-    if (plan is None) == (strategy is None):
-        raise ValueError("osdp.wrap needs exactly one of plan=... or strategy=... (" + ", ".join(sorted(STRATEGIES)) + ")")
+    given = [name for name, value in (("device_mem", device_mem), ("plan", plan), ("strategy", strategy)) if value is not None]
+    if len(given) != 1:
+        raise ValueError(
+            "osdp.wrap needs exactly one of device_mem=... (with example_input=...), plan=... or strategy=... "
+            f"({', '.join(sorted(STRATEGIES))}); got {given or 'none'}"
+        )
+    if plan_options and device_mem is None:
+        raise ValueError(f"{sorted(plan_options)} only apply with device_mem=...")
+    if device_mem is not None:
+        if example_input is None:
+            raise ValueError("osdp.wrap(device_mem=...) needs example_input=... (one micro-batch) to measure the model")
+        from osdp.planner import plan as search_plan
+
+        ensure_process_group()
+        planning_device = plan_options.pop("planning_device", None)
+        plan = search_plan(
+            model, device_mem=device_mem, example_input=example_input, device=planning_device,
+            mixed_precision=mixed_precision or "fp32", **plan_options,
+        )
     if isinstance(plan, str):
         plan = Plan.from_json(plan)
     if strategy is not None:

@@ -35,9 +35,15 @@ from osdp.report import format_bytes, format_table, plan_table
 from osdp.units import build_units
 
 
+DEFAULT_BUDGET = "6MiB"  # for gpt2-tiny at batch 8 x 64 on 2 ranks: a mixed plan (the full range is ~4-8 MiB)
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt2-tiny", help=f"reference model ({', '.join(models.names())})")
     how = p.add_mutually_exclusive_group()
+    how.add_argument("--device-mem", default=None,
+                     help=f"memory budget per rank (e.g. 16GiB): search the fastest plan that fits "
+                          f"(the default, at {DEFAULT_BUDGET} for the default model)")
     how.add_argument("--strategy", choices=["ddp", "zero2", "fsdp"], help="a baseline: every unit in one mode")
     how.add_argument("--plan", type=Path, help="a Plan JSON file (osdp plan --json writes one)")
     p.add_argument("--batch-size", type=int, default=8, help="micro-batch per rank (default 8)")
@@ -117,11 +123,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     seq_len = args.seq_len or config.seq_len
 
     torch.manual_seed(args.seed)  # every rank builds the same initial model
-    model = models.build(args.model)
+    model = models.build(args.model).to(device)
+    data = batches(config, args, rank, world_size, seq_len, device)
     if args.plan is not None:
         plan = Plan.from_json(args.plan.read_text())
+    elif args.strategy is not None:
+        plan = osdp.strategy_plan(model, args.strategy)
     else:
-        plan = osdp.strategy_plan(model, args.strategy or "fsdp")
+        first_batch = next(batches(config, args, rank, world_size, seq_len, device))
+        plan = osdp.plan(model, device_mem=args.device_mem or DEFAULT_BUDGET, example_input=first_batch,
+                         mixed_precision=args.mixed_precision or "fp32")
     if args.mixed_precision:
         plan.mixed_precision = args.mixed_precision
     plan = complete_plan(model, plan)
@@ -131,7 +142,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(plan_table(plan, units), flush=True)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    data = batches(config, args, rank, world_size, seq_len, device)
     memory_step = min(args.warmup, args.steps - 1)  # measured apart: the CPU tracker slows its step
     losses, step_times, peak, breakdown = [], [], None, None
     for step in range(args.steps):

@@ -46,6 +46,9 @@ class BudgetTooSmall(ValueError):
             f"({self.min_peak_bytes} bytes){at}"
         )
 
+    def __reduce__(self):  # keeps the fields when sent to other ranks
+        return type(self), (self.budget, self.min_peak_bytes, self.batch_size)
+
 
 def _int_array(name: str, a: Any, shape: tuple[int, ...]) -> np.ndarray:
     a = np.asarray(a)

@@ -1,0 +1,131 @@
+"""From a model and a budget to a Plan: describe, cost, search.
+
+``osdp.plan(model, device_mem=..., example_input=...)`` measures the model
+(``osdp.profile``) and the machine (``osdp.device``), builds one search
+problem per candidate micro-batch size with the cost model (``osdp.cost``),
+and returns the fastest plan (most samples/s) whose predicted peak fits the
+budget. In a multi-rank job the collectives are measured by every rank, the
+model is described and searched on rank 0 only, and the plan (or rank 0's
+error) is broadcast, so every rank ends with the same plan or the same error.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from osdp.cost import build_problem, plan_from_choice
+from osdp.device import DeviceInfo, device_preset, measure_device, parse_size
+from osdp.distributed import broadcast_object, world
+from osdp.plan import Plan
+from osdp.profile import ModelDescription, batch_size_of, describe
+from osdp.search import BudgetTooSmall, FrontierPoint, Problem, pareto_frontier, sweep_batch_sizes
+from osdp.units import structure_signature
+
+
+@dataclass
+class SearchResult:
+    plan: Plan
+    problems: list[Problem]  # one per candidate micro-batch size
+    search_seconds: float
+
+    def frontier(self, max_peak: int | None = None) -> list[FrontierPoint]:
+        """Throughput vs memory over every candidate batch size (Pareto-optimal points)."""
+        return pareto_frontier(self.problems, max_peak=max_peak)
+
+
+def search(
+    description: ModelDescription,
+    device_info: DeviceInfo,
+    batch_sizes: Sequence[int],
+    *,
+    mixed_precision: str = "fp32",
+    optimizer: str = "adamw",
+    model_signature: str | None = None,
+) -> SearchResult:
+    """The best plan for ``description`` on ``device_info`` (its memory is the budget)."""
+    budget = device_info.memory_bytes
+    problems = [
+        build_problem(description, device_info, b, precision=mixed_precision, optimizer=optimizer)
+        for b in batch_sizes
+    ]
+    start = time.perf_counter()
+    sweep = sweep_batch_sizes(problems, budget)  # raises BudgetTooSmall naming the minimum and its batch size
+    seconds = time.perf_counter() - start
+    best = sweep.best
+    problem = next(p for p in problems if p.batch_size == best.batch_size)
+    plan = plan_from_choice(
+        problem,
+        best.choice,
+        mixed_precision=mixed_precision,
+        world_size=device_info.world_size,
+        model_signature=model_signature,
+        predicted_step_s=best.step_time,
+        predicted_peak_bytes=best.peak_bytes,
+        meta={
+            "budget_bytes": budget,
+            "device": device_info.name,
+            "optimizer": optimizer,
+            "search_seconds": seconds,
+            "slack_bytes": best.slack_bytes,
+            "predicted_samples_per_s": best.samples_per_s,
+        },
+    )
+    return SearchResult(plan, problems, seconds)
+
+
+def plan(
+    model: nn.Module,
+    *,
+    device_mem: int | str,
+    example_input: Any,
+    batch_sizes: Sequence[int] | None = None,
+    device: str | DeviceInfo | None = None,
+    mixed_precision: str = "fp32",
+    optimizer: str = "adamw",
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> Plan:
+    """The fastest plan for ``model`` under ``device_mem`` per rank, without applying it.
+
+    ``example_input``: one micro-batch as the model takes it (a tensor, a tuple
+    of positional arguments or a dict of keyword arguments; batch in dim 0).
+    ``batch_sizes``: candidate micro-batch sizes (default: the example's).
+    ``device``: None measures this machine on the live process group; a preset
+    name (``osdp.device.list_presets()``) or a DeviceInfo plans without it.
+    Collective when a process group exists: call it on every rank.
+    """
+    budget = parse_size(device_mem)
+    _, world_size = world()
+    if isinstance(device, DeviceInfo):
+        device_info = device
+    elif isinstance(device, str):
+        device_info = device_preset(device, world_size, memory=budget)
+    else:
+        device_info = measure_device(budget)  # collective: every rank takes part
+    rank, _ = world()
+    outcome: tuple[str, Any]
+    if rank == 0:
+        try:
+            description = describe(model, example_input, loss_fn=loss_fn, precisions=(mixed_precision,))
+            candidates = list(batch_sizes or [batch_size_of(example_input)])
+            result = search(
+                description, device_info, candidates, mixed_precision=mixed_precision, optimizer=optimizer,
+                model_signature=structure_signature(model),
+            )
+            outcome = ("plan", result.plan.to_json())
+        except Exception as e:  # noqa: BLE001 - every rank must raise it, not wait forever
+            outcome = ("error", e)
+    else:
+        outcome = ("", None)
+    outcome = broadcast_object(outcome)
+    kind, payload = outcome
+    if kind == "error":
+        raise payload
+    return Plan.from_json(payload)
+
+
+__all__ = ["BudgetTooSmall", "SearchResult", "plan", "search"]

@@ -1,0 +1,38 @@
+"""osdp.wrap(model, device_mem=..., example_input=...) searches once, agrees on every rank, and fits."""
+
+import torch
+
+import osdp
+from dist_harness import run_ranks
+from osdp import models
+from osdp.data import synthetic_batch
+
+
+def _wrap_with_budget(rank, world_size, budget):
+    torch.manual_seed(0)
+    model = models.build("gpt2-tiny", seq_len=32)
+    config = models.get_config("gpt2-tiny", seq_len=32)
+    # each rank's example batch differs: the plan must still be rank 0's, everywhere
+    batch = synthetic_batch(config, 4, 32, generator=torch.Generator().manual_seed(rank))
+    try:
+        osdp.wrap(model, device_mem=budget, example_input=batch)
+    except osdp.BudgetTooSmall as e:
+        return ("too small", e.min_peak_bytes, e.batch_size, str(e))
+    plan = osdp.plan_of(model)
+    loss = model(*batch)
+    loss.backward()  # the plan runs
+    return ("ok", plan.hash, plan.predicted_peak_bytes, [u.mode for u in plan.units], plan.meta["budget_bytes"])
+
+
+def test_wrap_searches_once_and_every_rank_applies_the_same_plan():
+    tight, loose, tiny = run_ranks(_wrap_with_budget, 2, "4GiB", timeout=240), None, None
+    assert tight[0][0] == "ok" and tight[0][1] == tight[1][1]
+    assert set(tight[0][3]) == {"replicate"}  # everything fits replicated: the fastest
+    tiny = run_ranks(_wrap_with_budget, 2, "64KiB", timeout=240)
+    assert tiny[0][0] == tiny[1][0] == "too small"  # the same error on every rank
+    minimum, batch_size = tiny[0][1], tiny[0][2]
+    assert batch_size == 4 and minimum > 64 * 1024 and "at micro-batch 4" in tiny[0][3]
+    # just above the minimum, a plan fits, and it cannot be all-replicate
+    fits = run_ranks(_wrap_with_budget, 2, minimum + 1024, timeout=240)
+    assert fits[0][0] == "ok" and fits[0][2] <= minimum + 1024 and fits[0][1] == fits[1][1]
+    assert set(fits[0][3]) != {"replicate"}
