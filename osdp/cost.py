@@ -94,6 +94,7 @@ class Calibration:
 
     unit_overhead_s: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(MODES, 0.0))
     param_overhead_s: float = 0.0  # per parameter tensor of a unit, per step (FSDP's per-parameter work)
+    checkpoint_overhead_s: float = 0.0  # per checkpointed unit, per step (beyond the recomputed forward)
     optimizer_tensor_s: float = 0.0  # per parameter tensor, per optimizer step (DTensor dispatch)
     slice_overhead_s: float = 0.0  # per split slice gathered or reduced
     copy_s_per_byte: float = 0.0  # memcpy into and out of collective buffers
@@ -111,6 +112,7 @@ class Calibration:
         return {
             "unit_overhead_s": dict(self.unit_overhead_s),
             "param_overhead_s": self.param_overhead_s,
+            "checkpoint_overhead_s": self.checkpoint_overhead_s,
             "optimizer_tensor_s": self.optimizer_tensor_s,
             "slice_overhead_s": self.slice_overhead_s,
             "copy_s_per_byte": self.copy_s_per_byte,
@@ -279,6 +281,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     exposed = max(comm - overlap * compute, 0.0)
     overhead = (
         cal.unit_overhead_s.get(mode, 0.0) + cal.param_overhead_s * len(fsdp_shapes)
+        + (cal.checkpoint_overhead_s if ckpt else 0.0)
         + cal.slice_overhead_s * slices + cal.copy_s_per_byte * copied
     )
     optimizer_s = (

@@ -56,7 +56,16 @@ import torch.nn as nn
 
 from osdp.memory import CATEGORIES, LiveBytesTracker
 from osdp.plan import ROOT, display_path
-from osdp.units import Unit, _common_ancestor, _is_within, _param_owners, build_units, count_calls, discover_units
+from osdp.units import (
+    Unit,
+    _common_ancestor,
+    _is_within,
+    _param_owners,
+    build_units,
+    count_calls,
+    discover_units,
+    structure_signature,
+)
 
 PROFILE_VERSION = 1  # bump when what is measured changes: old cache entries are ignored
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -95,8 +104,9 @@ class Affine:
         xs, ys = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
         if len(set(xs.tolist())) < 2:
             return cls(0.0, float(ys.mean() / xs.mean()))
-        slope, intercept = np.polyfit(xs, ys, 1)
-        return cls(float(intercept), float(slope))
+        dx = xs - xs.mean()  # centred: exact for points on a line (byte counts are)
+        slope = float((dx * (ys - ys.mean())).sum() / (dx * dx).sum())
+        return cls(float(ys.mean() - slope * xs.mean()), slope)
 
     @classmethod
     def zero(cls) -> "Affine":
@@ -588,23 +598,43 @@ def _check_units(model: nn.Module, units: Sequence[Unit], counts: Mapping[str, i
             )
 
 
+def resolve_units(model: nn.Module, batch: Any, loss_fn, units: Sequence[Unit] | None) -> list[Unit]:
+    """The units to describe, after a checked forward that names the unit that fails, if one does.
+
+    Default units come from ``osdp.discover_units`` with call counts, so a
+    module that runs twice per forward is merged into its parent; given units
+    that run twice or own no parameters are refused.
+    """
+    counts = count_calls(model, lambda: _checked_forward(model, units, batch, loss_fn))
+    if units is None:
+        return discover_units(model, counts)
+    units = build_units(model, [u.path for u in units])
+    _check_units(model, units, counts)
+    return units
+
+
 def _median_by_key(runs: list[dict]) -> dict:
     keys = set().union(*runs)
     return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
 
 
-def _measure_at(
-    model: nn.Module, units: Sequence[Unit], batch: Any, loss_fn, repeats: int, param_keys: set[int]
-) -> dict[str, Any]:
-    """Memory attribution (one step) and per-unit times (median of ``repeats``) at one batch size."""
+def memory_pass(
+    model: nn.Module, units: Sequence[Unit], batch: Any, loss_fn, also: Callable[[str, str], None] | None = None
+) -> tuple[dict[str, dict[str, int]], list[str]]:
+    """One forward and backward under ``osdp.memory.LiveBytesTracker``: per unit its saved bytes
+    (act, ckpt) and working-set peaks (see ``_working_sets``), and the units' forward order.
+
+    ``also(owner, phase)`` is called at every segment boundary too (the analytic
+    description counts FLOPs there). Works on real and on fake tensors.
+    """
     model.zero_grad(set_to_none=True)
+    param_keys = {_storage_key(p) for p in model.parameters()}
     # per segment: phase, owner, the owner's saved bytes plus temporaries at the segment's peak, root saved live
     segments_seen: list[tuple[str, str, int, int]] = []
-    batch_tensors = list(_tensors(batch))
-    with LiveBytesTracker(model, *batch_tensors) as tracker:
-        last_root = 0
-
-        pending: dict[str, list[nn.Parameter]] = {}  # gradients of a unit whose backward is running
+    pending: dict[str, list[nn.Parameter]] = {}  # gradients of a unit whose backward is running
+    memory: dict[str, dict[str, int]] = {}
+    last_root = root_total = 0
+    with LiveBytesTracker(model, *_tensors(batch)) as tracker:
 
         def on_close(owner: str, phase: str) -> None:
             nonlocal last_root
@@ -622,6 +652,8 @@ def _measure_at(
             segments_seen.append((phase, owner, working, max(last_root, root)))
             last_root = root
             tracker.reset_peak()
+            if also is not None:
+                also(owner, phase)
 
         segments = Segments(model, units, on_close)
         saved = _Saved(segments, param_keys, chain=tracker._pack)
@@ -631,8 +663,6 @@ def _measure_at(
             for p in model.parameters()
             if p.requires_grad and (home := segments.homes[id(p)]) not in enclosing
         ]
-        memory: dict[str, dict[str, int]] = {}
-        root_total = 0
 
         def after_forward() -> None:
             nonlocal root_total
@@ -645,9 +675,14 @@ def _measure_at(
         finally:
             for h in grad_hooks:
                 h.remove()
+    model.zero_grad(set_to_none=True)
     _working_sets(memory, segments_seen, root_total)
-    order = list(segments.finished)
+    return memory, list(segments.finished)
 
+
+def _time_at(model: nn.Module, units: Sequence[Unit], batch: Any, loss_fn, repeats: int) -> dict[str, Any]:
+    """Per-unit seconds (medians over ``repeats`` hooked steps), scaled so that they add up to the
+    median plain step (hooks cost a few percent; plain and hooked steps alternate)."""
     timed, plain = [], []
     for _ in range(repeats):
         model.zero_grad(set_to_none=True)
@@ -661,13 +696,13 @@ def _measure_at(
         _step(model, batch, loss_fn)
         plain.append(time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
-    seconds = _median_by_key(timed)
+    step_s = statistics.median(plain)
+    medians = _median_by_key(timed)
+    scale = step_s / sum(medians.values())
     return {
-        "memory": memory,
-        "order": order,
-        "seconds": seconds,
-        "step_s": statistics.median(plain),
-        "units_s": statistics.median(sum(t.values()) for t in timed),
+        "seconds": {k: v * scale for k, v in medians.items()},
+        "step_s": step_s,
+        "hooked_step_s": statistics.median(sum(t.values()) for t in timed),
     }
 
 
@@ -737,17 +772,22 @@ def average_repeated(units: Sequence[Unit], per_unit: Mapping[str, Mapping[str, 
     return out
 
 
-def _fit_costs(units: Sequence[Unit], sizes: Sequence[int], measured: Mapping[int, dict]) -> dict[str, UnitCosts]:
+def fit_costs(
+    units: Sequence[Unit],
+    sizes: Sequence[int],
+    memory: Mapping[int, Mapping[str, Mapping[str, float]]],
+    seconds: Mapping[int, Mapping[tuple[str, str], float]],
+    flops: Mapping[int, Mapping[tuple[str, str], float]] | None = None,
+) -> dict[str, UnitCosts]:
+    """UnitCosts per unit from measurements at each size: times averaged over identical units,
+    memory exact per unit (a unit's place in the schedule matters), all fitted linear in b."""
     paths = [u.path for u in units]
-    times = {
-        b: average_repeated(
-            units,
-            {p: {ph: measured[b]["seconds"].get((ph, p), 0.0) for ph in PHASES} for p in paths},
-            statistics.fmean,
-        )
-        for b in sizes
-    }
-    mems = {b: measured[b]["memory"] for b in sizes}  # exact per unit (a unit's place in the schedule matters)
+
+    def by_unit(table: Mapping[tuple[str, str], float]) -> dict[str, dict[str, float]]:
+        return {p: {ph: table.get((ph, p), 0.0) for ph in PHASES} for p in paths}
+
+    times = {b: average_repeated(units, by_unit(seconds[b]), statistics.fmean) for b in sizes}
+    counts = {b: by_unit(flops[b]) for b in sizes} if flops is not None else None
 
     def fit(table: Mapping[int, Mapping[str, Mapping[str, float]]], path: str, key: str) -> Affine:
         return Affine.fit(sizes, [table[b][path].get(key, 0) for b in sizes])
@@ -756,11 +796,13 @@ def _fit_costs(units: Sequence[Unit], sizes: Sequence[int], measured: Mapping[in
         p: UnitCosts(
             fwd_s=fit(times, p, "fwd"),
             bwd_s=fit(times, p, "bwd"),
-            act_bytes=fit(mems, p, "act"),
-            ckpt_bytes=fit(mems, p, "ckpt"),
-            fwd_peak_bytes=fit(mems, p, "fwd_peak"),
-            bwd_peak_bytes=fit(mems, p, "bwd_peak"),
-            recompute_peak_bytes=fit(mems, p, "recompute_peak"),
+            act_bytes=fit(memory, p, "act"),
+            ckpt_bytes=fit(memory, p, "ckpt"),
+            fwd_peak_bytes=fit(memory, p, "fwd_peak"),
+            bwd_peak_bytes=fit(memory, p, "bwd_peak"),
+            recompute_peak_bytes=fit(memory, p, "recompute_peak"),
+            fwd_flops=fit(counts, p, "fwd") if counts else None,
+            bwd_flops=fit(counts, p, "bwd") if counts else None,
         )
         for p in paths
     }
@@ -852,12 +894,7 @@ def describe(
     show = _Progress(progress, name)
 
     show("checking the forward")
-    counts = count_calls(model, lambda: _checked_forward(model, units, resize_batch(example_input, sizes[0]), loss_fn))
-    if units is None:
-        units = discover_units(model, counts)
-    else:
-        units = build_units(model, [u.path for u in units])
-    _check_units(model, units, counts)
+    units = resolve_units(model, resize_batch(example_input, sizes[0]), loss_fn, units)
 
     key_parts = {
         "version": PROFILE_VERSION, "model": model_fingerprint(model), "units": [u.path for u in units],
@@ -876,8 +913,6 @@ def describe(
         except (ValueError, KeyError, TypeError):
             pass  # unreadable entry (older format): measure again
 
-    from osdp.units import structure_signature
-
     saved_grads = {p: p.grad for p in params}
     costs: dict[str, dict[str, UnitCosts]] = {}
     checks: dict[str, Any] = {}
@@ -887,17 +922,18 @@ def describe(
             for prec in precisions:
                 runnable = model if prec == "fp32" else _copy_in(model, PRECISIONS[prec])
                 runnable_units = build_units(runnable, [u.path for u in units])
-                param_keys = {_storage_key(p) for p in runnable.parameters()}
                 show(f"{prec}: warm-up")
                 step_s = _warm_up(runnable, resize_batch(example_input, sizes[-1]), loss_fn)
                 reps = repeats or max(2, min(7, int(time_budget_s / len(precisions) / max(step_s, 1e-4) / 2.5 / len(sizes))))
-                measured = {}
+                memory, seconds = {}, {}
                 for i, b in enumerate(sizes):
                     show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps")
-                    measured[b] = _measure_at(runnable, runnable_units, resize_batch(example_input, b), loss_fn, reps, param_keys)
-                costs[prec] = _fit_costs(runnable_units, sizes, measured)
-                order = measured[sizes[-1]]["order"]
-                checks[prec] = {str(b): {"step_s": m["step_s"], "units_s": m["units_s"]} for b, m in measured.items()}
+                    batch = resize_batch(example_input, b)
+                    memory[b], order = memory_pass(runnable, runnable_units, batch, loss_fn)
+                    timing = _time_at(runnable, runnable_units, batch, loss_fn, reps)
+                    seconds[b] = timing["seconds"]
+                    checks.setdefault(prec, {})[str(b)] = {k: timing[k] for k in ("step_s", "hooked_step_s")}
+                costs[prec] = fit_costs(runnable_units, sizes, memory, seconds)
                 if runnable is not model:
                     del runnable
             show("timing the optimizers")

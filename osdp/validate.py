@@ -30,6 +30,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -123,10 +124,17 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def run_plans(
-    build: Callable[[], nn.Module],
-    plans: dict[str, Plan],
-    batch: Any,
+@dataclass
+class Job:
+    """One plan to train: how to build the model, the plan, this rank's batch."""
+
+    build: Callable[[], nn.Module]
+    plan: Plan
+    batch: Any
+
+
+def run_jobs(
+    jobs: dict[str, Job],
     *,
     device: torch.device,
     rounds: int = 3,
@@ -134,35 +142,34 @@ def run_plans(
     progress: Callable[[str], None] | None = None,
     **kwargs: Any,
 ) -> dict[str, dict[str, Any]]:
-    """Collective: ``run_plan`` for each plan, round-robin over ``rounds`` rounds.
+    """Collective: ``run_plan`` for each job, round-robin over ``rounds`` rounds.
 
-    Interleaving spreads slow phases of a shared machine over all plans
-    instead of penalising whichever plan ran then. Per plan: the median step
-    time over all timed steps (the slowest rank's), and the largest peak over
-    ranks (measured in the first round).
+    Interleaving spreads the slow phases of a shared machine over all jobs
+    instead of penalising whichever ran then. Per job: the median step time
+    over all timed steps (the slowest rank's), and the largest peak over ranks
+    (measured in the first round).
     """
-    steps: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in plans}
+    steps: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in jobs}
     peaks: dict[str, list[dict[str, Any]]] = {}
     for r in range(rounds):
-        for i, (name, plan) in enumerate(plans.items()):
-            mine = run_plan(build, plan, batch, device=device, time_budget_s=time_budget_s / rounds,
+        for i, (name, job) in enumerate(jobs.items()):
+            mine = run_plan(job.build, job.plan, job.batch, device=device, time_budget_s=time_budget_s / rounds,
                             measure_memory=r == 0, **kwargs)
             ranks = all_gather_objects(mine)
             steps[name].append(ranks)
             if r == 0:
                 peaks[name] = [{"peak_bytes": x["peak_bytes"], "peak_breakdown": x["peak_breakdown"]} for x in ranks]
             if progress:
-                progress(f"round {r + 1}/{rounds}, plan {i + 1}/{len(plans)} {name}")
+                progress(f"round {r + 1}/{rounds}, {i + 1}/{len(jobs)} {name}")
     out = {}
-    for name in plans:
-        n_ranks = len(steps[name][0])
+    for name in jobs:
         per_rank = [
             {
                 "step_s": statistics.median(t for rnd in steps[name] for t in rnd[k]["step_s"]),
                 "fwd_bwd_s": statistics.median(t for rnd in steps[name] for t in rnd[k]["fwd_bwd_s"]),
                 **peaks[name][k],
             }
-            for k in range(n_ranks)
+            for k in range(len(steps[name][0]))
         ]
         out[name] = {
             "measured_step_s": max(r["step_s"] for r in per_rank),
@@ -219,6 +226,114 @@ def measure_copy_rate(device: torch.device, nbytes: int = 16 * 2**20, repeats: i
     return statistics.median(times[1:]) / nbytes
 
 
+def can_split(device: torch.device) -> bool:
+    """Collective: whether this build of osdp applies split plans (every rank finds the same)."""
+    import osdp
+
+    net = CalibrationNet().to(device)
+    plan = Plan([UnitPlan(u.path, "zero3", split=1 if u.path == ROOT else 2) for u in osdp.discover_units(net)])
+    try:
+        osdp.wrap(net, plan=plan, device=device)
+        return True
+    except (RuntimeError, ValueError):
+        return False
+
+
+CALIBRATION_BATCH = 4
+
+
+def calibration_jobs(
+    device: torch.device, *, optimizer: str = "adamw", splits: bool = True
+) -> tuple[dict[str, Job], dict[int, ModelDescription]]:
+    """Collective: the synthetic-model jobs ``fit_calibration`` needs, and the nets' descriptions.
+
+    Two nets (units of 2 and of 4 Linears, so per-unit and per-parameter costs
+    separate), each under every mode, zero3 with checkpointing, and zero3 with
+    split 2.
+    """
+    from osdp.plan import MODES
+
+    jobs: dict[str, Job] = {}
+    descriptions: dict[int, ModelDescription] = {}
+    for linears in (2, 4):
+        build = lambda linears=linears: CalibrationNet(linears=linears)  # noqa: E731
+        g = torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+        batch = (torch.randn(CALIBRATION_BATCH, 64, generator=g).to(device),)
+        torch.manual_seed(0)
+        description = describe(build().to(device), batch, cache=False, progress=False, optimizers=(optimizer,), repeats=5)
+        descriptions[linears] = broadcast_object(description)
+        paths = descriptions[linears].paths
+
+        def plan(mode: str, split: int = 1, ckpt: bool = False) -> Plan:
+            return Plan([UnitPlan(p, mode, 1 if p == ROOT else split, ckpt and p != ROOT) for p in paths],
+                        batch_size=CALIBRATION_BATCH)
+
+        for mode in MODES:
+            jobs[f"calibration-{linears}-{mode}"] = Job(build, plan(mode), batch)
+        jobs[f"calibration-{linears}-ckpt"] = Job(build, plan("zero3", ckpt=True), batch)
+        if splits:
+            jobs[f"calibration-{linears}-split"] = Job(build, plan("zero3", split=2), batch)
+    return jobs, descriptions
+
+
+def fit_calibration(
+    descriptions: dict[int, ModelDescription],
+    jobs: dict[str, Job],
+    measured: dict[str, dict[str, Any]],
+    device_info: DeviceInfo,
+    *,
+    copy_s_per_byte: float,
+    overlap: float | None,
+    optimizer: str = "adamw",
+) -> Calibration:
+    """What the cost model without runtime overheads does not explain on the calibration jobs, attributed:
+    a fixed cost per unit by mode and per parameter tensor (FSDP2's hooks and bookkeeping, nnls), per
+    checkpointed unit, per split slice, per parameter tensor in the optimizer step (DTensor dispatch),
+    and the memory margin (median of measured minus modelled peak)."""
+    from scipy.optimize import nnls
+
+    from osdp.plan import MODES
+
+    base = Calibration(copy_s_per_byte=copy_s_per_byte, overlap=overlap, source="partial")
+    rows, residuals, opt_rows, margins, ckpt, slices = [], [], [], [], [], []
+    residual: dict[str, float] = {}
+    for name, job in jobs.items():
+        description = descriptions[int(name.split("-")[1])]
+        pred = predict(description, job.plan, device_info, optimizer=optimizer, calibration=base)
+        opt_pred = pred.breakdown["totals"]["optimizer_s"]
+        m = measured[name]
+        residual[name] = m["measured_fwd_bwd_s"] - (pred.step_s - opt_pred)
+        n_params = sum(len(u.param_shapes) for u in description.units)
+        opt_rows.append((m["measured_step_s"] - m["measured_fwd_bwd_s"] - opt_pred) / n_params)
+        margins.append(m["measured_peak_bytes"] - pred.peak_bytes)
+        mode = name.rsplit("-", 1)[1]
+        if mode in MODES:
+            rows.append([len(description.units) * (mode == m_) for m_ in MODES] + [n_params])
+            residuals.append(residual[name])
+    coef, _ = nnls(np.array(rows, dtype=float), np.array(residuals, dtype=float))
+    param_overhead = float(coef[-1])
+    for linears, description in descriptions.items():
+        blocks = [u for u in description.units if u.path != ROOT]
+        zero3 = residual[f"calibration-{linears}-zero3"]
+        ckpt.append((residual[f"calibration-{linears}-ckpt"] - zero3) / len(blocks))
+        if f"calibration-{linears}-split" in residual:
+            weights = sum(len(u.split_shapes) for u in blocks)
+            # a split weight leaves FSDP (one parameter less) and moves in 2 slices: 2 gathers, 1 reduce each
+            extra = residual[f"calibration-{linears}-split"] - zero3 + param_overhead * weights
+            slices.append(extra / (3 * 2 * weights))
+    return Calibration(
+        unit_overhead_s={mode: float(c) for mode, c in zip(MODES, coef)},
+        param_overhead_s=param_overhead,
+        checkpoint_overhead_s=max(0.0, statistics.median(ckpt)),
+        optimizer_tensor_s=max(0.0, statistics.median(opt_rows)),
+        slice_overhead_s=max(0.0, statistics.median(slices)) if slices else 0.0,
+        copy_s_per_byte=copy_s_per_byte,
+        overlap=overlap,
+        margin_bytes=max(0, int(statistics.median(margins))),
+        source=f"measured on {device_info.name}, {device_info.world_size} ranks, {time.strftime('%Y-%m-%d')}",
+    )
+
+
 def measure_calibration(
     device_info: DeviceInfo,
     device: torch.device,
@@ -226,81 +341,22 @@ def measure_calibration(
     optimizer: str = "adamw",
     progress: Callable[[str], None] | None = None,
 ) -> Calibration:
-    """Collective: FSDP2's runtime overheads and the memory margin on this machine and world size.
-
-    Trains ``CalibrationNet`` (units with 2 and with 4 Linears, so per-unit and
-    per-parameter costs separate) under every mode and under split, and
-    attributes what the cost model without overheads does not explain:
-    a fixed cost per unit by mode and per parameter tensor (FSDP2's hooks and
-    bookkeeping), per split slice, per parameter tensor in the optimizer step
-    (DTensor dispatch), and the memory margin (median of measured minus
-    modelled peak). Copies in and out of collective buffers are costed at the
-    measured memcpy rate.
-    """
-    from scipy.optimize import nnls
-
-    from osdp.plan import MODES
-
-    say = progress or (lambda _: None)
-    copy = measure_copy_rate(device)
-    overlap = 0.0 if device.type == "cpu" else None
-    base = Calibration(copy_s_per_byte=copy, overlap=overlap, source="partial")
-    rows, residuals, opt_rows, margins = [], [], [], []
-    split_runs = []  # (split residual - zero3 residual, split weights, slices)
-    for linears in (2, 4):
-        build = lambda linears=linears: CalibrationNet(linears=linears)  # noqa: E731
-        g = torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0)
-        batch = (torch.randn(4, 64, generator=g).to(device),)
-        torch.manual_seed(0)
-        net = build().to(device)
-        description = broadcast_object(describe(net, batch, cache=False, progress=False, optimizers=(optimizer,), repeats=5))
-        del net
-        paths = description.paths
-        plans = {mode: Plan([UnitPlan(p, mode) for p in paths], batch_size=4) for mode in MODES}
-        split = Plan([UnitPlan(p, "zero3", split=1 if p == ROOT else 2) for p in paths], batch_size=4)
-        say(f"calibrating FSDP overheads ({linears} Linears per unit)")
-        measured = run_plans(build, plans, batch, device=device, optimizer=optimizer, time_budget_s=1.5)
-        try:  # every rank fails alike if splitting cannot be applied, before any collective of the step
-            measured["split"] = run_plans(build, {"split": split}, batch, device=device, optimizer=optimizer,
-                                          time_budget_s=1.5)["split"]
-            plans["split"] = split
-        except RuntimeError as e:
-            say(f"split plans cannot run here, slice overhead not measured: {e}")
-        n_params = sum(len(u.param_shapes) for u in description.units)
-        residual = {}
-        for name, plan in plans.items():
-            pred = predict(description, plan, device_info, optimizer=optimizer, calibration=base)
-            opt_pred = pred.breakdown["totals"]["optimizer_s"]
-            m = measured[name]
-            residual[name] = m["measured_fwd_bwd_s"] - (pred.step_s - opt_pred)
-            opt_rows.append((m["measured_step_s"] - m["measured_fwd_bwd_s"] - opt_pred) / n_params)
-            margins.append(m["measured_peak_bytes"] - pred.peak_bytes)
-            if name in MODES:
-                rows.append([len(paths) * (mode == name) for mode in MODES] + [n_params])
-                residuals.append(residual[name])
-        if "split" in residual:
-            split_weights = sum(len(u.split_shapes) for u in description.units)
-            split_runs.append((residual["split"] - residual["zero3"], split_weights, 3 * 2 * split_weights))
-    coef, _ = nnls(np.array(rows, dtype=float), np.array(residuals, dtype=float))
-    param_overhead = float(coef[-1])
-    # a split weight leaves FSDP (one parameter less to manage) and moves in 2 slices each way
-    per_slice = [max(0.0, (extra + param_overhead * weights) / slices) for extra, weights, slices in split_runs]
-    return Calibration(
-        unit_overhead_s={mode: float(c) for mode, c in zip(MODES, coef)},
-        param_overhead_s=param_overhead,
-        optimizer_tensor_s=max(0.0, statistics.median(opt_rows)),
-        slice_overhead_s=statistics.median(per_slice) if per_slice else 0.0,
-        copy_s_per_byte=copy,
-        overlap=overlap,
-        margin_bytes=max(0, int(statistics.median(margins))),
-        source=f"measured on {device_info.name}, {device_info.world_size} ranks, {time.strftime('%Y-%m-%d')}",
+    """Collective: FSDP2's runtime overheads and the memory margin on this machine and world size
+    (``calibration_jobs`` trained, then ``fit_calibration``)."""
+    jobs, descriptions = calibration_jobs(device, optimizer=optimizer, splits=can_split(device))
+    measured = run_jobs(jobs, device=device, optimizer=optimizer, time_budget_s=1.5, progress=progress)
+    return fit_calibration(
+        descriptions, jobs, measured, device_info, copy_s_per_byte=measure_copy_rate(device),
+        overlap=0.0 if device.type == "cpu" else None, optimizer=optimizer,
     )
 
 
 # --------------------------------------------------------------------------- plans
 
 
-def default_plans(description: ModelDescription, batch_size: int, world_size: int) -> dict[str, Plan]:
+def default_plans(
+    description: ModelDescription, batch_size: int, world_size: int, *, splits: bool = True
+) -> dict[str, Plan]:
     """The four baselines and mixed plans using every mode, split, checkpointing and bf16 (if described).
 
     Blocks alternate between their first and second kind of unit (attention,
@@ -337,13 +393,19 @@ def default_plans(description: ModelDescription, batch_size: int, world_size: in
         "ddp-ckpt": plan(lambda u: ("replicate", 1, block(u))),
         "mixed-rep-z3": plan(lambda u: ("replicate", 1, False) if u.signature == first else ("zero3", 1, False)),
         "mixed-z2-ckpt": plan(lambda u: ("zero2", 1, True) if u.signature == first else ("zero3", 1, False)),
-        "split2": plan(lambda u: ("zero3", 2, False)),
-        "split4-ckpt": plan(lambda u: ("zero3", 4, block(u) and u.signature != first)),
-        "mixed-all": plan(
+    }
+    if splits:
+        plans["split2"] = plan(lambda u: ("zero3", 2, False))
+        plans["split4-ckpt"] = plan(lambda u: ("zero3", 4, block(u) and u.signature != first))
+        plans["mixed-all"] = plan(
             lambda u: ("replicate", 1, True) if u.signature == first
             else ("zero3", 2, False) if block(u) else ("zero2", 1, False)
-        ),
-    }
+        )
+    else:
+        plans["mixed-all"] = plan(
+            lambda u: ("replicate", 1, True) if u.signature == first
+            else ("zero3", 1, False) if block(u) else ("zero2", 1, False)
+        )
     if "bf16" in description.precisions:
         plans["fsdp-bf16"] = plan(lambda u: ("zero3", 1, False), "bf16")
         plans["mixed-bf16"] = plan(
@@ -417,10 +479,15 @@ def validate(
     plan_names: Sequence[str] | None = None,
     precisions: Sequence[str] = ("fp32",),
     optimizer: str = "adamw",
+    rounds: int = 3,
     time_budget_s: float = 4.0,
     calibration: Calibration | None = None,
 ) -> dict[str, Any]:
-    """Collective: predicted against measured for a set of plans of a reference model (see the module docstring)."""
+    """Collective: predicted against measured for a set of plans of a reference model (see the module docstring).
+
+    Without a given ``calibration``, its synthetic jobs run in the same rounds
+    as the plans, so that both see the same machine.
+    """
     from osdp.data import synthetic_batch
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -436,22 +503,32 @@ def validate(
     start = time.perf_counter()
     _say("measuring collectives and compute")
     device_info = broadcast_object(measure_device("1TiB", time_budget_s=3.0))
-    if calibration is None:
-        calibration = broadcast_object(measure_calibration(device_info, device, optimizer=optimizer, progress=_say))
-    _say(f"calibration: {json.dumps(calibration.to_dict())}")
+    splits = can_split(device)
     model = build().to(device)
     _say(f"describing {model_name} (every rank at once, as in training)")
     description = describe(model, batch, precisions=precisions, optimizers=(optimizer,), progress=rank == 0)
     description = broadcast_object(description)
     del model
-    plans = default_plans(description, batch_size, world_size)
+    plans = default_plans(description, batch_size, world_size, splits=splits)
     if plan_names:
         unknown = sorted(set(plan_names) - set(plans))
         if unknown:
             raise ValueError(f"unknown plan(s) {unknown}; known: {', '.join(plans)}")
         plans = {n: plans[n] for n in plan_names}
-    measured = run_plans(build, plans, batch, device=device, optimizer=optimizer, time_budget_s=time_budget_s,
-                         progress=_say)
+    jobs = {name: Job(build, plan, batch) for name, plan in plans.items()}
+    calibration_descriptions: dict[int, ModelDescription] = {}
+    if calibration is None:
+        calibration_part, calibration_descriptions = calibration_jobs(device, optimizer=optimizer, splits=splits)
+        jobs = {**calibration_part, **jobs}
+    measured = run_jobs(jobs, device=device, optimizer=optimizer, rounds=rounds, time_budget_s=time_budget_s,
+                        progress=_say)
+    if calibration is None:
+        calibration = fit_calibration(
+            calibration_descriptions, calibration_part, measured, device_info,
+            copy_s_per_byte=measure_copy_rate(device), overlap=0.0 if device.type == "cpu" else None,
+            optimizer=optimizer,
+        )
+    _say(f"calibration: {json.dumps(calibration.to_dict())}")
     records = []
     for name, plan in plans.items():
         pred = predict(description, plan, device_info, optimizer=optimizer, calibration=calibration)
@@ -472,10 +549,9 @@ def validate(
             "steps": m["steps"],
             "plan_json": plan.to_dict(),
         })
-    summary = summarize(records)
     return {
         "model": model_name,
-        "config": {k: v for k, v in vars(config).items()},
+        "config": dict(vars(config)),
         "world_size": world_size,
         "batch_size": batch_size,
         "optimizer": optimizer,
@@ -487,7 +563,7 @@ def validate(
         "calibration": calibration.to_dict(),
         "profile_seconds": description.profile_seconds,
         "profile_checks": description.checks,
-        "summary": summary,
+        "summary": summarize(records),
         "records": records,
         "seconds": time.perf_counter() - start,
     }
@@ -503,6 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", action="store_true", help="also validate mixed-precision (bf16) plans")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     p.add_argument("--time-budget", type=float, default=4.0, help="seconds of timed steps per plan (default 4)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds the plans take turns in (default 3)")
     p.add_argument("--calibration", type=Path, help="a calibration JSON (from a previous --json) instead of measuring")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--json", type=Path, help="write the records and summary here")
@@ -527,7 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = validate(
             args.model, device=device, batch_size=args.batch_size, seq_len=args.seq_len, plan_names=args.plans,
             precisions=("fp32", "bf16") if args.bf16 else ("fp32",), optimizer=args.optimizer,
-            time_budget_s=args.time_budget, calibration=calibration,
+            rounds=args.rounds, time_budget_s=args.time_budget, calibration=calibration,
         )
         if dist.get_rank() == 0:
             print(f"{args.model}, {result['world_size']} ranks, micro-batch {args.batch_size}, {args.optimizer}, "

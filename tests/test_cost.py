@@ -1,0 +1,145 @@
+"""osdp.cost: exact bytes, the same numbers as the search Problem, sensible directions, clear errors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from osdp import models
+from osdp.cost import OPTIMIZER_STATES, Calibration, build_problem, choice_of, plan_from_choice, predict, unit_cost
+from osdp.device import device_preset
+from osdp.plan import Plan, PlanError, UnitPlan
+from osdp.profile import describe
+from osdp.data import synthetic_batch
+from osdp.search.problem import OPTIONS
+from osdp.search.solver import min_peak, solve
+
+B, T = 4, 16
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = models.build("gpt2-tiny", seq_len=T)
+    batch = synthetic_batch(model.config, B, T, generator=torch.Generator().manual_seed(0))
+    return describe(model, batch, cache=False, progress=False, repeats=2, precisions=("fp32", "bf16"))
+
+
+def device(n=2):
+    return device_preset("a100-80gb-nvlink", n)
+
+
+CALIBRATION = Calibration(
+    unit_overhead_s={"replicate": 1e-4, "zero2": 2e-4, "zero3": 3e-4}, param_overhead_s=1e-5,
+    checkpoint_overhead_s=5e-5, optimizer_tensor_s=1e-6, slice_overhead_s=2e-5, copy_s_per_byte=1e-11,
+    overlap=0.5, collective_copies={"reduce_scatter": 1.0}, margin_bytes=12345,
+)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZER_STATES))
+def test_predict_equals_the_problem_for_random_choices(tiny, precision, optimizer):
+    problem = build_problem(tiny, device(4), B, precision=precision, optimizer=optimizer, calibration=CALIBRATION)
+    rng = np.random.default_rng(0)
+    for _ in range(25):
+        choice = np.array([rng.choice(np.flatnonzero(row)) for row in problem.allowed])
+        plan = plan_from_choice(problem, choice, mixed_precision=precision)
+        pred = predict(tiny, plan, device(4), optimizer=optimizer, calibration=CALIBRATION)
+        assert pred.step_s == problem.step_time(choice)
+        assert pred.peak_bytes == problem.peak(choice)
+        assert np.array_equal(choice_of(problem, plan), choice)
+        by_index = predict(tiny, list(choice), device(4), batch_size=B, precision=precision, optimizer=optimizer,
+                           calibration=CALIBRATION)
+        assert (by_index.step_s, by_index.peak_bytes) == (pred.step_s, pred.peak_bytes)
+
+
+def test_the_solver_optimum_is_predicted_exactly(tiny):
+    problem = build_problem(tiny, device(), B, calibration=CALIBRATION)
+    smallest, _ = min_peak(problem)
+    budget = (smallest + problem.peak(np.zeros(problem.num_units, dtype=int))) // 2  # between zero3+ckpt and DDP
+    solution = solve(problem, budget)
+    assert solution.peak_bytes <= budget
+    pred = predict(tiny, plan_from_choice(problem, solution.choice), device(), calibration=CALIBRATION)
+    assert (pred.step_s, pred.peak_bytes) == (solution.step_time, solution.peak_bytes)
+
+
+def test_parameter_gradient_and_optimizer_bytes_are_exact(tiny):
+    """FSDP2 pads dim 0 to a multiple of N; replicate keeps everything; Adam keeps two fp32 moments."""
+    mlp = tiny.unit("blocks.0.mlp")
+    n = 3
+    padded = sum(math.ceil(s[0] / n) * n * math.prod(s[1:]) for s in mlp.param_shapes)
+    full = sum(math.prod(s) for s in mlp.param_shapes)
+    assert padded > full  # 64 and 256 rows are not multiples of 3
+    for opt, states in OPTIMIZER_STATES.items():
+        ctx_args = dict(optimizer=opt)
+        for mode, numel in (("zero3", padded // n), ("zero2", padded // n), ("replicate", full)):
+            plan = Plan([UnitPlan(u.path, mode) for u in tiny.units], batch_size=B)
+            parts = predict(tiny, plan, device(n), **ctx_args).breakdown["units"]["blocks.0.mlp"]
+            steps = 4 * len(mlp.param_shapes) if opt == "adamw" else 0
+            assert parts["persistent_bytes"] == 4 * numel * (1 + states) + steps
+            assert parts["gradient_bytes"] == 4 * numel
+            assert parts["held_bytes"] == (0 if mode == "zero3" else 4 * (padded if mode == "zero2" else full))
+
+
+def test_directions(tiny):
+    """More sharding, checkpointing and splitting cost memory less and time more, as they should."""
+    dev = device(8)
+
+    def plan(mode, split=1, ckpt=False, precision="fp32"):
+        return Plan([UnitPlan(u.path, mode, split if u.split_shapes else 1, ckpt and not u.nested) for u in tiny.units],
+                    batch_size=B, mixed_precision=precision)
+
+    ddp, zero2, zero3 = (predict(tiny, plan(m), dev) for m in ("replicate", "zero2", "zero3"))
+    assert ddp.peak_bytes > zero2.peak_bytes > zero3.peak_bytes
+    assert zero3.step_s > zero2.step_s
+    ckpt = predict(tiny, plan("zero3", ckpt=True), dev)
+    assert ckpt.peak_bytes < zero3.peak_bytes and ckpt.step_s > zero3.step_s
+    split = predict(tiny, plan("zero3", split=8), dev)
+    mlp = "blocks.0.mlp"
+    assert split.breakdown["units"][mlp]["fwd_transient_bytes"] < zero3.breakdown["units"][mlp]["fwd_transient_bytes"]
+    assert split.step_s > zero3.step_s  # 8 messages instead of 1
+    bf16 = predict(tiny, plan("zero3", precision="bf16"), dev)
+    assert bf16.breakdown["totals"]["activation_bytes"] < zero3.breakdown["totals"]["activation_bytes"]
+
+
+def test_overlap_hides_collectives_behind_compute(tiny):
+    plan = Plan([UnitPlan(u.path, "zero3") for u in tiny.units], batch_size=B)
+    serial = predict(tiny, plan, device(), calibration=Calibration(overlap=0.0))
+    hidden = predict(tiny, plan, device(), calibration=Calibration(overlap=1.0))
+    totals = serial.breakdown["totals"]
+    assert serial.step_s == pytest.approx(hidden.step_s + totals["comm_s"] - hidden.breakdown["totals"]["exposed_comm_s"])
+    assert hidden.step_s < serial.step_s
+
+
+def test_errors_say_what_to_fix(tiny):
+    dev = device()
+    units = [UnitPlan(u.path) for u in tiny.units]
+    with pytest.raises(PlanError, match="encloses other units"):
+        predict(tiny, Plan([*units[:-1], UnitPlan("", checkpoint=True)], batch_size=B), dev)
+    with pytest.raises(PlanError, match="cannot be split"):
+        predict(tiny, Plan([*units[:-2], UnitPlan("wpe", split=2), units[-1]], batch_size=B), dev)
+    with pytest.raises(PlanError, match="no decision for unit"):
+        predict(tiny, Plan(units[1:], batch_size=B), dev)
+    with pytest.raises(ValueError, match="batch_size"):
+        predict(tiny, Plan(units), dev)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        predict(tiny, Plan(units, batch_size=B), dev, optimizer="lion")
+    fp32_only = describe(models.build("gpt2-tiny", seq_len=T), synthetic_batch(models.get_config("gpt2-tiny"), B, T),
+                         cache=False, progress=False, repeats=2)
+    with pytest.raises(KeyError, match="precisions=.*bf16"):
+        predict(fp32_only, Plan(units, batch_size=B, mixed_precision="bf16"), dev)
+
+
+def test_problem_marks_impossible_options(tiny):
+    problem = build_problem(tiny, device(), B)
+    assert problem.options == list(OPTIONS)
+    root, wpe = tiny.paths.index(""), tiny.paths.index("wpe")
+    for j, (mode, k, ckpt) in enumerate(OPTIONS):
+        assert problem.allowed[root, j] == (k == 1 and not ckpt)
+        assert problem.allowed[wpe, j] == (k == 1)
+        assert problem.allowed[0, j] == (k == 1 or mode == "zero3")
+    with pytest.raises(PlanError):
+        unit_cost(tiny.units[0], ("zero2", 2, False), None)
