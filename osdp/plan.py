@@ -74,6 +74,7 @@ class Plan:
     model_signature: str | None = None  # structure hash of the model the plan was made for
     predicted_step_s: float | None = None
     predicted_peak_bytes: int | None = None
+    search_seconds: float | None = None  # how long the search took (not part of the hash)
     meta: dict[str, Any] = field(default_factory=dict)  # free-form: budget, device, search time
     schema_version: int = SCHEMA_VERSION
 

@@ -66,11 +66,11 @@ def search(
         model_signature=model_signature,
         predicted_step_s=best.step_time,
         predicted_peak_bytes=best.peak_bytes,
+        search_seconds=seconds,
         meta={
             "budget_bytes": budget,
             "device": device_info.name,
             "optimizer": optimizer,
-            "search_seconds": seconds,
             "slack_bytes": best.slack_bytes,
             "predicted_samples_per_s": best.samples_per_s,
         },

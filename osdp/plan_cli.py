@@ -1,0 +1,128 @@
+"""``osdp plan``: plan a reference model offline, for a device preset, without the hardware.
+
+The model is built on the meta device (no memory), described analytically
+(FLOPs at the preset's rate, memory from a fake-tensor trace) and searched at
+the given budget; the plan is printed unit by unit and can be written as JSON
+for ``osdp train --plan`` or drawn as a throughput-vs-memory frontier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from osdp import models
+from osdp.analytic import describe_analytic
+from osdp.cost import predict
+from osdp.device import DEVICE_PRESETS, device_preset, list_presets, parse_size
+from osdp.plan import display_path
+from osdp.planner import search
+from osdp.report import format_table
+from osdp.search import BudgetTooSmall, format_frontier, plot_frontier
+from osdp.sizes import format_bytes
+
+DEFAULT_BATCH_CANDIDATES = (1, 2, 4, 8)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="osdp plan", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="reference model (--list-models)")
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--device-mem", help="memory budget per rank, e.g. 16GiB (default: the preset's memory)")
+    p.add_argument("--device", default="h100-nvlink", help="device preset (--list-devices)")
+    p.add_argument("--batch-size", type=int, help=f"micro-batch per rank (default: search {DEFAULT_BATCH_CANDIDATES})")
+    p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
+    p.add_argument("--mixed-precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--optimizer", choices=["sgd", "sgd-momentum", "adamw"], default="adamw")
+    p.add_argument("--json", type=Path, help="write the Plan JSON here (with search_seconds)")
+    p.add_argument("--frontier", type=Path, help="draw the throughput-vs-memory frontier to this PNG")
+    p.add_argument("--list-models", action="store_true")
+    p.add_argument("--list-devices", action="store_true")
+    return p.parse_args(argv)
+
+
+def list_devices() -> str:
+    rows = [[name, format_bytes(p.memory_bytes), p.notes.split(";")[0][:70]] for name, p in
+            ((n, device_preset(n, 2)) for n in list_presets())]
+    return format_table(rows, ["preset", "memory", "notes"], "lrl")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.list_models:
+        print("\n".join(models.names()))
+        return 0
+    if args.list_devices:
+        print(list_devices())
+        return 0
+    if not args.model:
+        print("osdp plan: give --model NAME (see --list-models)", file=sys.stderr)
+        return 2
+    if args.device not in DEVICE_PRESETS:
+        print(f"osdp plan: unknown device '{args.device}'; use one of {', '.join(list_presets())}", file=sys.stderr)
+        return 2
+    try:
+        config = models.get_config(args.model)
+        budget = parse_size(args.device_mem) if args.device_mem else None
+    except ValueError as e:
+        print(f"osdp plan: {e}", file=sys.stderr)
+        return 2
+    device_info = device_preset(args.device, args.world_size, memory=budget)
+    seq_len = args.seq_len or config.seq_len
+    candidates = (args.batch_size,) if args.batch_size else DEFAULT_BATCH_CANDIDATES
+
+    with torch.device("meta"):  # parameters take no memory: planning a 1.5B model here is fine
+        model = models.build(args.model, seq_len=seq_len)
+    example = torch.zeros(max(candidates), seq_len, dtype=torch.long, device="meta")
+    description = describe_analytic(
+        model, (example, example), device_info, world_size=args.world_size, batch_sizes=candidates,
+        precisions=(args.mixed_precision,), progress=False, name=args.model,
+    )
+    try:
+        result = search(description, device_info, candidates, mixed_precision=args.mixed_precision,
+                        optimizer=args.optimizer, model_signature=description.signature)
+    except BudgetTooSmall as e:
+        print(f"osdp plan: {e}", file=sys.stderr)
+        return 1
+    plan = result.plan
+    prediction = predict(description, plan, device_info, optimizer=args.optimizer)
+    print(plan_report(args, plan, prediction, seq_len, description.profile_seconds, result.search_seconds))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(plan.to_json())
+        print(f"plan written to {args.json}")
+    if args.frontier:
+        points = result.frontier()
+        print(format_frontier(points, budget=device_info.memory_bytes, max_rows=15))
+        plot_frontier(points, str(args.frontier), budget=device_info.memory_bytes,
+                      title=f"{args.model}, {args.world_size} x {args.device} (analytic)")
+        print(f"frontier drawn to {args.frontier}")
+    return 0
+
+
+def plan_report(args, plan, prediction, seq_len: int, describe_s: float, search_s: float) -> str:
+    units = prediction.breakdown["units"]
+    rows = []
+    for u in plan.units:
+        c = units[u.path]
+        rows.append([display_path(u.path), u.mode, u.split, "yes" if u.checkpoint else "no",
+                     format_bytes(c["mem_bytes"]), format_bytes(c["transient_bytes"]), f"{c['time_s'] * 1e3:.2f}"])
+    table = format_table(rows, ["unit", "mode", "split", "ckpt", "memory", "transient", "time ms"], "llrlrrr")
+    tokens_per_s = plan.batch_size * seq_len / plan.predicted_step_s
+    totals = [
+        f"{plan.summary()}",
+        f"model {args.model}, {args.world_size} ranks of {args.device}, budget "
+        f"{format_bytes(plan.meta['budget_bytes'])}, micro-batch {plan.batch_size} x {seq_len} tokens, {plan.mixed_precision}",
+        f"predicted: step {plan.predicted_step_s * 1e3:.1f} ms, peak {format_bytes(plan.predicted_peak_bytes)} per rank, "
+        f"{tokens_per_s:,.0f} tokens/s per rank",
+        f"described in {describe_s:.1f} s (analytic), searched in {search_s * 1e3:.1f} ms",
+    ]
+    return "\n".join([table, *totals])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
