@@ -9,7 +9,6 @@ for ``osdp train --plan`` or drawn as a throughput-vs-memory frontier.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
