@@ -171,14 +171,10 @@ class _Context:
     device: DeviceInfo
     calibration: Calibration
     optimizer_s_per_byte: float
-    # unsharded gradients of the units that enclose others (the root): they exist from the
-    # root's first backward op (the head) to the end of backward, whatever the plan
-    enclosing_grad_bytes: int
     # per unit, FSDP buffers of its neighbours in forward order that exist during its backward
     # whatever its own option: the previous unit's all-gather output (FSDP2 prefetches it; taken as
     # if zero3, the worst case) and the next unit's reduce-scatter input (kept until this one reduces)
     neighbours: Mapping[str, tuple[int, int]]
-    last_in_forward: str | None
 
     @property
     def compute_bytes(self) -> int:
@@ -232,10 +228,8 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     foreach = ctx.device.device_type == "cuda"
     after = grad + (_FOREACH_TEMPS[opt] * 4 * shard_numel if foreach else 0)
     mem = persistent + max(act + held, after)
-    if enclosing:  # gathered through the whole step (its gradient: see enclosing_grad_bytes)
+    if enclosing:  # gathered through the whole step
         mem += gathered
-    if unit.path == ctx.last_in_forward and mode != "replicate":
-        mem += gathered  # FSDP2 keeps the last forward all-gather's output until the next forward
 
     copies = cal.collective_copies
     rs_buffers = rs_input * (1 + copies.get("reduce_scatter", 0.0))
@@ -243,16 +237,17 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     temp_fwd = costs.fwd_peak_bytes.signed_bytes(b) - act
     temp_bwd = (costs.recompute_peak_bytes if ckpt else costs.bwd_peak_bytes).signed_bytes(b) - act
     flat = gathered if mode != "replicate" else 0  # all-gather output kept until the next unit gathers
+    # when its backward ends FSDP copies the unsharded gradients (in the working set) into the reduce buffer
+    post = costs.bwd_end_bytes.signed_bytes(b) - act + rs_buffers
+    prefetched, rs_previous = ctx.neighbours.get(unit.path, (0, 0))
     if enclosing:
         fwd = temp_fwd + flat
-        bwd = temp_bwd  # (zero3 gathers it again for backward: its flat buffer is freed before compute)
-        post = unsharded_grad + rs_buffers
+        bwd = temp_bwd + prefetched  # (zero3 gathers it again for backward: that flat buffer is freed at once)
     else:
         own = gathered if mode == "zero3" else 0
         fwd = temp_fwd + own + flat
-        prefetched, rs_previous = ctx.neighbours.get(unit.path, (0, 0))
         bwd = temp_bwd + own + prefetched + rs_previous
-        post = prefetched + unsharded_grad + rs_buffers + ctx.enclosing_grad_bytes
+        post += prefetched
     if split_rows:
         slice_fwd = max(2 * n * q * in_f * dt for _, q, in_f, _ in split_rows)
         slice_bwd = max(2 * n * q * in_f * (dt + _REDUCE_BYTES) for _, q, in_f, _ in split_rows)
@@ -312,10 +307,6 @@ def _context(
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     enclosing = {u.path for u in description.units if u.nested or u.path == ROOT}
-    enclosing_grads = sum(
-        _DTYPE_BYTES[precision] * sum(math.prod(s) for s in u.param_shapes)
-        for u in description.units if u.path in enclosing
-    )
     n = device.world_size
     padded = {u.path: sum(_padded_numel(s, n) for s in u.param_shapes) for u in description.units}
     order = [p for p in description.forward_order if p not in enclosing]
@@ -324,10 +315,11 @@ def _context(
         before = _DTYPE_BYTES[precision] * padded[order[i - 1]] if i > 0 else 0
         after = _REDUCE_BYTES * padded[order[i + 1]] if i + 1 < len(order) else 0
         neighbours[path] = (before, after)
+    if order:  # the root's backward comes first and prefetches the last unit
+        neighbours[ROOT] = (_DTYPE_BYTES[precision] * padded[order[-1]], 0)
     return _Context(
         n, batch_size, precision, optimizer, device, calibration or Calibration(),
-        description.optimizer_s_per_byte.get(optimizer, 0.0), enclosing_grads, neighbours,
-        order[-1] if order else None,
+        description.optimizer_s_per_byte.get(optimizer, 0.0), neighbours,
     )
 
 

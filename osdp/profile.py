@@ -127,6 +127,7 @@ class UnitCosts:
     fwd_peak_bytes: Affine
     bwd_peak_bytes: Affine
     recompute_peak_bytes: Affine
+    bwd_end_bytes: Affine  # the working set (likewise net) when its backward ends
     fwd_flops: Affine | None = None  # analytic descriptions only
     bwd_flops: Affine | None = None
 
@@ -179,6 +180,18 @@ class ModelDescription:
     @property
     def paths(self) -> list[str]:
         return [u.path for u in self.units]
+
+    def with_compute_scale(self, factor: float) -> "ModelDescription":
+        """The same description with every compute time multiplied by ``factor``: for compute re-timed
+        under the conditions of a run (``osdp validate`` times the plain model alongside the plans)."""
+        def scaled(c: UnitCosts) -> UnitCosts:
+            return dataclasses.replace(
+                c, fwd_s=Affine(c.fwd_s.intercept * factor, c.fwd_s.slope * factor),
+                bwd_s=Affine(c.bwd_s.intercept * factor, c.bwd_s.slope * factor),
+            )
+
+        units = [dataclasses.replace(u, costs={p: scaled(c) for p, c in u.costs.items()}) for u in self.units]
+        return dataclasses.replace(self, units=units)
 
     def costs(self, precision: str) -> list[UnitCosts]:
         if precision not in self.precisions:
@@ -480,8 +493,11 @@ class _Saved:
         return out
 
 
-def _working_sets(memory: dict[str, dict[str, int]], segments: Sequence[tuple[str, str, int, int]], root_total: int) -> None:
-    """Per unit, the peaks of its working set in forward, backward, and when recomputed in backward.
+def _working_sets(
+    memory: dict[str, dict[str, int]], segments: Sequence[tuple[str, str, int, int, int, int]], root_total: int
+) -> None:
+    """Per unit, the peaks of its working set in forward, backward, and when recomputed in backward,
+    and the working set when its backward ends (where FSDP reduces its gradients).
 
     A working set is the unit's own live saved bytes plus all temporaries at
     the peak of one of its segments. For a unit other than the root, the
@@ -495,18 +511,21 @@ def _working_sets(memory: dict[str, dict[str, int]], segments: Sequence[tuple[st
     net: dict[tuple[str, str], int] = {}  # (phase, unit) -> largest working set net of the root's absent bytes
     raw: dict[tuple[str, str], int] = {}
     credit_bwd: dict[str, int] = {}  # the smallest such credit while the unit's backward runs
-    for phase, owner, working, root_live in segments:
+    end: dict[str, int] = {}
+    for phase, owner, working, root_live, working_now, root_now in segments:
         credit = 0 if owner == ROOT else root_total - root_live
         key = (phase, owner)
         net[key] = max(net.get(key, working - credit), working - credit)
         raw[key] = max(raw.get(key, working), working)
         if phase == "bwd":
             credit_bwd[owner] = min(credit_bwd.get(owner, credit), credit)
+            end[owner] = working_now - (0 if owner == ROOT else root_total - root_now)  # the last one stays
     for path, m in memory.items():
         m["fwd_peak"] = net.get(("fwd", path), 0)
         m["bwd_peak"] = net.get(("bwd", path), 0)
         both = max(raw.get(("fwd", path), 0), raw.get(("bwd", path), 0))
         m["recompute_peak"] = both - credit_bwd.get(path, 0)
+        m["bwd_end"] = end.get(path, 0)
 
 
 
@@ -630,7 +649,7 @@ def memory_pass(
     model.zero_grad(set_to_none=True)
     param_keys = {_storage_key(p) for p in model.parameters()}
     # per segment: phase, owner, the owner's saved bytes plus temporaries at the segment's peak, root saved live
-    segments_seen: list[tuple[str, str, int, int]] = []
+    segments_seen: list[tuple[str, str, int, int, int, int]] = []
     pending: dict[str, list[nn.Parameter]] = {}  # gradients of a unit whose backward is running
     memory: dict[str, dict[str, int]] = {}
     last_root = root_total = 0
@@ -644,12 +663,13 @@ def memory_pass(
             for unit in [w for w in pending if w != owner]:
                 for p in pending.pop(unit):
                     tracker._note(p.grad, _GRADIENTS)
-            peak = tracker.peak_breakdown()
+            peak, now = tracker.peak_breakdown(), tracker.current_breakdown()
             others = saved.total_live - saved.live.get(owner, 0)  # other units' saved bytes do not change here
             working = peak["temporaries"] + peak["activations"] - others
+            working_now = now["temporaries"] + now["activations"] - others
             root = saved.live.get(ROOT, 0)
             # the root's saved bytes during the segment: at its end in forward, its start in backward
-            segments_seen.append((phase, owner, working, max(last_root, root)))
+            segments_seen.append((phase, owner, working, max(last_root, root), working_now, root))
             last_root = root
             tracker.reset_peak()
             if also is not None:
@@ -801,6 +821,7 @@ def fit_costs(
             fwd_peak_bytes=fit(memory, p, "fwd_peak"),
             bwd_peak_bytes=fit(memory, p, "bwd_peak"),
             recompute_peak_bytes=fit(memory, p, "recompute_peak"),
+            bwd_end_bytes=fit(memory, p, "bwd_end"),
             fwd_flops=fit(counts, p, "fwd") if counts else None,
             bwd_flops=fit(counts, p, "bwd") if counts else None,
         )

@@ -59,7 +59,7 @@ def _sync(device: torch.device) -> None:
 
 def run_plan(
     build: Callable[[], nn.Module],
-    plan: Plan,
+    plan: Plan | None,
     batch: Any,
     *,
     device: torch.device,
@@ -75,13 +75,17 @@ def run_plan(
 
     The number of timed steps fits ``time_budget_s`` (within ``min_steps`` ..
     ``max_steps``, agreed by all ranks). The memory step is extra, because the
-    CPU tracker slows the step it watches.
+    CPU tracker slows the step it watches. Without a plan, the model's plain
+    forward and backward on every rank (its compute, as ``describe`` times it).
     """
     import osdp
 
     model = build().to(device)
-    osdp.wrap(model, plan=plan, device=device)
-    opt = make_optimizer(optimizer, model.parameters())
+    if plan is not None:
+        osdp.wrap(model, plan=plan, device=device)
+        opt = make_optimizer(optimizer, model.parameters())
+    else:
+        opt, measure_memory = None, False
 
     def step() -> tuple[float, float]:
         _sync(device)
@@ -90,8 +94,11 @@ def run_plan(
         loss.backward()
         _sync(device)
         middle = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
         _sync(device)
         return time.perf_counter() - start, middle - start
 
@@ -126,10 +133,10 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 @dataclass
 class Job:
-    """One plan to train: how to build the model, the plan, this rank's batch."""
+    """One plan to train (None: the plain model's compute): how to build the model, the plan, this rank's batch."""
 
     build: Callable[[], nn.Module]
-    plan: Plan
+    plan: Plan | None
     batch: Any
 
 
@@ -158,7 +165,7 @@ def run_jobs(
             ranks = all_gather_objects(mine)
             steps[name].append(ranks)
             if r == 0:
-                peaks[name] = [{"peak_bytes": x["peak_bytes"], "peak_breakdown": x["peak_breakdown"]} for x in ranks]
+                peaks[name] = [{"peak_bytes": x.get("peak_bytes"), "peak_breakdown": x.get("peak_breakdown")} for x in ranks]
             if progress:
                 progress(f"round {r + 1}/{rounds}, {i + 1}/{len(jobs)} {name}")
     out = {}
@@ -174,7 +181,7 @@ def run_jobs(
         out[name] = {
             "measured_step_s": max(r["step_s"] for r in per_rank),
             "measured_fwd_bwd_s": max(r["fwd_bwd_s"] for r in per_rank),
-            "measured_peak_bytes": max(r["peak_bytes"] for r in per_rank),
+            "measured_peak_bytes": max((r["peak_bytes"] or 0) for r in per_rank),
             "steps": sum(len(rnd[0]["step_s"]) for rnd in steps[name]),
             "per_rank": per_rank,
         }
@@ -515,7 +522,9 @@ def validate(
         if unknown:
             raise ValueError(f"unknown plan(s) {unknown}; known: {', '.join(plans)}")
         plans = {n: plans[n] for n in plan_names}
-    jobs = {name: Job(build, plan, batch) for name, plan in plans.items()}
+    # The plain model's compute, timed in every round like the plans: what describe timed, under the
+    # same load as the plans (a shared machine's load changes over minutes).
+    jobs = {"compute": Job(build, None, batch), **{name: Job(build, plan, batch) for name, plan in plans.items()}}
     calibration_descriptions: dict[int, ModelDescription] = {}
     if calibration is None:
         calibration_part, calibration_descriptions = calibration_jobs(device, optimizer=optimizer, splits=splits)
@@ -529,6 +538,9 @@ def validate(
             optimizer=optimizer,
         )
     _say(f"calibration: {json.dumps(calibration.to_dict())}")
+    described_s = sum(c.fwd_s(batch_size) + c.bwd_s(batch_size) for c in description.costs("fp32"))
+    compute_scale = measured["compute"]["measured_fwd_bwd_s"] / described_s
+    description = description.with_compute_scale(compute_scale)
     records = []
     for name, plan in plans.items():
         pred = predict(description, plan, device_info, optimizer=optimizer, calibration=calibration)
@@ -562,6 +574,7 @@ def validate(
         "device_info": device_info.to_dict(),
         "calibration": calibration.to_dict(),
         "profile_seconds": description.profile_seconds,
+        "compute_scale": compute_scale,
         "profile_checks": description.checks,
         "summary": summarize(records),
         "records": records,
