@@ -10,28 +10,27 @@
 // is piece i of every rank, gathered rank-major into (N * q_i, in).
 //
 // On CPU (gloo), collectives run on the process group's threads and
-// Work::wait() blocks. With OSDP_WITH_CUDA and CUDA tensors, collectives are
-// issued from a communication stream, ordered against the compute stream with
-// events, into two gather buffers used in turn (ping-pong); Work::wait() only
-// makes the issuing stream wait, so the CPU never blocks.
+// Work::wait() blocks. On a device with streams (CUDA with NCCL), collectives
+// are issued from a communication stream, ordered against the compute stream
+// with events, into two gather buffers used in turn (ping-pong); Work::wait()
+// only makes the issuing stream wait, so the CPU runs ahead. That path is
+// written against c10's device-generic Stream/Event API, so the extension
+// compiles the same with or without a CUDA toolkit.
 
-#include <torch/extension.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/extension.h>
 
 #include <algorithm>
 #include <atomic>
 #include <deque>
+#include <mutex>
 #include <numeric>
 #include <optional>
-#include <utility>
-
-#ifdef OSDP_WITH_CUDA
-#include <ATen/cuda/CUDAEvent.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <mutex>
 #include <unordered_map>
-#endif
+#include <utility>
 
 namespace {
 
@@ -93,79 +92,68 @@ std::vector<int64_t> offsets_of(const std::vector<int64_t>& sizes) {
   return offsets;
 }
 
-#ifdef OSDP_WITH_CUDA
-c10::cuda::CUDAStream comm_stream(c10::DeviceIndex device) {
+// One high-priority communication stream per device, reused across calls.
+c10::Stream comm_stream(const c10::Device& device) {
   static std::mutex mutex;
-  static std::unordered_map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  static std::unordered_map<c10::Device, c10::Stream> streams;
   std::lock_guard<std::mutex> lock(mutex);
   auto it = streams.find(device);
   if (it == streams.end()) {
-    it = streams.emplace(device, c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)).first;
+    auto stream = c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device, /*isHighPriority=*/true);
+    it = streams.emplace(device, stream).first;
   }
   return it->second;
 }
 
-void wait_stream(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& on) {
-  at::cuda::CUDAEvent event;
+// `waiter` waits for everything enqueued on `on` so far.
+void wait_stream(const c10::Stream& waiter, const c10::Stream& on) {
+  c10::Event event(on.device_type());
   event.record(on);
   event.block(waiter);
 }
-#endif
 
-// Orders collectives against compute: a no-op on CPU, streams and events on CUDA.
+// Orders collectives against compute: nothing to do on CPU, streams and events on a device.
 class Streams {
  public:
   explicit Streams(const at::Tensor& like) {
-#ifdef OSDP_WITH_CUDA
-    if (like.is_cuda()) {
-      compute_ = c10::cuda::getCurrentCUDAStream(like.get_device());
-      comm_ = comm_stream(like.get_device());
-    }
-#endif
+    if (like.is_cpu()) return;
+    compute_ = c10::impl::VirtualGuardImpl(like.device().type()).getStream(like.device());
+    comm_ = comm_stream(like.device());
+    for (auto& event : done_) event.emplace(like.device().type());
   }
 
   // Runs `issue` (which enqueues a collective) on the communication stream, after
-  // everything already enqueued on the compute stream; returns when it is queued.
+  // everything already enqueued on the compute stream; returns once it is queued.
   template <typename F>
   WorkPtr on_comm(F issue, int slot) {
-#ifdef OSDP_WITH_CUDA
-    if (comm_) {
-      wait_stream(*comm_, *compute_);
-      c10::cuda::CUDAStreamGuard guard(*comm_);
-      WorkPtr work = issue();
-      work->wait();  // the communication stream waits for the collective; the CPU does not
-      done_[slot].record(*comm_);
-      return work;
-    }
-#endif
-    return issue();
+    if (!comm_) return issue();
+    wait_stream(*comm_, *compute_);
+    c10::StreamGuard guard(*comm_);
+    WorkPtr work = issue();
+    work->wait();  // the communication stream waits for the collective; the CPU does not
+    done_[slot]->record(*comm_);
+    return work;
   }
 
   // The compute stream (or, on CPU, the calling thread) waits for a collective.
   void wait(const WorkPtr& work, int slot) {
-#ifdef OSDP_WITH_CUDA
     if (comm_) {
-      done_[slot].block(*compute_);
-      return;
+      done_[slot]->block(*compute_);
+    } else {
+      work->wait();
     }
-#endif
-    work->wait();
   }
 
-  // Called before buffers that collectives used are freed: on CUDA, the compute
+  // Called before buffers that collectives used are freed: on a device, the compute
   // stream (where they were allocated) waits for the communication stream. On CPU
   // a collective's Work holds its tensors until it completes.
   void drain() {
-#ifdef OSDP_WITH_CUDA
     if (comm_) wait_stream(*compute_, *comm_);
-#endif
   }
 
  private:
-#ifdef OSDP_WITH_CUDA
-  std::optional<c10::cuda::CUDAStream> compute_, comm_;
-  at::cuda::CUDAEvent done_[4];  // slots 0-1: the two gather buffers; 2-3: reduce-scatters in flight
-#endif
+  std::optional<c10::Stream> compute_, comm_;
+  std::optional<c10::Event> done_[4];  // slots 0-1: the two gather buffers; 2-3: reduce-scatters in flight
 };
 
 // All-gathers slice i+1 into one of two buffers while slice i, in the other, is used.
@@ -188,7 +176,7 @@ class Gatherer {
     out_[slot] = buffers_[slot].tensor().narrow(0, 0, pg_->getSize() * sizes_[i]);
     work_[slot] = streams_.on_comm(
         [&] {
-          in_[slot] = piece(i);  // on CUDA: cast/padded on the communication stream, off the compute path
+          in_[slot] = piece(i);  // on a device: cast/padded on the communication stream, off the compute path
           return all_gather(pg_, out_[slot], in_[slot]);
         },
         slot);
@@ -323,14 +311,6 @@ void reset_peak_memory_stats() {
   grad_bytes.peak.store(grad_bytes.live.load());
 }
 
-bool with_cuda() {
-#ifdef OSDP_WITH_CUDA
-  return true;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -339,5 +319,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward", &split_linear_backward, py::call_guard<py::gil_scoped_release>());
   m.def("memory_stats", &memory_stats);
   m.def("reset_peak_memory_stats", &reset_peak_memory_stats);
-  m.def("with_cuda", &with_cuda);
 }

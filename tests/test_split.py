@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -151,14 +152,17 @@ def test_bf16_forward_and_mixed_precision(backends):
 
 
 class _Net(nn.Module):
-    def __init__(self):
+    def __init__(self, checkpoint_mlp=False):
         super().__init__()
         self.inp = nn.Linear(16, 32)
         self.mlp = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
         self.out = nn.Linear(32, 4)
+        self.checkpoint_mlp = checkpoint_mlp
 
     def forward(self, x):
-        return self.out(torch.relu(self.inp(x)) + self.mlp(self.inp(x)))
+        h = self.inp(x)
+        mlp = torch.utils.checkpoint.checkpoint(self.mlp, h, use_reentrant=False) if self.checkpoint_mlp else self.mlp(h)
+        return self.out(torch.relu(h) + mlp)
 
 
 def _train(model, batches, targets, steps=3):
@@ -198,15 +202,17 @@ def _fsdp2_training(rank, world_size, backends):
     fully_shard(fsdp, mesh=mesh)
     fsdp_grads = _train(fsdp, [x[local] for x in xs], [t[local] for t in ts])
 
-    for name in backends:
+    # every implementation; then the last one with the split unit's activations checkpointed (recomputed forward)
+    for name, checkpoint_mlp in [(b, False) for b in backends] + [(backends[-1], True)]:
         split.set_backend(name)
-        model = _Net()
+        model = _Net(checkpoint_mlp)
         model.load_state_dict(init)
         assert apply_split(model.mlp, 3, mesh) == ["0", "2"]
         assert isinstance(model.mlp[0], SplitLinear)
         fully_shard(model.mlp, mesh=mesh, ignored_params=split_parameters(model.mlp))
         fully_shard(model, mesh=mesh)
         grads = _train(model, [x[local] for x in xs], [t[local] for t in ts])
+        name += " checkpointed" if checkpoint_mlp else ""
         for step in range(3):
             for n, g in grads[step].items():
                 torch.testing.assert_close(g, fsdp_grads[step][n], atol=1e-6, rtol=1e-6, msg=f"{name} step {step} {n} vs FSDP2")

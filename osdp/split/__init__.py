@@ -15,12 +15,13 @@ the same key, that FSDP2 makes of an ``nn.Linear`` weight, so:
   rank keeps its rows, no communication); the other way, an unsplit model takes
   the full state dict above;
 - sharded ``torch.distributed.checkpoint`` save/load works between a split
-  model and an unsplit one, FSDP2-sharded or plain, on the same or another
-  number of ranks (DCP reshards; tested on 2 ranks).
+  model (any k) and an unsplit one, FSDP2-sharded or plain, and across world
+  sizes (DCP reshards; tested: saved on 2 ranks, loaded on 2 and on 4).
 
-Implementations: the C++ extension in ``csrc/`` (``backend()`` "cpp", or "cuda"
-with streams and events) compiled on first use, else the PyTorch loop
-("python"), same semantics; ``OSDP_SPLIT_BACKEND`` or ``set_backend`` chooses.
+Implementations: the C++ extension in ``csrc/`` compiled on first use
+(``backend()`` "cpp", or "cuda" where CUDA tensors take its stream path), else
+the PyTorch loop ("python"), same semantics; ``OSDP_SPLIT_BACKEND`` or
+``set_backend`` chooses.
 """
 
 from osdp.split._extension import (

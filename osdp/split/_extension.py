@@ -4,9 +4,10 @@ The extension is compiled on first use with ``torch.utils.cpp_extension.load``
 (a JIT build against the installed torch, so installing osdp never builds
 anything and never asks pip for another torch) and cached under
 ``$OSDP_EXTENSIONS_DIR`` or ``~/.cache/osdp/torch_extensions``, one folder per
-Python, torch and flavour; later processes load it in a fraction of a second.
-It needs a C++ compiler and ``ninja``. Flavour "cuda" (CUDA streams and
-events) is compiled when torch sees a GPU and a CUDA toolkit; otherwise "cpp".
+Python and torch version; later processes load it in a fraction of a second.
+It needs a C++ compiler and ``ninja``, not a CUDA toolkit: its stream path
+(used for CUDA tensors) is written against c10's device-generic streams and
+events.
 
 ``OSDP_SPLIT_BACKEND`` (or ``set_backend``) chooses: ``auto`` (default: the
 extension, or the Python loop with a warning if it cannot be built),
@@ -42,17 +43,9 @@ def _current_mode() -> str:
     return mode
 
 
-def _flavour() -> str:
-    from torch.utils import cpp_extension
-
-    cuda = torch.cuda.is_available() and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-    return "cuda" if cuda else "cpp"
-
-
-def build_directory(flavour: str) -> Path:
+def build_directory() -> Path:
     root = os.environ.get("OSDP_EXTENSIONS_DIR") or Path.home() / ".cache" / "osdp" / "torch_extensions"
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}_{flavour}"
-    return Path(root) / tag
+    return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
 
 
 def build_extension(verbose: bool = False) -> ModuleType:
@@ -63,17 +56,16 @@ def build_extension(verbose: bool = False) -> ModuleType:
             return _ext
         from torch.utils import cpp_extension
 
-        flavour = _flavour()
-        directory = build_directory(flavour)
-        directory.mkdir(parents=True, exist_ok=True)
         missing = [str(s) for s in SOURCES if not s.exists()]
         if missing:
             raise FileNotFoundError(f"extension sources not found: {missing} (osdp installed without csrc/)")
+        directory = build_directory()
+        directory.mkdir(parents=True, exist_ok=True)
         _ext = cpp_extension.load(
-            name=f"osdp_split_{flavour}",
+            name="osdp_split",
             sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O2"] + (["-DOSDP_WITH_CUDA"] if flavour == "cuda" else []),
-            with_cuda=flavour == "cuda",
+            extra_cflags=["-O2"],
+            with_cuda=False,  # no CUDA headers: streams and events through c10's device-generic API
             build_directory=str(directory),
             verbose=verbose,
         )
@@ -113,11 +105,12 @@ def implementation():
 
 
 def backend() -> str:
-    """The implementation that runs now: ``"cuda"``, ``"cpp"`` or ``"python"`` (may build the extension)."""
-    impl = implementation()
-    if impl is _loop:
+    """The implementation that runs now (may build the extension): ``"python"``, or the extension:
+    ``"cuda"`` where CUDA is available (CUDA tensors take its stream path; CPU tensors its CPU path),
+    else ``"cpp"``."""
+    if implementation() is _loop:
         return "python"
-    return "cuda" if impl.with_cuda() else "cpp"
+    return "cuda" if torch.cuda.is_available() else "cpp"
 
 
 def memory_stats() -> dict[str, int]:

@@ -1,7 +1,7 @@
 """The split-Linear loop in PyTorch: the reference for, and fallback of, csrc/split_linear.cpp.
 
-Both implementations take the same arguments and do the same collectives in
-the same order, so ranks may even mix them. Layout (see ``SplitLinear``): each
+Both implementations take the same arguments and issue the same collectives
+in the same order. Layout (see ``SplitLinear``): each
 rank holds ``rows_per_rank`` rows of the weight (FSDP2's Shard(0) chunk, padded
 on the tail ranks), cut into pieces of ``piece_sizes`` rows; slice i is piece i
 of every rank, gathered rank-major into a buffer of shape (N * q_i, in).

@@ -93,7 +93,7 @@ class SplitLinear(nn.Module):
         self.k = k
         self.rows_per_rank, self.piece_sizes = split_layout(self.out_features, weight.device_mesh.size(), k)
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
-        self.bias = bias
+        self.register_parameter("bias", bias)
         mp_policy = mp_policy or MixedPrecisionPolicy()
         self.param_dtype = mp_policy.param_dtype
         self.reduce_dtype = mp_policy.reduce_dtype
