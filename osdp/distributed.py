@@ -6,15 +6,22 @@ proceed says why on every rank instead of leaving the others hanging.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
-from typing import Any
+import sys
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("OSDP_COLLECTIVE_TIMEOUT_S", "300"))
+
+
+def collective_timeout_s() -> float:
+    """The limit on any one collective: ``OSDP_COLLECTIVE_TIMEOUT_S`` as set now (default 300 s)."""
+    return float(os.environ.get("OSDP_COLLECTIVE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
 
 def free_port() -> int:
@@ -82,22 +89,74 @@ def raise_on_any_rank(error: BaseException | None) -> None:
 
     Call it after a local check that may fail, so that a failure on one rank
     becomes the same clear error everywhere instead of a hang at the next
-    collective.
+    collective. A rank that failed raises its own error unchanged; the others
+    raise the first failed rank's error type (where it can be rebuilt from a
+    message) as "rank(s) [...] failed: <message>".
     """
     rank, world_size = world()
     if world_size == 1:
         if error is not None:
             raise error
         return
-    messages = all_gather_objects(None if error is None else f"{type(error).__name__}: {error}")
+    messages = all_gather_objects(
+        None if error is None else (type(error).__module__, type(error).__qualname__, str(error))
+    )
     failed = [r for r, m in enumerate(messages) if m is not None]
     if not failed:
         return
-    if error is not None and len(failed) == 1:
+    if error is not None:
         raise error
-    first = messages[failed[0]]
-    exc_type = type(error) if error is not None else RuntimeError
+    module, qualname, text = messages[failed[0]]
+    message = f"rank(s) {failed} failed: {qualname}: {text}"
+    exc_type: type = RuntimeError
+    found: Any = sys.modules.get(module)  # the failed rank's error type, so that callers can catch it everywhere
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if isinstance(found, type) and issubclass(found, Exception):
+        exc_type = found
     try:
-        raise exc_type(f"rank(s) {failed} failed: {first}")
-    except TypeError:  # exception types with unusual constructors
-        raise RuntimeError(f"rank(s) {failed} failed: {first}") from None
+        raised = exc_type(message)
+    except Exception:  # noqa: BLE001 - exception types with unusual constructors
+        raised = RuntimeError(message)
+    raise raised
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed because another rank died, raised or did not arrive in time."""
+
+
+# What gloo and NCCL say when the other side of a collective is gone or late.
+_PEER_SIGNS = (
+    "connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "timeout",
+    "communicator was aborted", "remote worker crashing",
+)
+
+
+def as_peer_failure(error: BaseException, what: str) -> PeerFailure | None:
+    """A clear :class:`PeerFailure` for a backend error caused by another rank, else None."""
+    if isinstance(error, PeerFailure) or not isinstance(error, RuntimeError):
+        return None
+    text = str(error)
+    if not any(sign in text.lower() for sign in _PEER_SIGNS):
+        return None
+    rank, world_size = world()
+    timed_out = "time" in text.lower()
+    how = "timed out" if timed_out else "lost its connection to another rank"
+    first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return PeerFailure(
+        f"rank {rank} of {world_size}: {what}: a collective {how}. Another rank has probably died or raised "
+        f"an error (its own output shows the cause), or did not reach this collective within the timeout "
+        f"(OSDP_COLLECTIVE_TIMEOUT_S, now {collective_timeout_s():g} s). Backend: {first_line}"
+    )
+
+
+@contextlib.contextmanager
+def peer_failures(what: str) -> Iterator[None]:
+    """Turn a backend error caused by another rank (connection closed, timeout) into a PeerFailure."""
+    try:
+        yield
+    except RuntimeError as e:
+        failure = as_peer_failure(e, what)
+        if failure is None:
+            raise
+        raise failure from e
