@@ -5,6 +5,21 @@ local ranks (``--nproc``, default 2) through torchrun, so a first run needs
 no launcher knowledge. Rank 0 prints the applied plan, the loss, step time and
 tokens/s; at the end every rank's throughput and peak memory (CUDA:
 ``max_memory_allocated``; CPU: live tensor bytes) is gathered into one table.
+
+Checkpoints and recovery: with ``--checkpoint-dir DIR`` the run saves the
+model, the optimizer and the step (``osdp.checkpoint``) after the last step and,
+with ``--checkpoint-every K``, every K steps; on start it resumes from the
+newest complete checkpoint in DIR, under whatever plan and world size this run
+has. Batches are a function of the step, so a resumed run sees the batches the
+uninterrupted one would have. Under ``torchrun --max-restarts N`` (or
+``osdp train --max-restarts N``), a rank that dies takes the job back to its
+last checkpoint instead of ending it.
+
+Testing aid (not for production use): ``OSDP_TEST_KILL_AT_STEP=S`` makes rank
+``OSDP_TEST_KILL_RANK`` (default 1) kill itself with SIGKILL at the start of
+step S, once: it first creates the file ``OSDP_TEST_KILL_MARKER`` (default
+``DIR/.osdp_test_killed``), and does nothing while that file exists, so the
+restarted job runs through.
 """
 
 from __future__ import annotations
@@ -13,21 +28,22 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 import osdp
-from osdp import models
+from osdp import checkpoint, models
 from osdp.data import CorpusLoader, synthetic_batch
-from osdp.distributed import DEFAULT_TIMEOUT_S, all_gather_objects
+from osdp.distributed import all_gather_objects, collective_timeout_s, peer_failures
 from osdp.fsdp_ext.apply import complete_plan
 from osdp.memory import PeakMemory
 from osdp.plan import Plan
@@ -59,6 +75,17 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--json", type=Path, help="write the run's record (plan, losses, per-rank metrics) here")
     p.add_argument("--nproc", type=int, default=2, help="local ranks to launch when not under torchrun (default 2)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="when launching local ranks: restart them (from the last checkpoint) up to N times after a failure")
+    p.add_argument("--checkpoint-dir", type=Path,
+                   help="save checkpoints here (after the last step, and every --checkpoint-every steps); "
+                        "on start, resume from the newest complete one")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K", help="also save every K steps")
+    p.add_argument("--checkpoint-keep", type=int, default=2, metavar="N",
+                   help="complete checkpoints to keep in --checkpoint-dir (default 2)")
+    p.add_argument("--save-final", type=Path,
+                   help="write the trained model as one plain torch.save state dict (unsharded, from rank 0) "
+                        "that load_state_dict of the unwrapped model accepts")
 
 
 def without_option(argv: list[str], option: str) -> list[str]:
@@ -74,12 +101,13 @@ def without_option(argv: list[str], option: str) -> list[str]:
     return out
 
 
-def launch_local(nproc: int, module: str, argv: list[str]) -> int:
+def launch_local(nproc: int, module: str, argv: list[str], max_restarts: int = 0) -> int:
     """Re-run this command on ``nproc`` local ranks through torchrun."""
-    argv = without_option(argv, "--nproc")
+    argv = without_option(without_option(argv, "--nproc"), "--max-restarts")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    restarts = [f"--max-restarts={max_restarts}", "--monitor-interval=0.5"] if max_restarts else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", module, *argv]
+           *restarts, "-m", module, *argv]
     return subprocess.call(cmd, env=env)
 
 
@@ -95,23 +123,67 @@ def init_from_env(device_choice: str) -> torch.device:
         device = torch.device("cpu")
     import datetime
 
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    # Every collective is bounded: a dead or stuck peer gives an error here, not a hang.
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=collective_timeout_s()))
     return device
 
 
-def batches(config, args, rank: int, world_size: int, seq_len: int, device: torch.device):
-    """This rank's batch for every step (deterministic in seed and step)."""
+def batch_source(config, args, rank: int, world_size: int, seq_len: int,
+                 device: torch.device) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's batch as a function of the step (deterministic in seed and step, so a resumed run
+    sees the batches an uninterrupted one would)."""
     if args.data == "corpus" and not config.name.startswith("bert"):
         loader = CorpusLoader(seq_len, args.batch_size, rank, world_size, seed=args.seed)
-        for inputs, targets in loader:
-            yield inputs.to(device), targets.to(device)
+
+        def at(step: int):
+            inputs, targets = loader.batch(step)
+            return inputs.to(device), targets.to(device)
     else:
-        step = 0
-        while True:
+        def at(step: int):
             g = torch.Generator().manual_seed(args.seed * 100003 + step * world_size + rank)
             inputs, targets = synthetic_batch(config, args.batch_size, seq_len, generator=g)
-            yield inputs.to(device), targets.to(device)
-            step += 1
+            return inputs.to(device), targets.to(device)
+    return at
+
+
+TEST_KILL_ENV = "OSDP_TEST_KILL_AT_STEP"
+
+
+def _test_kill_hook(step: int, rank: int, checkpoint_dir: Path | None) -> None:
+    """Testing aid (see the module docstring): SIGKILL this rank once at the start of a chosen step."""
+    at = os.environ.get(TEST_KILL_ENV)
+    if at is None or int(at) != step or rank != int(os.environ.get("OSDP_TEST_KILL_RANK", "1")):
+        return
+    marker = Path(os.environ.get("OSDP_TEST_KILL_MARKER") or (checkpoint_dir or Path(".")) / ".osdp_test_killed")
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"rank {rank} killed itself at step {step} (pid {os.getpid()})\n")
+    print(f"[{TEST_KILL_ENV}] rank {rank}: SIGKILL at step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def resume(args: argparse.Namespace, model, optimizer, plan: Plan, world_size: int, rank: int,
+           run_info: dict[str, Any]) -> tuple[int, str | None]:
+    """Load the newest complete checkpoint in ``--checkpoint-dir``; return (first step to run, its path)."""
+    if args.checkpoint_dir is None:
+        return 0, None
+    found = checkpoint.agree_on_latest(args.checkpoint_dir)
+    if found is None:
+        return 0, None
+    saved = checkpoint.info(found)
+    extra = checkpoint.load(found, model, optimizer)
+    start = int(extra.get("step", saved.get("step") or 0))
+    if rank == 0:
+        same = saved.get("plan_hash") == plan.hash and saved.get("world_size") == world_size
+        now = "" if same else f"; now plan {plan.hash} on {world_size} ranks"
+        print(f"resumed from {found} at step {start} (saved under plan {saved.get('plan_hash')} on "
+              f"{saved.get('world_size')} ranks{now})", flush=True)
+        changed = [k for k, v in run_info.items() if k in extra and extra[k] != v]
+        if changed:
+            print("warning: the checkpoint was written with different " + ", ".join(
+                f"{k} ({extra[k]!r}, now {run_info[k]!r})" for k in changed) + "; the data stream differs", flush=True)
+    return start, str(found)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,13 +196,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.manual_seed(args.seed)  # every rank builds the same initial model
     model = models.build(args.model).to(device)
-    data = batches(config, args, rank, world_size, seq_len, device)
+    batch_at = batch_source(config, args, rank, world_size, seq_len, device)
     if args.plan is not None:
         plan = Plan.from_json(args.plan.read_text())
     elif args.strategy is not None:
         plan = osdp.strategy_plan(model, args.strategy)
     else:
-        first_batch = next(batches(config, args, rank, world_size, seq_len, device))
+        first_batch = batch_at(0)
         plan = osdp.plan(model, device_mem=args.device_mem or DEFAULT_BUDGET, example_input=first_batch,
                          mixed_precision=args.mixed_precision or "fp32")
     if args.mixed_precision:
@@ -142,21 +214,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(plan_table(plan, units), flush=True)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    memory_step = min(args.warmup, args.steps - 1)  # measured apart: the CPU tracker slows its step
+    run_info = {"model": args.model, "data": args.data, "seed": args.seed, "batch_size": args.batch_size,
+                "seq_len": seq_len}
+    first_step, resumed_from = resume(args, model, optimizer, plan, world_size, rank, run_info)
+    memory_step = min(first_step + args.warmup, args.steps - 1)  # measured apart: the CPU tracker slows its step
     losses, step_times, peak, breakdown = [], [], None, None
-    for step in range(args.steps):
-        inputs, targets = next(data)
+    for step in range(first_step, args.steps):
+        _test_kill_hook(step, rank, args.checkpoint_dir)
+        inputs, targets = batch_at(step)
         meter = PeakMemory(device, model, optimizer) if step == memory_step else None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         if meter:
             meter.__enter__()
-        loss = model(inputs, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = loss.item()
+        with peer_failures(f"training step {step}"):
+            loss = model(inputs, targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_value = loss.item()
         if meter:
             meter.__exit__(None, None, None)
             peak, breakdown = meter.stats().peak_bytes, dict(meter.stats().peak_breakdown)
@@ -168,6 +245,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             step_times.append(elapsed)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {loss_value:.4f}  {elapsed * 1e3:8.1f} ms", flush=True)
+        done = step + 1
+        if args.checkpoint_dir is not None and (
+            done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)
+        ):
+            path = checkpoint.save_step(args.checkpoint_dir, done, model, optimizer, {**run_info, "step": done},
+                                        keep=args.checkpoint_keep)
+            if rank == 0:
+                print(f"checkpoint {path} (step {done})", flush=True)
+    if args.save_final is not None:
+        checkpoint.export_full(args.save_final, model)
+        if rank == 0:
+            print(f"full state dict written to {args.save_final}", flush=True)
 
     tokens = args.batch_size * seq_len
     median = statistics.median(step_times) if step_times else float("nan")
@@ -188,15 +277,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "batch_size": args.batch_size,
         "seq_len": seq_len,
         "steps": args.steps,
+        "first_step": first_step,
+        "resumed_from": resumed_from,
         "plan": plan.to_dict(),
         "per_rank": per_rank,
         "machine": {"platform": platform.platform(), "device": str(device), "torch": torch.__version__},
     }
     if rank == 0:
-        rows = [[r["rank"], f"{r['median_step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}", format_bytes(r["peak_bytes"])]
-                for r in per_rank]
+        rows = [[r["rank"], f"{r['median_step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}",
+                 "-" if r["peak_bytes"] is None else format_bytes(r["peak_bytes"])] for r in per_rank]
         print(format_table(rows, ["rank", "step ms (median)", "tokens/s", "peak memory"], "rrrr"))
-        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps", flush=True)
+        if losses:
+            print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {first_step}..{args.steps - 1}", flush=True)
+        else:
+            print(f"nothing to train: the checkpoint is already at step {first_step} of {args.steps}", flush=True)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(record, indent=2))
@@ -209,8 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="osdp train", description=__doc__.splitlines()[0])
     add_run_arguments(parser)
     args = parser.parse_args(argv)
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        parser.error("--checkpoint-every must be >= 1")
+    if args.checkpoint_every is not None and args.checkpoint_dir is None:
+        parser.error("--checkpoint-every needs --checkpoint-dir")
+    if args.checkpoint_keep < 1:
+        parser.error("--checkpoint-keep must be >= 1")
     if "RANK" not in os.environ:
-        return launch_local(args.nproc, "osdp.train", argv)
+        return launch_local(args.nproc, "osdp.train", argv, max_restarts=args.max_restarts)
     run(args)
     return 0
 
