@@ -7,7 +7,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from osdp.fsdp_ext.apply import apply_plan, ensure_process_group, plan_of
+from osdp.distributed import raise_on_any_rank
+from osdp.fsdp_ext.apply import apply_plan, check_model, default_device, ensure_process_group, plan_of
 from osdp.plan import STRATEGIES, Plan, PlanError
 from osdp.units import discover_units
 
@@ -57,6 +58,12 @@ def wrap(
         from osdp.planner import plan as search_plan
 
         ensure_process_group()
+        error: PlanError | None = None
+        try:  # before the search's collectives: a model that cannot be wrapped fails on every rank now
+            check_model(model, torch.device(device) if device is not None else default_device())
+        except PlanError as e:
+            error = e
+        raise_on_any_rank(error)
         planning_device = plan_options.pop("planning_device", None)
         plan = search_plan(
             model, device_mem=device_mem, example_input=example_input, device=planning_device,

@@ -85,6 +85,44 @@ def complete_plan(model: nn.Module, plan: Plan) -> Plan:
     return replace(plan, units=[*plan.units, UnitPlan(ROOT, mode="zero3")], meta=dict(plan.meta))
 
 
+def _some(names: list[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def check_model(model: nn.Module, device: torch.device) -> None:
+    """Raise PlanError unless the model has parameters, all materialized on one device that ``device`` can use.
+
+    FSDP2 would accept a model on the meta device (or spread over devices) and
+    fail only at the first forward, or worse; osdp says so before anything changes.
+    """
+    if next(model.parameters(), None) is None:
+        raise PlanError("the model has no parameters: there is nothing to shard or replicate")
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    on_meta = [name for name, t in tensors if t.device.type == "meta"]
+    if on_meta:
+        raise PlanError(
+            f"the model is not materialized: {len(on_meta)} of its {len(tensors)} parameters and buffers are on "
+            f"the meta device ({_some(on_meta)}); build it on a real device, or call model.to_empty(device=...) "
+            "and initialise its parameters, before osdp.wrap"
+        )
+    by_device: dict[torch.device, list[str]] = {}
+    for name, t in tensors:
+        by_device.setdefault(t.device, []).append(name)
+    if len(by_device) > 1:
+        where = "; ".join(f"{d}: {_some(names, 2)}" for d, names in by_device.items())
+        raise PlanError(
+            f"the model's parameters and buffers are on several devices ({where}); move the whole model to one "
+            "device (model.to(...)) before osdp.wrap"
+        )
+    (on,) = by_device
+    if on.type != "cpu" and (on.type != device.type or (on.index is not None and device.index is not None
+                                                         and on.index != device.index)):
+        raise PlanError(
+            f"the model is on {on} but osdp.wrap would run it on {device}; pass device='{on}' (with a process "
+            "group for that device, nccl for cuda) or move the model"
+        )
+
+
 def validate_plan(model: nn.Module, plan: Plan, world_size: int) -> list[Unit]:
     """Check a (completed) plan against the model; return its units bottom-up. Raises PlanError."""
     if getattr(model, _PLAN_ATTR, None) is not None:
@@ -154,6 +192,7 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None =
     plan = complete_plan(model, plan)
     error: Exception | None = None
     try:
+        check_model(model, device)
         units = validate_plan(model, plan, world_size)
     except PlanError as e:
         error = e
