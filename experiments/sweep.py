@@ -1,0 +1,335 @@
+"""Throughput-vs-memory curves of OSDP against DDP, ZeRO-2 and FSDP, from one command.
+
+    python experiments/sweep.py --quick    # gpt2-mini, both links, 2 CPU ranks: under 15 minutes here
+    python experiments/sweep.py --full     # gpt2-mini and gpt2-cpu-medium, more budgets and repeats
+
+For each reference model and each link (``loopback``: gloo over 127.0.0.1;
+``gpu-ratio``: the two ranks in their own network namespaces joined by a veth
+pair shaped with tc tbf so that this core's FLOP/s over the link's bytes/s is
+an 8x H100 NVLink node's ratio, see ``netns.py``), one process group
+(``run.py``) measures the link, describes the model, runs each baseline once
+(DDP, zero2 everywhere, FSDP = zero3 everywhere), then plans OSDP at budgets
+from the least any plan needs (predicted) up to where DDP fits (the larger of
+its predicted and measured peak), and trains every distinct plan in
+interleaved repeats. A baseline's throughput does not depend on the budget:
+it is placed at every budget, as fitting where its predicted and measured
+peaks are both within the budget and as "does not fit (needs X)" elsewhere.
+
+Writes to ``--out`` (default experiments/results/sweep-quick or sweep-full):
+``runs.json`` (every record), ``sweep.csv`` (one row per model, link, strategy
+and budget), ``summary.md`` (the tables, the ratios OSDP / best fitting
+baseline and OSDP / FSDP, the targets), and the PNG figures of ``plots.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import run as run_mod  # noqa: E402
+
+RESULTS = HERE / "results"
+# model -> (micro-batch per rank, sequence length)
+PROFILES = {
+    "quick": {"models": {"gpt2-mini": (8, 128)}, "budgets": 6, "rounds": 3, "time_per_run_s": 1.0},
+    "full": {"models": {"gpt2-mini": (8, 128), "gpt2-cpu-medium": (4, 256)}, "budgets": 9, "rounds": 5,
+             "time_per_run_s": 2.5},
+}
+LINKS = ("loopback", "gpu-ratio")
+BASELINES = ("ddp", "zero2", "fsdp")
+CSV_COLUMNS = [
+    "model", "world_size", "link", "strategy", "budget_bytes", "fits", "tokens_per_s", "peak_bytes",
+    "predicted_tokens_per_s", "predicted_peak_bytes", "needs_bytes", "status", "tokens_per_s_min",
+    "tokens_per_s_max", "step_s_median", "predicted_step_s", "replicated_fraction", "plan_hash", "plan_summary",
+    "same_run_as", "batch_size", "seq_len",
+]
+QUIET_LOAD = 2.5
+
+
+def mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def does_not_fit(needs: int | None) -> str:
+    return f"does not fit (needs {mib(needs)})"
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One CSV row per strategy and budget: baselines placed at every OSDP budget."""
+    records = result["records"]
+    budgets = sorted({r["budget_bytes"] for r in records if r["strategy"] == "osdp"})
+    rows = []
+    for rec in records:
+        m = rec.get("measured") or {}
+        base = {
+            "model": rec["model"], "world_size": rec["world_size"], "link": rec["link"], "strategy": rec["strategy"],
+            "tokens_per_s": m.get("tokens_per_s"), "peak_bytes": m.get("peak_bytes"),
+            "predicted_tokens_per_s": rec.get("predicted_tokens_per_s"),
+            "predicted_peak_bytes": rec.get("predicted_peak_bytes"),
+            "tokens_per_s_min": min(m["tokens_per_s_rounds"]) if m else None,
+            "tokens_per_s_max": max(m["tokens_per_s_rounds"]) if m else None,
+            "step_s_median": m.get("step_s_median"), "predicted_step_s": rec.get("predicted_step_s"),
+            "replicated_fraction": rec.get("replicated_fraction"), "plan_hash": rec.get("plan_hash"),
+            "plan_summary": rec.get("plan_summary"), "same_run_as": rec.get("same_run_as"),
+            "batch_size": rec["batch_size"], "seq_len": rec["seq_len"],
+        }
+        if rec["strategy"] == "osdp":
+            budget = rec["budget_bytes"]
+            if rec["status"] == "budget too small":
+                needs = rec.get("needs_bytes")
+                rows.append({**base, "budget_bytes": budget, "fits": False, "needs_bytes": needs,
+                             "status": does_not_fit(needs) + ": no plan under the cost model"})
+                continue
+            needs = max(rec["predicted_peak_bytes"], m.get("peak_bytes") or 0)
+            fits = needs <= budget
+            status = "fits" if fits else does_not_fit(needs) + ": planned to fit, measured over the budget"
+            rows.append({**base, "budget_bytes": budget, "fits": fits, "needs_bytes": needs, "status": status})
+            continue
+        if not m:  # skipped (fairscale on CPU)
+            for budget in budgets:
+                rows.append({**base, "budget_bytes": budget, "fits": False, "needs_bytes": None,
+                             "status": rec["status"]})
+            continue
+        needs = max(rec.get("predicted_peak_bytes") or 0, m.get("peak_bytes") or 0)
+        for budget in budgets:
+            fits = needs <= budget
+            rows.append({**base, "budget_bytes": budget, "fits": fits, "needs_bytes": needs,
+                         "status": "fits" if fits else does_not_fit(needs)})
+    return rows
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_COLUMNS})
+
+
+# --------------------------------------------------------------------------- comparison and targets
+
+
+def compare(rows: list[dict[str, Any]], result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per budget of one (model, link): OSDP against the best fitting baseline and against FSDP."""
+    half = result.get("half_replicated_peak_bytes")
+    out = []
+    for budget in sorted({r["budget_bytes"] for r in rows if r["strategy"] == "osdp"}):
+        at = {r["strategy"]: r for r in rows if r["budget_bytes"] == budget}
+        osdp = at["osdp"]
+        fitting = [at[s] for s in (*BASELINES, "fairscale") if s in at and at[s]["fits"] and at[s]["tokens_per_s"]]
+        best = max(fitting, key=lambda r: r["tokens_per_s"], default=None)
+        fsdp = at.get("fsdp") if at.get("fsdp", {}).get("fits") else None
+        t = osdp["tokens_per_s"]
+        out.append({
+            "budget_bytes": budget,
+            "osdp": osdp,
+            "baselines": {s: at[s] for s in (*BASELINES, "fairscale") if s in at},
+            "best": best,
+            "vs_best": t / best["tokens_per_s"] if (t and best) else None,
+            "vs_fsdp": t / fsdp["tokens_per_s"] if (t and fsdp) else None,
+            "half_replicable": bool((osdp.get("replicated_fraction") or 0) >= 0.5 or (half and budget >= half)),
+            "peak_within_budget": osdp["peak_bytes"] is None or osdp["peak_bytes"] <= budget,
+        })
+    return out
+
+
+def verdicts(comparison: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets over one (model, link)."""
+    vs_best = [c["vs_best"] for c in comparison if c["vs_best"] is not None]
+    vs_fsdp = [c["vs_fsdp"] for c in comparison if c["vs_fsdp"] is not None and c["half_replicable"]]
+    return {
+        "osdp_vs_best_min": min(vs_best, default=None),
+        "osdp_vs_best_ok": all(v >= 0.98 for v in vs_best),
+        "osdp_vs_fsdp_min_half_replicable": min(vs_fsdp, default=None),
+        "osdp_vs_fsdp_ok": bool(vs_fsdp) and all(v >= 1.15 for v in vs_fsdp),
+        "peak_within_budget_ok": all(c["peak_within_budget"] for c in comparison),
+        "budgets_without_osdp_plan": [c["budget_bytes"] for c in comparison if c["osdp"]["tokens_per_s"] is None],
+    }
+
+
+def cell(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "-"
+    if r["fits"]:
+        return f"{r['tokens_per_s']:,.0f}"
+    if r["status"].startswith("skipped"):
+        return "skipped (CUDA only)"
+    return does_not_fit(r["needs_bytes"])
+
+
+def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [f"# Sweep ({meta['profile']}): throughput per rank vs memory budget per rank", ""]
+    lines += [f"- command: `{meta['command']}`",
+              f"- date: {meta['date']}; took {meta['seconds'] / 60:.1f} min",
+              f"- machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, "
+              f"{meta['machine']['platform']}; Python {meta['machine']['python']}, torch {meta['machine']['torch']}",
+              f"- ranks: {meta['world_size']} CPU processes (gloo), 1 thread each; optimizer AdamW, fp32",
+              f"- repeats: {meta['rounds']} interleaved rounds of ~{meta['time_per_run_s']} s of timed steps per plan; "
+              "medians over rounds (spread = min..max of the round medians)",
+              f"- load average (1 min) before / after each part: "
+              + "; ".join(f"{p['model']} {p['link']}: {p['load_before'][0]:.1f} / {p['load_after'][0]:.1f}"
+                          for p in meta["parts"]),
+              ""]
+    for result in results:
+        link = result["link"]
+        mine = [r for r in rows if r["model"] == result["model"] and r["link"] == link["name"]]
+        comparison = compare(mine, result)
+        v = verdicts(comparison)
+        ratio = link.get("measured_flop_per_byte")
+        lines += [f"## {result['model']}, {link['name']}: {link.get('label', '')}", ""]
+        bw = link.get("measured_busbw_bytes_per_s", {})
+        lines += [f"Measured on this group: fp32 FLOP/s {result['device_info']['flops'].get('float32', 0) / 1e9:.0f} G "
+                  f"per rank; all-gather busbw {bw.get('all_gather', 0) / 1e6:.0f} MB/s, reduce-scatter "
+                  f"{bw.get('reduce_scatter', 0) / 1e6:.0f} MB/s, all-reduce {bw.get('all_reduce', 0) / 1e6:.0f} MB/s; "
+                  + (f"{ratio:.0f} FLOP per byte of all-gather." if ratio else ""),
+                  f"Micro-batch {mine[0]['batch_size']} x {mine[0]['seq_len']} tokens per rank. Least budget any plan "
+                  f"fits (predicted): {mib(result['lowest_budget_bytes'])}; DDP needs {mib(result['ddp_needs_bytes'])}; "
+                  f"a plan replicating half the parameters fits from {mib(result.get('half_replicated_peak_bytes'))} "
+                  "(greedy bound).", ""]
+        head = ["budget", "OSDP tokens/s", "OSDP peak", *BASELINES, "best baseline", "OSDP / best", "OSDP / FSDP",
+                "OSDP plan"]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for c in comparison:
+            o = c["osdp"]
+            plan = (o.get("plan_summary") or "").split(": ", 1)[-1]
+            same = o.get("same_run_as")
+            if same and not same.startswith("osdp"):
+                plan += f" (= {same})"
+            lines.append("| " + " | ".join([
+                mib(c["budget_bytes"]),
+                f"{o['tokens_per_s']:,.0f} ({o['tokens_per_s_min']:,.0f}..{o['tokens_per_s_max']:,.0f})"
+                if o["tokens_per_s"] else does_not_fit(o["needs_bytes"]),
+                mib(o["peak_bytes"]) + ("" if c["peak_within_budget"] else " **over**"),
+                *[cell(c["baselines"].get(s)) for s in BASELINES],
+                c["best"]["strategy"] if c["best"] else "none fits",
+                f"{c['vs_best']:.2f}" if c["vs_best"] else "-",
+                (f"{c['vs_fsdp']:.2f}" + ("" if c["half_replicable"] else " (< half replicable)"))
+                if c["vs_fsdp"] else "-",
+                plan,
+            ]) + " |")
+        lines += ["", "Baselines measured: " + "; ".join(
+            f"{r['strategy']} {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_min']:,.0f}..{r['tokens_per_s_max']:,.0f}), "
+            f"peak {mib(r['peak_bytes'])} (predicted {mib(r['predicted_peak_bytes'])})"
+            for r in {r["strategy"]: r for r in mine if r["strategy"] in BASELINES and r["tokens_per_s"]}.values()), ""]
+        fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        lines += [f"Targets: OSDP / best fitting baseline >= 0.98 at every budget: "
+                  f"{'met' if v['osdp_vs_best_ok'] else 'MISSED'} (min {fmt(v['osdp_vs_best_min'])}); "
+                  f"OSDP / FSDP >= 1.15 where half the model can be replicated: "
+                  f"{'met' if v['osdp_vs_fsdp_ok'] else 'MISSED'} (min {fmt(v['osdp_vs_fsdp_min_half_replicable'])}); "
+                  f"OSDP's measured peak within the budget: {'met' if v['peak_within_budget_ok'] else 'MISSED'}.", ""]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the sweep
+
+
+def wait_for_quiet(minutes: float) -> None:
+    if minutes <= 0:
+        return
+    deadline = time.time() + 60 * minutes
+    while os.getloadavg()[0] > QUIET_LOAD and time.time() < deadline:
+        print(f"sweep: load average {os.getloadavg()[0]:.1f} > {QUIET_LOAD}: waiting (up to "
+              f"{(deadline - time.time()) / 60:.0f} more min)", flush=True)
+        time.sleep(30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="gpt2-mini, both links (the default)")
+    size.add_argument("--full", action="store_true", help="gpt2-mini and gpt2-cpu-medium, more budgets and repeats")
+    ap.add_argument("--models", nargs="+", help="override the models (micro-batch 8, the model's sequence length)")
+    ap.add_argument("--links", nargs="+", default=list(LINKS), help="loopback, gpu-ratio, tbf:RATE (default both)")
+    ap.add_argument("--budgets", type=int, help="number of OSDP budgets per model and link")
+    ap.add_argument("--rounds", type=int, help="interleaved repeats per plan")
+    ap.add_argument("--time-per-run", type=float, help="seconds of timed steps per plan and repeat")
+    ap.add_argument("--fairscale", action="store_true", help="also fairscale FSDP (CUDA only; skipped on CPU)")
+    ap.add_argument("--link-rate", help="fix the gpu-ratio link's rate (e.g. 630mbit) instead of measuring FLOP/s")
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="MIN",
+                    help=f"before each part, wait up to MIN minutes for the 1-min load average to drop below {QUIET_LOAD}")
+    ap.add_argument("--out", type=Path, help="output folder (default experiments/results/sweep-<quick|full>)")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    profile_name = "full" if args.full else "quick"
+    profile = dict(PROFILES[profile_name])
+    models = profile["models"] if not args.models else {m: (8, None) for m in args.models}
+    budgets = args.budgets or profile["budgets"]
+    rounds = args.rounds or profile["rounds"]
+    per_run = args.time_per_run or profile["time_per_run_s"]
+    out = args.out or RESULTS / f"sweep-{profile_name}"
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    command = "python experiments/sweep.py " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    links = []
+    for name in args.links:
+        if name == "gpu-ratio" and args.link_rate:
+            link = run_mod.resolve_link("tbf:" + args.link_rate)
+            link.update(name="gpu-ratio", target_flop_per_byte=run_mod.gpu_flop_per_byte())
+        else:
+            link = run_mod.resolve_link(name)
+        if link["kind"] == "veth":
+            why = run_mod.netns.missing_tools()
+            if why:
+                print(f"sweep: skipping link {name}: {why}", file=sys.stderr)
+                continue
+        links.append(link)
+        print(f"sweep: link {link['name']}: {link['label']}"
+              + (f" (this core: {link['core_flops'] / 1e9:.0f} GFLOP/s fp32)" if "core_flops" in link else ""), flush=True)
+
+    results, parts = [], []
+    # One describe cache per sweep: each model is measured once, in this sweep, and shared by both links.
+    with tempfile.TemporaryDirectory(prefix="osdp-sweep-cache-") as cache:
+        env = dict(os.environ, OSDP_CACHE_DIR=cache, OMP_NUM_THREADS="1")
+        total = len(models) * len(links)
+        for model, (batch, seq) in models.items():
+            for link in links:
+                wait_for_quiet(args.wait_quiet)
+                n = len(parts) + 1
+                t0 = time.time()
+                print(f"sweep: [{n}/{total}] {model} over {link['name']} "
+                      f"({(t0 - start) / 60:.1f} min so far, load {os.getloadavg()[0]:.1f})", flush=True)
+                spec = {"model": model, "batch_size": batch, "seq_len": seq,
+                        "strategies": [*BASELINES, *(["fairscale"] if args.fairscale else [])],
+                        "auto_budgets": budgets, "rounds": rounds, "time_per_run_s": per_run, "link": link}
+                load_before = os.getloadavg()
+                result = run_mod.launch(spec, env=env,
+                                        on_line=lambda line: print(f"  {line}", flush=True))
+                results.append(result)
+                parts.append({"model": model, "link": link["name"], "load_before": load_before,
+                              "load_after": os.getloadavg(), "seconds": time.time() - t0})
+                print(f"sweep: [{n}/{total}] done in {(time.time() - t0) / 60:.1f} min", flush=True)
+
+    rows = [row for result in results for row in rows_of(result)]
+    meta = {"profile": profile_name, "command": command, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+            "seconds": time.time() - start, "machine": results[0]["machine"] if results else run_mod.machine_info(),
+            "world_size": 2, "rounds": rounds, "time_per_run_s": per_run, "budgets": budgets, "parts": parts,
+            "links": links}
+    (out / "runs.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    write_csv(rows, out / "sweep.csv")
+    (out / "summary.md").write_text(summary_markdown(results, rows, meta))
+    if not args.no_plots:
+        import plots
+
+        plots.plot_all(out)
+    print((out / "summary.md").read_text())
+    print(f"sweep: wrote {out} in {(time.time() - start) / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
