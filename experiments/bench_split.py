@@ -1,0 +1,339 @@
+"""Split vs unsplit sharded Linear: step time and peak gathered weight, side by side in one run.
+
+Models: a Linear 4096 -> 16384, and the MLP of the 48-layer hidden-1536 GPT
+(1536 -> 6144 -> GELU -> 1536). Strategies, each on the same 1-D mesh:
+
+* zero3: FSDP2 ``fully_shard`` of the model (reshard after forward);
+* split k (k = 1, 2, 4, 8): ``apply_split`` then ``fully_shard(..., ignored_params=split_parameters(...))``,
+  as the apply code does, so FSDP2 manages the biases.
+
+A step is forward, backward (input gradient included) and an SGD step. The
+strategies' steps run in turn, round after round, so that other load on the
+machine slows them alike; a time is the slowest rank's; "vs zero3" is the
+median over rounds of the ratio to zero3's step in the same round, "min vs"
+the ratio of the fastest steps; the JSON records the load average. Peak gathered weight is
+measured the same way for every strategy, from the operator stream: the live
+bytes of storages that all-gathers write (and FSDP2 copies them into, its
+unsharded parameters), sampled at every op of one extra step. For split, the
+op's own counters (``osdp.split.memory_stats``) are reported too.
+
+Overlap: for every k, forward only, the time of the k gathers alone, of the k
+matmuls alone, and of the split forward; hidden = (gather + compute - split) /
+gather, the fraction of all-gather time hidden behind the matmuls. Timed with
+CUDA events on a GPU, wall clock on CPU.
+
+Run (2 local CPU ranks, one thread each; spawns its own ranks):
+    python experiments/bench_split.py
+or, e.g. on GPUs: torchrun --nproc-per-node 2 experiments/bench_split.py
+Writes experiments/results/bench_split.json (machine, torch version, all numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+import osdp.split as split
+from osdp.distributed import free_port, init_process_group
+
+MODELS = {  # (in, out) of each Linear, GELU between
+    "linear_4096x16384": [(4096, 16384)],
+    "gpt_mlp_1536": [(1536, 6144), (6144, 1536)],
+}
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_split.json"
+
+
+class GatheredBytes(TorchDispatchMode):
+    """Peak live bytes of all-gather outputs and FSDP2's copies of them, sampled at every op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages = WeakIdKeyDictionary()  # by identity: FSDP2 re-grows the same storage at a new address
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor desugar into local ops, which come back here
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.ops.c10d._allgather_base_.default:
+            self._watch(args[0])
+        elif func is torch.ops.fsdp.split_with_sizes_copy.default:
+            for t in kwargs["out"]:
+                self._watch(t)
+        # FSDP2 frees unsharded parameters by resizing their storage to 0, so read sizes now.
+        live = sum(s.nbytes() for s in self.storages.keys())
+        self.peak = max(self.peak, live)
+        return out
+
+    def _watch(self, t: torch.Tensor) -> None:
+        self.storages[t.untyped_storage()] = None
+
+
+class Timer:
+    """Seconds between start() and stop(): CUDA events on a GPU, wall clock otherwise."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> None:
+        if self.cuda:
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            return self.begin.elapsed_time(self.end) / 1e3
+        return time.perf_counter() - self.t0
+
+
+def slowest(seconds: float, device: torch.device) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def build(model_name: str, strategy: str, k: int, mesh) -> nn.Module:
+    """The unit under a parameterless root, so that FSDP2 reshards it after forward (it keeps the root's)."""
+    torch.manual_seed(0)
+    layers = []
+    for in_f, out_f in MODELS[model_name]:
+        layers += [nn.Linear(in_f, out_f), nn.GELU()]
+    unit = nn.Sequential(*layers[:-1])
+    if strategy == "split":  # (apply_split leaves k = 1 alone; here k = 1 is the op with a single slice)
+        for name, linear in split.splittable_linears(unit):
+            setattr(unit, name, split.SplitLinear.from_linear(linear, k, mesh))
+    fully_shard(unit, mesh=mesh, ignored_params=split.split_parameters(unit))
+    return fully_shard(nn.Sequential(unit), mesh=mesh)
+
+
+def interleaved(fns: dict, args, device) -> dict[str, list[float]]:
+    """Each function once per round, in turn, so that other load on the machine slows all alike;
+    per function, the slowest rank's time in every round after warm-up."""
+    timer, times = Timer(device), {name: [] for name in fns}
+    for i in range(args.warmup + args.steps):
+        for name, fn in fns.items():
+            dist.barrier()
+            timer.start()
+            fn()
+            elapsed = slowest(timer.stop(), device)
+            if i >= args.warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def training_step(model, model_name, tokens, device):
+    in_f, out_f = MODELS[model_name][0][0], MODELS[model_name][-1][1]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(tokens, in_f, device=device, requires_grad=True)
+    grad = torch.randn(tokens, out_f, device=device)
+
+    def step():
+        model(x).backward(grad)
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def overlap_probes(model, tokens, device) -> dict:
+    """Forward of the unit's first SplitLinear: its gathers alone, its matmuls alone, and the split op."""
+    layer = next(m for m in model.modules() if isinstance(m, split.SplitLinear))
+    group = layer.weight.device_mesh.get_group()
+    n, w = group.size(), layer.weight.to_local().detach()
+    pieces, offsets = layer.piece_sizes, [sum(layer.piece_sizes[:i]) for i in range(len(layer.piece_sizes))]
+    padded = torch.zeros(layer.rows_per_rank, layer.in_features, device=device)
+    padded[: w.shape[0]] = w
+    slices = [torch.empty(n * q, layer.in_features, device=device) for q in pieces]
+    x = torch.randn(tokens, layer.in_features, device=device)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def gather():
+        for s, off, q in zip(slices, offsets, pieces):
+            all_gather(s, padded[off : off + q], group=group)
+
+    def compute():
+        out = torch.empty(tokens, n, layer.rows_per_rank, device=device)
+        for s, off, q in zip(slices, offsets, pieces):
+            out[:, :, off : off + q] = torch.mm(x, s.t()).view(tokens, n, q)
+
+    @torch.no_grad()
+    def split_forward():
+        layer(x)
+
+    return {"gather": gather, "compute": compute, "split_forward": split_forward}
+
+
+def run(rank: int, world_size: int, args) -> list[dict] | None:
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (world_size,))
+    if args.backend:
+        split.set_backend(args.backend)
+    rows = []
+    for model_name in args.models:
+        tokens = args.tokens[model_name]
+        strategies = {"zero3": build(model_name, "zero3", 1, mesh)}
+        strategies.update({f"split k={k}": build(model_name, "split", k, mesh) for k in args.ks})
+        steps = {name: training_step(model, model_name, tokens, device) for name, model in strategies.items()}
+        step_times = interleaved(steps, args, device)
+
+        # Overlap, with each split unit's bias gathered as in its forward.
+        split_units = {name: model[0] for name, model in strategies.items() if name != "zero3"}
+        probes = {}
+        for name, unit in split_units.items():
+            unit.unshard()
+            probes.update({(name, part): fn for part, fn in overlap_probes(unit, tokens, device).items()})
+        probe_times = interleaved(probes, args, device)
+        for unit in split_units.values():
+            unit.reshard()
+
+        for name, model in strategies.items():
+            split.reset_peak_memory_stats()
+            tracker = GatheredBytes()
+            with tracker:
+                steps[name]()
+            times = step_times[name]
+            row = dict(model=model_name, strategy=name, tokens_per_rank=tokens, step_s=statistics.median(times),
+                       step_min_s=min(times), step_times_s=times, peak_gathered_bytes=tracker.peak,
+                       full_weight_bytes=sum(4 * i * o for i, o in MODELS[model_name]),
+                       # per round against zero3's step of the same round: robust to slowly varying load
+                       step_vs_zero3=statistics.median(t / z for t, z in zip(times, step_times["zero3"])))
+            if name != "zero3":
+                stats = split.memory_stats()
+                row.update(op_peak_gathered_bytes=stats["peak_gathered_bytes"], op_peak_unreduced_grad_bytes=stats["peak_grad_bytes"])
+                g, c, f = (probe_times[(name, part)] for part in ("gather", "compute", "split_forward"))
+                hidden = statistics.median((gi + ci - fi) / gi for gi, ci, fi in zip(g, c, f))  # per round, as above
+                row.update(gather_s=statistics.median(g), compute_s=statistics.median(c), split_forward_s=statistics.median(f),
+                           hidden_fraction=min(max(hidden, 0.0), 1.0))
+            rows.append(row)
+        if rank == 0:
+            print(f"  {model_name}: done", flush=True)
+        del strategies, steps, probes, split_units
+    for row in rows:
+        base = next(r for r in rows if r["model"] == row["model"] and r["strategy"] == "zero3")
+        row["step_min_vs_zero3"] = row["step_min_s"] / base["step_min_s"]
+        row["gathered_vs_zero3"] = row["peak_gathered_bytes"] / base["peak_gathered_bytes"]
+        row["gathered_vs_full_weight"] = row["peak_gathered_bytes"] / row["full_weight_bytes"]
+    return rows if rank == 0 else None
+
+
+def machine(args, world_size: int) -> dict:
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = dict(platform=platform.platform(), cpu=cpu, cpu_count=os.cpu_count(), python=platform.python_version(),
+                torch=torch.__version__, world_size=world_size, device=args.device, split_backend=split.backend(),
+                threads_per_rank=torch.get_num_threads(), load_average=os.getloadavg())
+    if args.device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def report(rows: list[dict], info: dict, out: Path) -> None:
+    print(f"\n{info['cpu'] if info['device'] == 'cpu' else info['gpu']}, torch {info['torch']}, "
+          f"{info['world_size']} ranks, split backend {info['split_backend']}")
+    header = (f"{'model':18s} {'strategy':10s} {'step ms':>9s} {'vs zero3':>8s} {'min vs':>7s} "
+              f"{'gathered MiB':>12s} {'vs zero3':>8s} {'vs W':>6s} {'hidden':>6s}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        hidden = f"{r['hidden_fraction']:6.2f}" if "hidden_fraction" in r else "     -"
+        print(f"{r['model']:18s} {r['strategy']:10s} {r['step_s'] * 1e3:9.1f} {r['step_vs_zero3']:8.3f} {r['step_min_vs_zero3']:7.3f} "
+              f"{r['peak_gathered_bytes'] / 2**20:12.1f} {r['gathered_vs_zero3']:8.3f} {r['gathered_vs_full_weight']:6.3f} {hidden}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": info, "results": rows}, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
+def worker(rank: int, world_size: int, port: int, args, queue) -> None:
+    torch.set_num_threads(args.threads)
+    init_process_group(rank, world_size, master_port=port, backend="gloo")
+    try:
+        rows = run(rank, world_size, args)
+        if rank == 0:
+            queue.put((rows, machine(args, world_size)))
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world-size", type=int, default=2, help="local ranks to spawn (ignored under torchrun)")
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--tokens-linear", type=int, default=256, help="tokens per rank for the 4096x16384 Linear")
+    p.add_argument("--tokens-mlp", type=int, default=512, help="tokens per rank for the GPT MLP")
+    p.add_argument("--steps", type=int, default=8, help="timed rounds")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
+    p.add_argument("--backend", choices=split._extension.MODES, default=None, help="split implementation (default: auto)")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args()
+    args.tokens = {"linear_4096x16384": args.tokens_linear, "gpt_mlp_1536": args.tokens_mlp}
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.backend != "python":
+        split.build_extension()  # once, before the ranks load it from the cache
+
+    if "RANK" in os.environ:  # torchrun
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        else:
+            torch.set_num_threads(args.threads)
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        rows = run(dist.get_rank(), dist.get_world_size(), args)
+        if dist.get_rank() == 0:
+            report(rows, machine(args, dist.get_world_size()), args.out)
+        dist.destroy_process_group()
+        return
+
+    if args.device == "cuda":
+        raise SystemExit("on GPUs, launch with torchrun (one process per GPU)")
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
+    for proc in procs:
+        proc.start()
+    import queue as queue_module
+
+    while True:
+        try:
+            rows, info = queue.get(timeout=1.0)
+            break
+        except queue_module.Empty:
+            failed = [r for r, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
+            if failed:
+                for proc in procs:
+                    proc.kill()
+                raise SystemExit(f"rank(s) {failed} failed")
+    for proc in procs:
+        proc.join()
+    report(rows, info, args.out)
+
+
+if __name__ == "__main__":
+    main()
