@@ -214,8 +214,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(plan_table(plan, units), flush=True)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    run_info = {"model": args.model, "data": args.data, "seed": args.seed, "batch_size": args.batch_size,
-                "seq_len": seq_len}
+    # What fixes the data stream: a resumed run that differs here sees other batches than the saved run would.
+    run_info = {"model": args.model, "data": args.data, "seed": args.seed, "seq_len": seq_len}
+    if args.data == "corpus" and not config.name.startswith("bert"):
+        run_info["global_batch"] = args.batch_size * world_size  # the corpus loader's batches depend on this alone
+    else:
+        run_info.update(batch_size=args.batch_size, world_size=world_size)
     first_step, resumed_from = resume(args, model, optimizer, plan, world_size, rank, run_info)
     memory_step = min(first_step + args.warmup, args.steps - 1)  # measured apart: the CPU tracker slows its step
     losses, step_times, peak, breakdown = [], [], None, None
