@@ -1,0 +1,215 @@
+"""The experiment scripts (experiments/): CSV schema, 'does not fit (needs X)', budgets, the shaped link, the GPU script's smoke path."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+sys.path.insert(0, str(EXPERIMENTS))
+
+import netns  # noqa: E402
+import run as run_mod  # noqa: E402
+import sweep  # noqa: E402
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """gpt2-tiny on 2 ranks of the cpu-loopback preset, described analytically (no process group, ~1 s)."""
+    from osdp import models
+    from osdp.analytic import describe_analytic
+    from osdp.cost import build_problem
+    from osdp.device import device_preset
+
+    info = device_preset("cpu-loopback", 2, memory="1GiB")
+    with torch.device("meta"):
+        model = models.build("gpt2-tiny")
+    example = torch.zeros(8, 64, dtype=torch.long, device="meta")
+    description = describe_analytic(model, (example, example), info, world_size=2, batch_sizes=(8,), progress=False)
+    return model, description, info, build_problem(description, info, 8)
+
+
+def _record(strategy, plan, predicted, measured_peak, tokens_per_s, budget=None, **extra):
+    rec = {"model": "gpt2-tiny", "world_size": 2, "batch_size": 8, "seq_len": 64, "link": "loopback",
+           "strategy": strategy, "budget_bytes": budget, "status": "ran", "plan_hash": plan.hash if plan else None,
+           "plan_summary": plan.summary() if plan else None, "replicated_fraction": 0.0,
+           "predicted_peak_bytes": predicted.peak_bytes if predicted else None,
+           "predicted_step_s": predicted.step_s if predicted else None,
+           "predicted_tokens_per_s": 512 / predicted.step_s if predicted else None, **extra}
+    if tokens_per_s:
+        rec["measured"] = {"tokens_per_s": tokens_per_s, "tokens_per_s_rounds": [tokens_per_s * 0.9, tokens_per_s],
+                           "step_s_median": 512 / tokens_per_s, "peak_bytes": measured_peak,
+                           "per_rank": [{"rank": 0, "peak_bytes": measured_peak, "peak_breakdown": {
+                               "parameters": measured_peak // 2, "activations": measured_peak - measured_peak // 2}}]}
+    return rec
+
+
+@pytest.fixture(scope="module")
+def result(tiny):
+    """A sweep part for gpt2-tiny as run.work returns it, with the measurements made up."""
+    import dataclasses
+
+    import osdp
+    from osdp.cost import predict
+    from osdp.planner import search
+    from osdp.search import BudgetTooSmall, min_peak
+
+    model, description, info, problem = tiny
+    lowest, _ = min_peak(problem)
+    settings = dict(batch_size=8, world_size=2, model_signature=description.signature)
+    records = []
+    preds = {}
+    for s, tps in (("ddp", 1000.0), ("zero2", 900.0), ("fsdp", 800.0)):
+        plan = osdp.strategy_plan(model, s, **settings)
+        preds[s] = predict(description, plan, info)
+        records.append(_record(s, plan, preds[s], preds[s].peak_bytes - 1000, tps))
+    ddp_needs = preds["ddp"].peak_bytes
+    budgets = run_mod.auto_budgets(lowest - 4096, ddp_needs, 4)
+    for i, budget in enumerate(budgets):
+        try:
+            plan = search(description, dataclasses.replace(info, memory_bytes=budget), [8],
+                          model_signature=description.signature).plan
+        except BudgetTooSmall as e:
+            records.append({**_record("osdp", None, None, None, None, budget), "status": "budget too small",
+                            "needs_bytes": e.min_peak_bytes})
+            continue
+        pred = predict(description, plan, info)
+        over = i == 1  # pretend this one measured over its budget
+        records.append(_record("osdp", plan, pred, budget + 10 if over else pred.peak_bytes, 1100.0, budget))
+    return {"model": "gpt2-tiny", "records": records, "link": {"name": "loopback"}, "lowest_budget_bytes": lowest,
+            "ddp_needs_bytes": ddp_needs, "half_replicated_peak_bytes": run_mod.half_replicated_peak(problem, description)}
+
+
+def test_budgets_span_least_to_ddp(tiny):
+    from osdp.search import min_peak
+
+    _, description, _, problem = tiny
+    budgets = run_mod.auto_budgets(1000 * 1024, 2000 * 1024, 5)
+    assert budgets[0] == 1000 * 1024 and budgets[-1] == 2000 * 1024 and len(budgets) == 5
+    assert all(b % 1024 == 0 for b in budgets)
+    lowest, _ = min_peak(problem)
+    half = run_mod.half_replicated_peak(problem, description)
+    assert lowest <= half  # replicating half the parameters costs memory
+
+
+def test_csv_schema_and_does_not_fit(result, tmp_path):
+    rows = sweep.rows_of(result)
+    path = tmp_path / "sweep.csv"
+    sweep.write_csv(rows, path)
+    with path.open() as f:
+        reader = csv.DictReader(f)
+        header = reader.fieldnames
+        table = list(reader)
+    required = "model,world_size,link,strategy,budget_bytes,fits,tokens_per_s,peak_bytes,predicted_tokens_per_s,predicted_peak_bytes"
+    assert header[:10] == required.split(",")
+    budgets = sorted({r["budget_bytes"] for r in result["records"] if r["strategy"] == "osdp"})
+    # every baseline at every budget: none dropped
+    for s in ("ddp", "zero2", "fsdp", "osdp"):
+        assert sorted(int(r["budget_bytes"]) for r in table if r["strategy"] == s) == budgets
+    for r in table:
+        needs = int(r["needs_bytes"]) if r["needs_bytes"] else None
+        if r["fits"] == "True":
+            assert needs <= int(r["budget_bytes"]) and r["status"] == "fits"
+        else:
+            assert r["status"].startswith(f"does not fit (needs {needs / MiB:.1f} MiB)")
+    ddp = [r for r in table if r["strategy"] == "ddp"]
+    assert ddp[-1]["fits"] == "True" and ddp[0]["fits"] == "False"  # fits exactly at the top budget
+    # the lowest budget is below what any plan needs: OSDP has no plan, and says what it needs
+    first = next(r for r in table if r["strategy"] == "osdp" and int(r["budget_bytes"]) == budgets[0])
+    assert first["fits"] == "False" and "no plan" in first["status"]
+    assert int(first["needs_bytes"]) == result["lowest_budget_bytes"]
+    # planned to fit but measured over: does not fit, needs the measured peak
+    second = next(r for r in table if r["strategy"] == "osdp" and int(r["budget_bytes"]) == budgets[1])
+    assert second["fits"] == "False" and int(second["needs_bytes"]) == budgets[1] + 10
+
+
+def test_summary_ratios_and_targets(result):
+    rows = sweep.rows_of(result)
+    comparison = sweep.compare(rows, result)
+    top = comparison[-1]
+    assert top["best"]["strategy"] == "ddp" and top["vs_best"] == pytest.approx(1.1)
+    v = sweep.verdicts(comparison)
+    assert not v["peak_within_budget_ok"]  # the made-up over-budget point
+    assert v["budgets_without_osdp_plan"] == [comparison[0]["budget_bytes"]]
+
+
+def test_plots_from_a_results_folder(result, tmp_path):
+    import plots
+
+    rows = sweep.rows_of(result)
+    sweep.write_csv(rows, tmp_path / "sweep.csv")
+    meta = {"date": "today", "parts": [{"model": "gpt2-tiny", "link": "loopback", "load_before": [1.0]}]}
+    (tmp_path / "runs.json").write_text(json.dumps({"meta": meta, "results": [result]}))
+    for p in plots.plot_all(tmp_path):
+        assert p.stat().st_size > 10_000
+
+
+def test_gpu_ratio_rate():
+    ratio = run_mod.gpu_flop_per_byte()
+    assert 1000 < ratio < 2000  # 8x H100 NVLink: bf16 FLOP/s over all-gather busbw
+    assert netns.rate_for_ratio(100e9, 1250) == 640_000_000  # 100 GFLOP/s at 1250 FLOP/byte: 80 MB/s
+    link = run_mod.resolve_link("tbf:600mbit")
+    assert link["kind"] == "veth" and link["rate_bit_per_s"] == 600_000_000
+
+
+@pytest.mark.skipif(netns.missing_tools() is not None, reason=f"{netns.missing_tools()}")
+def test_veth_link_setup_and_teardown():
+    try:
+        link = netns.VethLink(rate_bit=200_000_000)
+        link.__enter__()
+    except netns.NetnsUnavailable as e:  # root and tools, but a kernel without netns/veth/tbf
+        pytest.skip(str(e))
+    names = list(link.namespaces)
+    try:
+        assert set(names) <= set(netns.list_namespaces())
+        assert "tbf" in link.qdisc(0) and "tbf" in link.qdisc(1)
+        out = subprocess.run(link.exec_prefix(1) + ["ip", "-4", "addr", "show", "dev", netns.IFNAME],
+                             capture_output=True, text=True).stdout
+        assert "10.77.0.2/24" in out
+    finally:
+        link.__exit__(None, None, None)
+    assert not set(names) & set(netns.list_namespaces())
+    # a failure inside the block still removes the namespaces
+    with pytest.raises(RuntimeError):
+        with netns.VethLink(rate_bit=None) as link:
+            names = list(link.namespaces)
+            raise RuntimeError("boom")
+    assert not set(names) & set(netns.list_namespaces())
+
+
+@pytest.mark.skipif(netns.missing_tools() is not None, reason=f"{netns.missing_tools()}")
+def test_stale_namespaces_of_dead_runs_are_removed():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    name = f"{netns.PREFIX}{dead.pid}r0a"
+    if subprocess.run(["ip", "netns", "add", name]).returncode != 0:
+        pytest.skip("cannot create network namespaces here")
+    try:
+        assert name in netns.cleanup_stale()
+        assert name not in netns.list_namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_gpu_paper_config_smoke(tmp_path):
+    cmd = [sys.executable, str(EXPERIMENTS / "gpu_paper_config.py"), "--model", "gpt2-tiny", "--device", "cpu",
+           "--budget", "5MiB", "--batch-sizes", "4", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    record = json.loads((tmp_path / "gpu_paper_config.json").read_text())
+    assert record["world_size"] == 8 and "collectives not executed" in record["note"]
+    names = [x["name"] for x in record["runs"]]
+    assert names == ["osdp", "fsdp"]
+    for x in record["runs"]:
+        assert 0 < x["peak_bytes"] and x["step_s_median"] > 0
+    osdp_run = record["runs"][0]
+    assert osdp_run["predicted_peak_bytes"] <= record["budget_bytes"]
+    assert (tmp_path / "gpu_paper_config.png").stat().st_size > 10_000
