@@ -6,48 +6,47 @@ and ``build_problem``, so the search is exact under this model:
     step_s = sum_u time[u, o_u]
     peak   = base + sum_u mem[u, o_u] + max_u transient[u, o_u]
 
-Per unit u with option o = (mode, split k, checkpoint), at micro-batch b, on N
-ranks (``osdp.profile.ModelDescription`` gives the unit's parameter shapes and
-its measured or analytic per-b costs; FSDP2's behaviour on torch 2.13 gives
-the rest):
+Per unit u and option o = (mode, split k, checkpoint), at micro-batch b on N
+ranks, from the unit's description (``osdp.profile``: parameter shapes,
+per-b compute times, saved activations, working-set peaks) and FSDP2's
+schedule on torch 2.13 (``docs/COST_MODEL.md`` derives each term):
 
 time
-    forward + backward compute, + one more forward when checkpointed; the
-    collectives of the mode with the device's alpha-beta model (zero3: 2
-    all-gathers + 1 reduce-scatter; zero2: 1 + 1; replicate: 1 all-reduce;
-    split k: the split Linears' weights in k slice messages each way), of
-    which only the part the device cannot hide behind the unit's compute
-    (``Calibration.overlap``; 0 for gloo, where FSDP2 issues collectives
-    synchronously); FSDP's per-unit runtime overhead by mode, and the
-    optimizer step on this unit's parameter shard.
-mem (present at the peak, additive)
-    sharded (or replicated) parameters and optimizer state, plus the larger of
+    forward + backward compute (+ the forward again when checkpointed); the
+    collectives of the mode on the device's alpha-beta model (zero3: two
+    all-gathers and a reduce-scatter, zero2: one and one, replicate: an
+    all-reduce, split k: the split weights in k slices each way), of which the
+    part the device cannot hide behind the unit's compute (``overlap``: 0 with
+    gloo, where FSDP2's collectives block; 1 on CUDA streams); FSDP2's runtime
+    overheads measured once per machine (``Calibration``): per unit by mode,
+    per parameter, per checkpointed unit, per slice, memcpy into and out of
+    collective buffers; the optimizer step on the unit's shard.
+mem (additive)
+    sharded (replicated) parameters and optimizer state, plus the larger of
     what the unit holds before its backward (saved activations, or only its
-    inputs when checkpointed; the gathered parameters zero2 and replicate keep
-    from forward to backward) and after it (its reduced gradient, plus the
-    optimizer's foreach temporaries on CUDA). The two never coexist for one
-    unit, so this is a bound, tight when the peak is at the turn from forward
-    to backward. A unit that encloses others (the root) is gathered for the
-    whole step and holds its unsharded gradient through all of backward, so
-    those count here too.
+    inputs when checkpointed; the unsharded copy zero2 and replicate keep) and
+    after it (its reduced gradient; on CUDA also the foreach optimizer's
+    temporaries). The two never coexist, so this is tight when the peak is
+    at the turn from forward to backward, as it is for activation-heavy
+    training. A unit enclosing others (the root) stays unsharded all step.
 transient (only the largest counts)
-    what exists only while the unit runs: its measured temporaries; for zero3
-    the gathered parameters plus FSDP's flat all-gather buffer (forward) or
-    the prefetched neighbour's buffer (backward, taken as the unit's own size,
-    an upper bound for the largest unit); the unsharded gradient and the
-    reduce-scatter buffers (FSDP keeps the previous unit's input buffer alive,
-    again taken at the unit's own size; gloo copies its input once more);
-    a checkpointed unit's recomputed activations; split Linears' two slice
-    buffers and two unreduced slice gradients; the single-tensor optimizer's
-    temporaries (CPU).
+    the unit's working set beyond its activations while its forward, backward
+    or recomputation runs, measured net of the root's activations that do not
+    exist then (the root is never checkpointed, so this holds for every plan);
+    plus FSDP2's buffers at that moment: its own gathered parameters and flat
+    all-gather output (zero3), the buffer of the unit it prefetches and the
+    reduce-scatter input FSDP2 keeps from the unit before (both at their full
+    size: a conservative bound, exact when the neighbour is unsplit zero3);
+    its own reduce-scatter input when its backward ends; split Linears' two
+    slice buffers and two unreduced slice gradients; the single-tensor (CPU)
+    optimizer's temporaries.
 base
-    the calibration's measured margin (what the model does not see: the
-    batch, loss and FSDP bookkeeping tensors, allocator rounding).
+    the calibration's measured margin.
 
-Conservative decomposition: the true peak is a maximum over the schedule of
-sums that change as units run; this form adds each unit's worst phase and the
-single largest transient, so it can only over-estimate, most when a late
-transient (the root's reduce-scatter at the end of backward) is the largest.
+The true peak is a maximum over the schedule; this decomposition adds each
+unit's worst phase and the one largest transient, so it over-estimates and
+never under-estimates, as far as the measured parts are exact: most where a
+unit's neighbours are not what the bound assumes.
 """
 
 from __future__ import annotations
@@ -99,7 +98,6 @@ class Calibration:
     slice_overhead_s: float = 0.0  # per split slice gathered or reduced
     copy_s_per_byte: float = 0.0  # memcpy into and out of collective buffers
     overlap: float | None = None  # fraction of a unit's compute that hides its collectives; None: by device
-    collective_copies: Mapping[str, float] = field(default_factory=dict)  # extra full-size buffers per collective
     margin_bytes: int = 0
     source: str = "ideal (not measured)"
 
@@ -117,7 +115,6 @@ class Calibration:
             "slice_overhead_s": self.slice_overhead_s,
             "copy_s_per_byte": self.copy_s_per_byte,
             "overlap": self.overlap,
-            "collective_copies": dict(self.collective_copies),
             "margin_bytes": self.margin_bytes,
             "source": self.source,
         }
@@ -207,7 +204,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     shard_n = 1 if mode == "replicate" else n
     fsdp_padded = sum(_padded_numel(s, shard_n) for s in fsdp_shapes)
     fsdp_full = sum(math.prod(s) for s in fsdp_shapes)
-    split_rows = []  # (rows per rank, largest slice rows per rank, in_features) per split Linear
+    split_rows = []  # per split Linear: (rows per rank, largest slice's rows per rank, in_features, slices)
     if split:
         from osdp.split import split_layout
 
@@ -220,7 +217,6 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     states = OPTIMIZER_STATES[opt]
     persistent = 4 * shard_numel * (1 + states) + (4 * len(unit.param_shapes) if opt == "adamw" else 0)
     gathered = dt * fsdp_padded  # FSDP's unsharded parameters (and its flat all-gather buffer)
-    unsharded_grad = dt * fsdp_full
     rs_input = _REDUCE_BYTES * fsdp_padded
     grad = 4 * shard_numel
     act = costs.ckpt_bytes.bytes(b) if ckpt else costs.act_bytes.bytes(b)
@@ -231,14 +227,12 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     if enclosing:  # gathered through the whole step
         mem += gathered
 
-    copies = cal.collective_copies
-    rs_buffers = rs_input * (1 + copies.get("reduce_scatter", 0.0))
     # the working sets beyond what mem already counts of this unit's activations
     temp_fwd = costs.fwd_peak_bytes.signed_bytes(b) - act
     temp_bwd = (costs.recompute_peak_bytes if ckpt else costs.bwd_peak_bytes).signed_bytes(b) - act
     flat = gathered if mode != "replicate" else 0  # all-gather output kept until the next unit gathers
     # when its backward ends FSDP copies the unsharded gradients (in the working set) into the reduce buffer
-    post = costs.bwd_end_bytes.signed_bytes(b) - act + rs_buffers
+    post = costs.bwd_end_bytes.signed_bytes(b) - act + rs_input
     prefetched, rs_previous = ctx.neighbours.get(unit.path, (0, 0))
     if enclosing:
         fwd = temp_fwd + flat

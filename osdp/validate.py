@@ -23,6 +23,7 @@ to ``--json``: one record per plan with ``plan``, ``predicted_step_s``,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -30,7 +31,6 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from osdp import models
 from osdp.cost import Calibration, OPTIMIZER_STATES, make_optimizer, predict
-from osdp.device import DeviceInfo, measure_device
+from osdp.device import COLLECTIVES, AlphaBeta, CollectiveModel, DeviceInfo, measure_collectives, measure_device
 from osdp.distributed import all_gather_objects, broadcast_object
 from osdp.memory import PeakMemory
 from osdp.plan import ROOT, Plan, UnitPlan
@@ -75,17 +75,17 @@ def run_plan(
 
     The number of timed steps fits ``time_budget_s`` (within ``min_steps`` ..
     ``max_steps``, agreed by all ranks). The memory step is extra, because the
-    CPU tracker slows the step it watches. Without a plan, the model's plain
-    forward and backward on every rank (its compute, as ``describe`` times it).
+    CPU tracker slows the step it watches. Without a plan, the plain model on
+    every rank: its compute and optimizer step, as ``describe`` times them.
     """
     import osdp
 
     model = build().to(device)
     if plan is not None:
         osdp.wrap(model, plan=plan, device=device)
-        opt = make_optimizer(optimizer, model.parameters())
     else:
-        opt, measure_memory = None, False
+        measure_memory = False
+    opt = make_optimizer(optimizer, model.parameters())
 
     def step() -> tuple[float, float]:
         _sync(device)
@@ -94,11 +94,8 @@ def run_plan(
         loss.backward()
         _sync(device)
         middle = time.perf_counter()
-        if opt is not None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         _sync(device)
         return time.perf_counter() - start, middle - start
 
@@ -131,7 +128,7 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-@dataclass
+@dataclasses.dataclass
 class Job:
     """One plan to train (None: the plain model's compute): how to build the model, the plan, this rank's batch."""
 
@@ -147,9 +144,10 @@ def run_jobs(
     rounds: int = 3,
     time_budget_s: float = 4.0,
     progress: Callable[[str], None] | None = None,
+    each_round: Callable[[], None] | None = None,
     **kwargs: Any,
 ) -> dict[str, dict[str, Any]]:
-    """Collective: ``run_plan`` for each job, round-robin over ``rounds`` rounds.
+    """Collective: ``run_plan`` for each job, round-robin over ``rounds`` rounds (``each_round()`` first in each).
 
     Interleaving spreads the slow phases of a shared machine over all jobs
     instead of penalising whichever ran then. Per job: the median step time
@@ -159,6 +157,8 @@ def run_jobs(
     steps: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in jobs}
     peaks: dict[str, list[dict[str, Any]]] = {}
     for r in range(rounds):
+        if each_round is not None:
+            each_round()
         for i, (name, job) in enumerate(jobs.items()):
             mine = run_plan(job.build, job.plan, job.batch, device=device, time_budget_s=time_budget_s / rounds,
                             measure_memory=r == 0, **kwargs)
@@ -358,6 +358,16 @@ def measure_calibration(
     )
 
 
+def median_collectives(fits: Sequence[CollectiveModel]) -> CollectiveModel:
+    """One alpha-beta model from several fits of the same group (median alpha and beta per collective)."""
+    costs = {
+        c: AlphaBeta(statistics.median(f.costs[c].alpha_s for f in fits),
+                     statistics.median(f.costs[c].beta_s_per_byte for f in fits))
+        for c in COLLECTIVES
+    }
+    return CollectiveModel(fits[0].world_size, costs, f"{fits[0].source}, median of {len(fits)} fits")
+
+
 # --------------------------------------------------------------------------- plans
 
 
@@ -509,7 +519,8 @@ def validate(
     batch = tuple(t.to(device) for t in synthetic_batch(config, batch_size, generator=g))
     start = time.perf_counter()
     _say("measuring collectives and compute")
-    device_info = broadcast_object(measure_device("1TiB", time_budget_s=3.0))
+    device_info = broadcast_object(measure_device("1TiB", time_budget_s=2.0))
+    collectives = [device_info.collectives]
     splits = can_split(device)
     model = build().to(device)
     _say(f"describing {model_name} (every rank at once, as in training)")
@@ -522,15 +533,25 @@ def validate(
         if unknown:
             raise ValueError(f"unknown plan(s) {unknown}; known: {', '.join(plans)}")
         plans = {n: plans[n] for n in plan_names}
-    # The plain model's compute, timed in every round like the plans: what describe timed, under the
-    # same load as the plans (a shared machine's load changes over minutes).
-    jobs = {"compute": Job(build, None, batch), **{name: Job(build, plan, batch) for name, plan in plans.items()}}
+    # The plain model's compute and optimizer step, timed twice in every round among the plans: what
+    # describe timed, under the same load as the plans (a shared machine's load changes over minutes).
+    names = list(plans)
+    half = len(names) // 2
+    jobs = {
+        "compute": Job(build, None, batch),
+        **{name: Job(build, plans[name], batch) for name in names[:half]},
+        "compute-2": Job(build, None, batch),
+        **{name: Job(build, plans[name], batch) for name in names[half:]},
+    }
     calibration_descriptions: dict[int, ModelDescription] = {}
     if calibration is None:
         calibration_part, calibration_descriptions = calibration_jobs(device, optimizer=optimizer, splits=splits)
         jobs = {**calibration_part, **jobs}
-    measured = run_jobs(jobs, device=device, optimizer=optimizer, rounds=rounds, time_budget_s=time_budget_s,
-                        progress=_say)
+    measured = run_jobs(
+        jobs, device=device, optimizer=optimizer, rounds=rounds, time_budget_s=time_budget_s, progress=_say,
+        each_round=lambda: collectives.append(measure_collectives(time_budget_s=1.0)),
+    )
+    device_info = dataclasses.replace(device_info, collectives=median_collectives(collectives))
     if calibration is None:
         calibration = fit_calibration(
             calibration_descriptions, calibration_part, measured, device_info,
@@ -539,8 +560,14 @@ def validate(
         )
     _say(f"calibration: {json.dumps(calibration.to_dict())}")
     described_s = sum(c.fwd_s(batch_size) + c.bwd_s(batch_size) for c in description.costs("fp32"))
-    compute_scale = measured["compute"]["measured_fwd_bwd_s"] / described_s
-    description = description.with_compute_scale(compute_scale)
+    reference = [measured[k] for k in ("compute", "compute-2")]
+    compute_scale = statistics.fmean(m["measured_fwd_bwd_s"] for m in reference) / described_s
+    optimizer_s = statistics.fmean(m["measured_step_s"] - m["measured_fwd_bwd_s"] for m in reference)
+    param_bytes = sum(u.param_bytes for u in description.units)
+    description = dataclasses.replace(
+        description.with_compute_scale(compute_scale),
+        optimizer_s_per_byte={**description.optimizer_s_per_byte, optimizer: optimizer_s / param_bytes},
+    )
     records = []
     for name, plan in plans.items():
         pred = predict(description, plan, device_info, optimizer=optimizer, calibration=calibration)

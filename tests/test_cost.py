@@ -35,7 +35,7 @@ def device(n=2):
 CALIBRATION = Calibration(
     unit_overhead_s={"replicate": 1e-4, "zero2": 2e-4, "zero3": 3e-4}, param_overhead_s=1e-5,
     checkpoint_overhead_s=5e-5, optimizer_tensor_s=1e-6, slice_overhead_s=2e-5, copy_s_per_byte=1e-11,
-    overlap=0.5, collective_copies={"reduce_scatter": 1.0}, margin_bytes=12345,
+    overlap=0.5, margin_bytes=12345,
 )
 
 

@@ -111,7 +111,7 @@ def test_times_add_up_and_go_to_the_unit_that_computes():
     assert heavy.fwd_s(64) > 5 * light.fwd_s(64)
     assert heavy.bwd_s(64) > 5 * light.bwd_s(64)
     check = d.checks["fp32"]["64"]
-    assert 0.7 < check["hooked_step_s"] / check["step_s"] < 1.5
+    assert 0.5 < check["hooked_step_s"] / check["step_s"] < 2.0  # loose: the test machines are shared
     total = sum(u.costs["fp32"].fwd_s(64) + u.costs["fp32"].bwd_s(64) for u in d.units)
     assert total == pytest.approx(check["step_s"], rel=0.05)
 
