@@ -145,8 +145,8 @@ def as_peer_failure(error: BaseException, what: str) -> PeerFailure | None:
     first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     return PeerFailure(
         f"rank {rank} of {world_size}: {what}: a collective {how}. Another rank has probably died or raised "
-        f"an error (its own output shows the cause), or did not reach this collective within the timeout "
-        f"(OSDP_COLLECTIVE_TIMEOUT_S, now {collective_timeout_s():g} s). Backend: {first_line}"
+        "an error (its own output shows the cause), or did not reach this collective within the collective "
+        f"timeout (OSDP_COLLECTIVE_TIMEOUT_S for the groups osdp creates). Backend: {first_line}"
     )
 
 

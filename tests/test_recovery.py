@@ -154,6 +154,7 @@ def test_a_stalled_failing_or_dead_peer_gives_a_clear_error_within_the_timeout(t
     assert TIMEOUT_S - 1 <= stalled["seconds"] <= TIMEOUT_S + 10
     for how in ("raise", "kill"):  # the peer's process is gone: its sockets close at once
         observed = json.loads((tmp_path / f"{how}.json").read_text())
-        assert observed["error"].startswith("rank 0 of 2: training step 2: a collective "), observed
-        assert "Another rank has probably died or raised an error" in observed["error"]
-        assert observed["seconds"] <= TIMEOUT_S + 5, observed
+        assert observed["error"].startswith("rank 0 of 2: training step 2: a collective lost its connection to "
+                                            "another rank. Another rank has probably died or raised an error"), observed
+        assert "Connection closed by peer" in observed["error"] or "Connection reset by peer" in observed["error"]
+        assert observed["seconds"] < TIMEOUT_S, observed  # not a timeout: told as soon as the peer was gone
