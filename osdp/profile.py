@@ -3,24 +3,24 @@
 ``describe(model, example_input)`` runs forward and backward on the device the
 job runs on and measures, for every unit (``osdp.units``):
 
-* parameter bytes and shapes (exact, from the parameters; the shapes give
-  FSDP's padding and the split Linears);
+* parameter shapes (exact; they give FSDP's padding, bytes and the split Linears);
 * activation bytes saved for backward: saved-tensor hooks attribute each saved
   storage to the innermost unit running when autograd saves it (module hooks
   keep a stack), counted once however many views share it, parameters left out;
   and what checkpointing keeps instead (the unit's inputs);
-* temporaries: the peak of the other live bytes (not parameters, gradients,
-  saved activations or the batch) while the unit runs forward or backward,
-  e.g. logits on their way into the loss or gradients in flight, measured with
-  ``osdp.memory.LiveBytesTracker``;
+* working sets: the peak of the unit's own live saved bytes plus all
+  temporaries (logits on their way into the loss, gradients in flight) while
+  its forward or backward runs, and when its backward ends, measured with
+  ``osdp.memory.LiveBytesTracker`` (``_working_sets`` says exactly what);
 * forward and backward compute time, timed per unit with the same attribution.
 
 Everything is measured at a few micro-batch sizes and fitted linear in the
-size. Units with the same ``signature`` (repeated blocks) are averaged, so they
-get identical costs and the search treats them as one type. The optimizer's
-step time per parameter byte is measured too. The result is cached on disk
-(``OSDP_CACHE_DIR``, default ``~/.cache/osdp``), keyed by everything that
-changes it, so a second ``describe`` of the same model is instant.
+size. Units with the same ``signature`` (repeated blocks) get the average of
+their times; memory stays per unit, because where a unit runs in the schedule
+matters. The optimizer's step time per parameter byte is measured too. The
+result is cached on disk (``OSDP_CACHE_DIR``, default ``~/.cache/osdp``), keyed
+by everything that changes it, so a second ``describe`` of the same model is
+instant.
 
 Attribution. Forward: a segment of time (or memory peak) between two hook
 events belongs to the innermost unit whose forward is running; time outside
@@ -108,9 +108,8 @@ class Affine:
         slope = float((dx * (ys - ys.mean())).sum() / (dx * dx).sum())
         return cls(float(ys.mean() - slope * xs.mean()), slope)
 
-    @classmethod
-    def zero(cls) -> "Affine":
-        return cls(0.0, 0.0)
+    def scaled(self, factor: float) -> "Affine":
+        return Affine(self.intercept * factor, self.slope * factor)
 
 
 @dataclass(frozen=True)
@@ -185,10 +184,7 @@ class ModelDescription:
         """The same description with every compute time multiplied by ``factor``: for compute re-timed
         under the conditions of a run (``osdp validate`` times the plain model alongside the plans)."""
         def scaled(c: UnitCosts) -> UnitCosts:
-            return dataclasses.replace(
-                c, fwd_s=Affine(c.fwd_s.intercept * factor, c.fwd_s.slope * factor),
-                bwd_s=Affine(c.bwd_s.intercept * factor, c.bwd_s.slope * factor),
-            )
+            return dataclasses.replace(c, fwd_s=c.fwd_s.scaled(factor), bwd_s=c.bwd_s.scaled(factor))
 
         units = [dataclasses.replace(u, costs={p: scaled(c) for p, c in u.costs.items()}) for u in self.units]
         return dataclasses.replace(self, units=units)
