@@ -45,6 +45,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -552,11 +553,14 @@ def _step(model: nn.Module, batch: Any, loss_fn, segments: Segments | None = Non
     del out
     if after_forward is not None:
         after_forward()
-    if segments is not None:
-        segments.start("bwd")
-    loss.backward()
-    if segments is not None:
-        segments.close(ROOT)
+    if segments is None:
+        loss.backward()
+        return
+    segments.start("bwd")
+    with warnings.catch_warnings():  # units whose inputs need no gradient (embeddings): expected, see Segments
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        loss.backward()
+    segments.close(ROOT)
 
 
 def _checked_forward(model: nn.Module, units: Sequence[Unit] | None, batch: Any, loss_fn) -> None:
