@@ -240,6 +240,8 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
 
     say("measuring collectives and FLOP/s on the live group")
     device_info = broadcast_object(measure_device("1TiB", time_budget_s=float(spec.get("collective_time_s", 3.0))))
+    if spec.get("link_probe"):  # only the link: how fast gloo's collectives are over it
+        return {"device_info": device_info.to_dict()} if rank == 0 else None
     model = build().to(device)
     say("describing the model (rank 0, as osdp.plan does; cached in OSDP_CACHE_DIR)")
     description = describe(model, batch, precisions=("fp32",)) if rank == 0 else None
@@ -468,9 +470,26 @@ def launch(spec: dict[str, Any], *, nproc: int = 2, on_line: Callable[[str], Non
         if any(codes) or not out_path.exists():
             raise RuntimeError(f"the run failed (exit codes {codes}); see the output above")
         result = json.loads(out_path.read_text())
-    if "link_setup" in spec:
+    if "link_setup" in spec and "link" in result:
         result["link"]["setup"] = spec["link_setup"]
     return result
+
+
+def calibrate_gpu_ratio(link: dict[str, Any], *, env: dict[str, str] | None = None,
+                        on_line: Callable[[str], None] = print) -> dict[str, Any]:
+    """Adjust a ``gpu-ratio`` link's tbf rate once so that gloo's measured all-gather bus bandwidth over it (not
+    the nominal rate: TCP, tbf and gloo each take a share) gives the target FLOP/s per byte."""
+    want = link["core_flops"] / link["target_flop_per_byte"]  # bytes/s of all-gather busbw
+    probe = {"model": "gpt2-tiny", "batch_size": 1, "link": link, "link_probe": True, "collective_time_s": 2.0}
+    from osdp.device import CollectiveModel
+
+    got = launch(probe, env=env, on_line=on_line)["device_info"]
+    busbw = CollectiveModel.from_dict(got["collectives"]).bus_bandwidth("all_gather")
+    rate = int(link["rate_bit_per_s"] * want / busbw)
+    return {**link, "rate_bit_per_s": rate, "nominal_rate_bit_per_s": link["rate_bit_per_s"],
+            "probe_busbw_bytes_per_s": busbw,
+            "label": f"veth + tbf {rate / 1e6:.0f} Mbit/s ({link['target_flop_per_byte']:.0f} FLOP/byte, "
+                     f"as {link.get('ratio_of', GPU_RATIO_PRESET)})"}
 
 
 def _run_local(cmd: list[str], env: dict[str, str], on_line: Callable[[str], None], timeout_s: float | None) -> int:

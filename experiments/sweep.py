@@ -41,7 +41,7 @@ import run as run_mod  # noqa: E402
 RESULTS = HERE / "results"
 # model -> (micro-batch per rank, sequence length)
 PROFILES = {
-    "quick": {"models": {"gpt2-mini": (8, 128)}, "budgets": 6, "rounds": 3, "time_per_run_s": 1.0},
+    "quick": {"models": {"gpt2-mini": (8, 128)}, "budgets": 6, "rounds": 3, "time_per_run_s": 2.5},
     "full": {"models": {"gpt2-mini": (8, 128), "gpt2-cpu-medium": (4, 256)}, "budgets": 9, "rounds": 5,
              "time_per_run_s": 2.5},
 }
@@ -194,7 +194,12 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
         lines += [f"Measured on this group: fp32 FLOP/s {result['device_info']['flops'].get('float32', 0) / 1e9:.0f} G "
                   f"per rank; all-gather busbw {bw.get('all_gather', 0) / 1e6:.0f} MB/s, reduce-scatter "
                   f"{bw.get('reduce_scatter', 0) / 1e6:.0f} MB/s, all-reduce {bw.get('all_reduce', 0) / 1e6:.0f} MB/s; "
-                  + (f"{ratio:.0f} FLOP per byte of all-gather." if ratio else ""),
+                  + (f"{ratio:.0f} FLOP per byte of all-gather with the FLOP/s measured in this run"
+                     if ratio else "")
+                  + (f"; {link['core_flops'] / bw['all_gather']:.0f} with the core's best FLOP/s "
+                     f"({link['core_flops'] / 1e9:.0f} G, measured before the sweep; target "
+                     f"{link['target_flop_per_byte']:.0f}, {link.get('ratio_of', '')})" if link.get("core_flops") and bw.get("all_gather") else "")
+                  + ".",
                   f"Micro-batch {mine[0]['batch_size']} x {mine[0]['seq_len']} tokens per rank. Least budget any plan "
                   f"fits (predicted): {mib(result['lowest_budget_bytes'])}; DDP needs {mib(result['ddp_needs_bytes'])}; "
                   f"a plan replicating half the parameters fits from {mib(result.get('half_replicated_peak_bytes'))} "
@@ -287,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
             if why:
                 print(f"sweep: skipping link {name}: {why}", file=sys.stderr)
                 continue
+            if name == "gpu-ratio" and not args.link_rate:
+                print(f"sweep: calibrating {link['label']} against gloo's all-gather bandwidth", flush=True)
+                link = run_mod.calibrate_gpu_ratio(link, on_line=lambda line: print(f"  {line}", flush=True))
         links.append(link)
         print(f"sweep: link {link['name']}: {link['label']}"
               + (f" (this core: {link['core_flops'] / 1e9:.0f} GFLOP/s fp32)" if "core_flops" in link else ""), flush=True)
