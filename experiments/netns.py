@@ -105,9 +105,27 @@ def rate_for_ratio(flops_per_s: float, flop_per_byte: float) -> int:
     return int(round(8 * flops_per_s / flop_per_byte))
 
 
-def _cleanup_all() -> None:
+_children: dict[int, subprocess.Popen] = {}  # processes started here, stopped on cleanup too
+
+
+def spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start ``cmd`` in its own session (so it and its children can be stopped together), output piped;
+    stopped by the atexit and signal handlers if still running."""
+    _install_handlers()
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                         start_new_session=True)
     with _lock:
+        _children[p.pid] = p
+    return p
+
+
+def _cleanup_all() -> None:
+    """Stop the processes we started, then remove our namespaces (atexit, signals)."""
+    with _lock:
+        children = list(_children.values())
         links = list(_live.values())
+    for p in children:
+        _stop(p)
     for link in links:
         link.close()
 
@@ -225,11 +243,7 @@ def run_in_namespaces(link: VethLink, commands: list[list[str]], env: dict[str, 
     procs = []
     try:
         for rank, cmd in enumerate(commands):
-            procs.append(subprocess.Popen(
-                link.exec_prefix(rank) + cmd, env={**env, "GLOO_SOCKET_IFNAME": link.ifname},
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                start_new_session=True,
-            ))
+            procs.append(spawn(link.exec_prefix(rank) + cmd, {**env, "GLOO_SOCKET_IFNAME": link.ifname}))
         readers = []
         for rank, p in enumerate(procs):
             def pump(rank=rank, p=p):
@@ -280,6 +294,8 @@ def _stop(p: subprocess.Popen) -> int:
             except ProcessLookupError:
                 pass
             p.wait()
+    with _lock:
+        _children.pop(p.pid, None)
     return p.returncode
 
 

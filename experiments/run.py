@@ -493,9 +493,9 @@ def calibrate_gpu_ratio(link: dict[str, Any], *, env: dict[str, str] | None = No
 
 
 def _run_local(cmd: list[str], env: dict[str, str], on_line: Callable[[str], None], timeout_s: float | None) -> int:
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                         start_new_session=True)
     import threading
+
+    p = netns.spawn(cmd, env)  # stopped on SIGINT/SIGTERM/SIGHUP and at exit, like the namespaced ranks
 
     def pump():
         for line in p.stdout:

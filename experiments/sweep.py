@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     command = "python experiments/sweep.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
+    wait_for_quiet(args.wait_quiet)  # the gpu-ratio link's rate comes from this core's FLOP/s: measure it quiet
     links = []
     for name in args.links:
         if name == "gpu-ratio" and args.link_rate:

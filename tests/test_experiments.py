@@ -213,3 +213,42 @@ def test_gpu_paper_config_smoke(tmp_path):
     osdp_run = record["runs"][0]
     assert osdp_run["predicted_peak_bytes"] <= record["budget_bytes"]
     assert (tmp_path / "gpu_paper_config.png").stat().st_size > 10_000
+
+
+_SIGNAL_CHILD = """
+import os, signal, sys, time
+sys.path.insert(0, {experiments!r})
+import netns
+link = netns.VethLink(rate_bit=100_000_000).__enter__()
+p = netns.spawn(link.exec_prefix(0) + ["sleep", "60"], dict(os.environ))
+print(" ".join(link.namespaces), p.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(netns.missing_tools() is not None, reason=f"{netns.missing_tools()}")
+def test_sigterm_removes_namespaces_and_stops_ranks():
+    import os
+    import signal
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", _SIGNAL_CHILD.format(experiments=str(EXPERIMENTS))],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline().split()
+        if not line:
+            pytest.skip("could not make the link here")
+        *names, pid = line
+        assert set(names) <= set(netns.list_namespaces())
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=30) == -signal.SIGTERM  # dies of the signal, as without the handler
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert not set(names) & set(netns.list_namespaces())
+    for _ in range(50):  # the rank it started (here: sleep) is stopped too
+        if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"process {pid} started in the namespace is still running")
