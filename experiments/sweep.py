@@ -133,7 +133,10 @@ def compare(rows: list[dict[str, Any]], result: dict[str, Any]) -> list[dict[str
         best = max(fitting, key=lambda r: r["tokens_per_s"], default=None)
         fsdp = at.get("fsdp") if at.get("fsdp", {}).get("fits") else None
         t = osdp["tokens_per_s"]
+        pt = osdp.get("predicted_tokens_per_s")
         out.append({
+            "predicted_vs_best": pt / best["predicted_tokens_per_s"] if (pt and best) else None,
+            "predicted_vs_fsdp": pt / fsdp["predicted_tokens_per_s"] if (pt and fsdp) else None,
             "budget_bytes": budget,
             "osdp": osdp,
             "baselines": {s: at[s] for s in (*BASELINES, "fairscale") if s in at},
@@ -205,7 +208,7 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
                   f"a plan replicating half the parameters fits from {mib(result.get('half_replicated_peak_bytes'))} "
                   "(greedy bound).", ""]
         head = ["budget", "OSDP tokens/s", "OSDP peak", *BASELINES, "best baseline", "OSDP / best", "OSDP / FSDP",
-                "OSDP plan"]
+                "predicted: OSDP / best, / FSDP", "OSDP plan"]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
         for c in comparison:
@@ -224,6 +227,7 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
                 f"{c['vs_best']:.2f}" if c["vs_best"] else "-",
                 (f"{c['vs_fsdp']:.2f}" + ("" if c["half_replicable"] else " (< half replicable)"))
                 if c["vs_fsdp"] else "-",
+                " / ".join("-" if x is None else f"{x:.2f}" for x in (c["predicted_vs_best"], c["predicted_vs_fsdp"])),
                 plan,
             ]) + " |")
         lines += ["", "Baselines measured: " + "; ".join(
@@ -268,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"before each part, wait up to MIN minutes for the 1-min load average to drop below {QUIET_LOAD}")
     ap.add_argument("--out", type=Path, help="output folder (default experiments/results/sweep-<quick|full>)")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--from-runs", type=Path, metavar="DIR",
+                    help="run nothing: rewrite DIR's sweep.csv, summary.md and figures from its runs.json")
     args = ap.parse_args(argv)
+    if args.from_runs:
+        return report(args.from_runs, plots=not args.no_plots)
     profile_name = "full" if args.full else "quick"
     profile = dict(PROFILES[profile_name])
     models = profile["models"] if not args.models else {m: (8, None) for m in args.models}
@@ -323,20 +331,28 @@ def main(argv: list[str] | None = None) -> int:
                               "load_after": os.getloadavg(), "seconds": time.time() - t0})
                 print(f"sweep: [{n}/{total}] done in {(time.time() - t0) / 60:.1f} min", flush=True)
 
-    rows = [row for result in results for row in rows_of(result)]
     meta = {"profile": profile_name, "command": command, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
             "seconds": time.time() - start, "machine": results[0]["machine"] if results else run_mod.machine_info(),
             "world_size": 2, "rounds": rounds, "time_per_run_s": per_run, "budgets": budgets, "parts": parts,
             "links": links}
     (out / "runs.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    report(out, plots=not args.no_plots)
+    print(f"sweep: wrote {out} in {(time.time() - start) / 60:.1f} min")
+    return 0
+
+
+def report(out: Path, plots: bool = True) -> int:
+    """sweep.csv, summary.md and the figures from ``out/runs.json``."""
+    data = json.loads((out / "runs.json").read_text())
+    results, meta = data["results"], data["meta"]
+    rows = [row for result in results for row in rows_of(result)]
     write_csv(rows, out / "sweep.csv")
     (out / "summary.md").write_text(summary_markdown(results, rows, meta))
-    if not args.no_plots:
-        import plots
+    if plots:
+        import plots as plots_mod
 
-        plots.plot_all(out)
+        plots_mod.plot_all(out)
     print((out / "summary.md").read_text())
-    print(f"sweep: wrote {out} in {(time.time() - start) / 60:.1f} min")
     return 0
 
 
