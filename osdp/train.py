@@ -11,8 +11,9 @@ model, the optimizer and the step (``osdp.checkpoint``) after the last step and,
 with ``--checkpoint-every K``, every K steps; on start it resumes from the
 newest complete checkpoint in DIR, under whatever plan and world size this run
 has. Batches are a function of the step, so a resumed run sees the batches the
-uninterrupted one would have. Under ``torchrun --max-restarts N`` (or
-``osdp train --max-restarts N``), a rank that dies takes the job back to its
+uninterrupted one would have. Under ``torchrun --max-restarts N`` (with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see ``warn_shared_store``) or
+``osdp train --max-restarts N``, a rank that dies takes the job back to its
 last checkpoint instead of ending it.
 
 Testing aid (not for production use): ``OSDP_TEST_KILL_AT_STEP=S`` makes rank
@@ -106,9 +107,31 @@ def launch_local(nproc: int, module: str, argv: list[str], max_restarts: int = 0
     argv = without_option(without_option(argv, "--nproc"), "--max-restarts")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     restarts = [f"--max-restarts={max_restarts}", "--monitor-interval=0.5"] if max_restarts else []
+    if max_restarts:
+        env.setdefault(SHARED_STORE_ENV, "1")  # a fresh store for every attempt (see warn_shared_store)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            *restarts, "-m", module, *argv]
     return subprocess.call(cmd, env=env)
+
+
+SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def warn_shared_store(rank: int) -> None:
+    """Say so when torchrun may restart this job on the store of the previous attempt.
+
+    By default torchrun's workers build their process group on the agent's own
+    store, which outlives a restart, so a restarted rank can read the dead
+    attempt's addresses and fail with "Gloo connectFullMesh failed ... Connection
+    refused" (PyTorch issue 135712; seen with torch 2.13 in 2 of 3 restarts).
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment gives every
+    attempt a fresh store; ``osdp train --max-restarts`` sets it.
+    """
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if rank == 0 and restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        print(f"warning: torchrun --max-restarts {restarts} shares its store with the workers, so a restarted "
+              "job may fail to connect (Gloo connectFullMesh ... Connection refused, PyTorch issue 135712); "
+              f"run torchrun with {SHARED_STORE_ENV}=1", flush=True)
 
 
 def init_from_env(device_choice: str) -> torch.device:
@@ -191,6 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     device = init_from_env(args.device)
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    warn_shared_store(rank)
     config = models.get_config(args.model)
     seq_len = args.seq_len or config.seq_len
 

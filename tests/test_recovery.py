@@ -38,11 +38,14 @@ def test_killed_rank_restarts_under_torchrun_and_ends_like_an_uninterrupted_run(
                 "--max-restarts=1", "--monitor-interval=0.5", "-m", "osdp.train"]
     killed = subprocess.run([*torchrun, *TRAIN[3:], "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
                              "--save-final", str(tmp_path / "resumed.pt")],
-                            capture_output=True, text=True, timeout=180, env=_env(OSDP_TEST_KILL_AT_STEP="5"))
+                            capture_output=True, text=True, timeout=180,
+                            # a fresh store for the restarted attempt (PyTorch issue 135712; see osdp.train)
+                            env=_env(OSDP_TEST_KILL_AT_STEP="5", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
     assert killed.returncode == 0, killed.stderr[-3000:]
     assert (ckpt / ".osdp_test_killed").read_text().startswith("rank 1 killed itself at step 5")
     assert "[OSDP_TEST_KILL_AT_STEP] rank 1: SIGKILL at step 5" in killed.stdout
     assert "exitcode: -9" in killed.stderr  # torchrun saw the kill, and restarted the job
+    assert "shares its store" not in killed.stdout
     assert f"resumed from {ckpt / 'step_00000004'} at step 4" in killed.stdout
     assert "step    4" in killed.stdout.split("resumed from")[1]  # steps 4 and 5 ran again after the restart
     assert sorted(p.name for p in ckpt.iterdir()) == [".osdp_test_killed", "step_00000004", "step_00000006"]
@@ -52,6 +55,27 @@ def test_killed_rank_restarts_under_torchrun_and_ends_like_an_uninterrupted_run(
     assert set(got) == set(expected)
     differ = [k for k in expected if not torch.equal(got[k], expected[k])]
     assert not differ, f"parameters differ from the uninterrupted run: {differ}"
+
+
+def test_osdp_train_max_restarts_runs_torchrun_with_a_fresh_store_per_attempt(monkeypatch, capsys):
+    import osdp.train as train
+
+    calls = []
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    monkeypatch.setattr(train.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
+    assert train.launch_local(2, "osdp.train", ["--steps", "3", "--max-restarts", "2", "--nproc", "2"], 2) == 0
+    cmd, env = calls[0]
+    assert cmd[cmd.index("torch.distributed.run"):cmd.index("-m", 3)] == [
+        "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2", "--monitor-interval=0.5"]
+    assert cmd[-2:] == ["--steps", "3"] and env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+    for key, value in dict(TORCHELASTIC_MAX_RESTARTS="1", TORCHELASTIC_USE_AGENT_STORE="True").items():
+        monkeypatch.setenv(key, value)
+    train.warn_shared_store(0)
+    assert "run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().out
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    train.warn_shared_store(0)
+    assert capsys.readouterr().out == ""
 
 
 def test_train_passes_the_collective_timeout_to_its_process_group(monkeypatch):
