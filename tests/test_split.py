@@ -271,12 +271,13 @@ def _state_dicts(rank, world_size, directory):
     assert isinstance(make("split", 0).mlp[0].full_weight(), torch.Tensor)
     torch.testing.assert_close(make("split", 0).mlp[0].full_weight(), plain.mlp[0].weight, atol=0, rtol=0)
 
-    # Sharded DCP, between split (k=3 or k=2), FSDP2 unsplit and plain models.
+    # Sharded DCP: split (k=3) into unsplit (FSDP2 and plain) and split with another k; unsplit into split.
     sources = {"split_fsdp": make("split_fsdp", 0), "fsdp": make("fsdp", 0), "plain": plain}
+    targets = {"split_fsdp": ("fsdp", "plain", "split"), "fsdp": ("split_fsdp",), "plain": ("split_fsdp",)}
     for source, model in sources.items():
         path = f"{directory}/{source}"
         dcp.save(get_model_state_dict(model), checkpoint_id=path)
-        for target in ("split_fsdp", "fsdp", "plain", "split"):
+        for target in targets[source]:
             loaded = make(target, 2, k=2)
             sd = get_model_state_dict(loaded)
             dcp.load(sd, checkpoint_id=path)
@@ -308,6 +309,37 @@ def _load_on_other_world_size(rank, world_size, directory):
 def test_state_dict_round_trips_between_split_and_unsplit(tmp_path, backends):
     assert run_ranks(_state_dicts, 2, str(tmp_path), timeout=180) == [True, True]
     assert run_ranks(_load_on_other_world_size, 4, str(tmp_path), timeout=120) == [True] * 4
+
+
+def _cuda_stream_path(rank, world_size, backends):
+    """On GPUs with NCCL: the extension's stream path (and the PyTorch loop) equal nn.Linear."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    torch.cuda.set_device(rank)
+    mesh = DeviceMesh.from_group(dist.new_group(backend="nccl"), "cuda")
+    torch.manual_seed(0)
+    linear = nn.Linear(40, 72).cuda()
+    xs = [torch.randn(3, 5, 40, device="cuda") for _ in range(world_size)]
+    grads = [torch.randn(3, 5, 72, device="cuda") for _ in range(world_size)]
+    y_ref, gx_ref, gw_ref, _ = _reference(linear, xs, grads, rank)
+    for name in backends:
+        split.set_backend(name)
+        for k in (1, 3, 4):
+            module = SplitLinear.from_linear(copy.deepcopy(linear), k, mesh)
+            x = xs[rank].clone().requires_grad_()
+            y = module(x)
+            y.backward(grads[rank])
+            torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)  # TF32 may be on
+            torch.testing.assert_close(x.grad, gx_ref, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(module.weight.grad.full_tensor(), gw_ref, atol=1e-4, rtol=1e-4)
+    split.set_backend("auto")
+    return split.backend()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the stream path is compiled everywhere, run only on CUDA)")
+def test_cuda_stream_path_matches_linear(backends):
+    world_size = min(torch.cuda.device_count(), 2)
+    assert run_ranks(_cuda_stream_path, world_size, backends, timeout=240) == ["cuda" if "cpp" in backends else "python"] * world_size
 
 
 # -- single process: the splitting rule and the backend switch -------------------------------------------
