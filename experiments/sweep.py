@@ -42,8 +42,8 @@ RESULTS = HERE / "results"
 # model -> (micro-batch per rank, sequence length)
 PROFILES = {
     "quick": {"models": {"gpt2-mini": (8, 128)}, "budgets": 6, "rounds": 3, "time_per_run_s": 2.5},
-    "full": {"models": {"gpt2-mini": (8, 128), "gpt2-cpu-medium": (4, 256)}, "budgets": 9, "rounds": 5,
-             "time_per_run_s": 2.5},
+    "full": {"models": {"gpt2-mini": (8, 128), "gpt2-cpu-medium": (4, 128)}, "budgets": 8, "rounds": 5,
+             "time_per_run_s": 3.0},
 }
 LINKS = ("loopback", "gpu-ratio")
 BASELINES = ("ddp", "zero2", "fsdp")
