@@ -104,6 +104,7 @@ class SplitLinear(nn.Module):
         """Keep this rank's rows of ``linear.weight`` (the same full weight on every rank); reuse ``linear.bias``."""
         if mesh.ndim != 1:
             raise ValueError(f"SplitLinear needs a 1-D mesh, got {mesh.ndim}-D")
+        _extension.implementation()  # build or load the extension now, not between the first forward's collectives
         weight = nn.Parameter(_shard(linear.weight.detach(), mesh), requires_grad=linear.weight.requires_grad)
         bias = linear.bias
         if bias is not None and bias.device != weight.device:
