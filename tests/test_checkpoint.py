@@ -13,7 +13,7 @@ from osdp import checkpoint
 from osdp.checkpoint import CheckpointError
 from osdp.plan import Plan, UnitPlan
 from toy_models import GPT
-from training_check import full_state
+from training_check import full_state, train
 
 GLOBAL_BATCH = 8  # divisible by 1, 2 and 4 ranks
 OPTIMIZERS = ("sgd", "adamw")
@@ -34,18 +34,6 @@ def _batches():
     g = torch.Generator().manual_seed(11)
     return [(torch.randint(0, 64, (GLOBAL_BATCH, 16), generator=g), torch.randint(0, 64, (GLOBAL_BATCH, 16), generator=g))
             for _ in range(4)]
-
-
-def _steps(model, opt, batches, rank, world_size):
-    losses = []
-    n = GLOBAL_BATCH // world_size
-    for inputs, targets in batches:
-        loss = model(inputs[rank * n:(rank + 1) * n], targets[rank * n:(rank + 1) * n])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def _paths():
@@ -91,25 +79,25 @@ def _save_then_resume_on_2(rank, world_size, directory):
     for name in OPTIMIZERS:
         model = osdp.wrap(_build(0), plan=plan_a())
         opt = _optimizer(name, model)
-        _steps(model, opt, batches[:2], rank, world_size)
+        train(model, batches[:2], rank, world_size, optimizer=opt)
         checkpoint.save_step(f"{directory}/{name}", 2, model, opt, extra={"note": name})
 
         resumed = osdp.wrap(_build(1), plan=plan_b())  # another init: everything must come from the checkpoint
         opt = _optimizer(name, resumed)
         found = checkpoint.agree_on_latest(f"{directory}/{name}")
         extra = checkpoint.load(found, resumed, opt)
-        losses = _steps(resumed, opt, batches[2:], rank, world_size)
+        losses = train(resumed, batches[2:], rank, world_size, optimizer=opt)
         state = full_state(resumed)
         out[name] = {"losses": losses, "state": state if rank == 0 else None, "extra": extra, "found": str(found)}
 
     # Adam, tightly: resumed under the saving plan, it is bit for bit the uninterrupted run under that plan.
     uninterrupted = osdp.wrap(_build(0), plan=plan_a())
     opt = _optimizer("adamw", uninterrupted)
-    _steps(uninterrupted, opt, batches, rank, world_size)
+    train(uninterrupted, batches, rank, world_size, optimizer=opt)
     same_plan = osdp.wrap(_build(1), plan=plan_a())
     opt = _optimizer("adamw", same_plan)
     checkpoint.load(f"{directory}/adamw/step_00000002", same_plan, opt)
-    _steps(same_plan, opt, batches[2:], rank, world_size)
+    train(same_plan, batches[2:], rank, world_size, optimizer=opt)
     a, b = full_state(uninterrupted), full_state(same_plan)
     out["adamw_same_plan_err"] = max((a[k] - b[k]).abs().max().item() for k in a)
 
@@ -117,7 +105,7 @@ def _save_then_resume_on_2(rank, world_size, directory):
     model_only = osdp.wrap(_build(1), plan=plan_b())
     checkpoint.load(f"{directory}/sgd/step_00000002", model_only)
     opt = _optimizer("sgd", model_only)
-    _steps(model_only, opt, batches[2:], rank, world_size)
+    train(model_only, batches[2:], rank, world_size, optimizer=opt)
     state = full_state(model_only)
     out["sgd_model_only"] = state if rank == 0 else None
 
@@ -148,7 +136,7 @@ def _resume_on_4(rank, world_size, directory):
         model = osdp.wrap(_build(1), plan=plan_c())
         opt = _optimizer(name, model)
         checkpoint.load(checkpoint.latest(f"{directory}/{name}"), model, opt)
-        losses = _steps(model, opt, batches[2:], rank, world_size)
+        losses = train(model, batches[2:], rank, world_size, optimizer=opt)
         state = full_state(model)
         out[name] = {"losses": losses, "state": state if rank == 0 else None}
     return out
@@ -157,7 +145,7 @@ def _resume_on_4(rank, world_size, directory):
 def _reference(name, steps=4):
     model = _build(0)
     opt = _optimizer(name, model)
-    losses = _steps(model, opt, _batches()[:steps], 0, 1)
+    losses = train(model, _batches()[:steps], 0, 1, optimizer=opt)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -241,9 +229,9 @@ def test_interrupted_writes_are_never_taken_as_latest(tmp_path, monkeypatch):
     try:
         opt = _optimizer("sgd", model)
         batches = _batches()
-        _steps(model, opt, batches[:1], 0, 1)
+        train(model, batches[:1], 0, 1, optimizer=opt)
         checkpoint.save_step(tmp_path, 1, model, opt)
-        _steps(model, opt, batches[1:2], 0, 1)
+        train(model, batches[1:2], 0, 1, optimizer=opt)
         checkpoint.save_step(tmp_path, 2, model, opt)
         assert checkpoint.latest(tmp_path) == tmp_path / "step_00000002"
 
@@ -286,7 +274,7 @@ def test_interrupted_writes_are_never_taken_as_latest(tmp_path, monkeypatch):
         opt2 = _optimizer("sgd", resumed)
         assert checkpoint.load(tmp_path / "step_00000002", resumed, opt2) == {"step": 2}
         ref_losses, ref_state = _reference("sgd", steps=3)
-        assert _steps(resumed, opt2, batches[2:3], 0, 1) == pytest.approx(ref_losses[2:], abs=1e-6)
+        assert train(resumed, batches[2:3], 0, 1, optimizer=opt2) == pytest.approx(ref_losses[2:], abs=1e-6)
         state = resumed.state_dict()
         assert max((state[k].full_tensor() - ref_state[k]).abs().max().item() for k in ref_state) <= 1e-6
     finally:

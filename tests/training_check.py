@@ -14,9 +14,10 @@ def sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
 
 
-def train(model, batches, rank: int = 0, world_size: int = 1) -> list[float]:
-    """Train on each rank's slice of every global batch; returns this rank's losses."""
-    opt = sgd(model)
+def train(model, batches, rank: int = 0, world_size: int = 1, optimizer=None) -> list[float]:
+    """Train on each rank's slice of every global batch (SGD with momentum unless ``optimizer``
+    is given); returns this rank's losses."""
+    opt = optimizer if optimizer is not None else sgd(model)
     losses = []
     for inputs, targets in batches:
         n = inputs.shape[0] // world_size

@@ -124,7 +124,9 @@ def check_model(model: nn.Module, device: torch.device) -> None:
 
 
 def validate_plan(model: nn.Module, plan: Plan, world_size: int) -> list[Unit]:
-    """Check a (completed) plan against the model; return its units bottom-up. Raises PlanError."""
+    """Check a (completed) plan against a model that passed ``check_model``; return its units bottom-up.
+
+    Raises PlanError."""
     if getattr(model, _PLAN_ATTR, None) is not None:
         raise PlanError("this model is already wrapped by osdp; wrap a fresh model (osdp.plan_of(model) shows its plan)")
     if plan.world_size is not None and plan.world_size != world_size:
@@ -137,8 +139,6 @@ def validate_plan(model: nn.Module, plan: Plan, world_size: int) -> list[Unit]:
             "the plan was made for a different model (structure signature "
             f"{plan.model_signature} vs this model's {structure_signature(model)}); re-plan for this model"
         )
-    if next(model.parameters(), None) is None:
-        raise PlanError("the model has no parameters: there is nothing to shard or replicate")
     modules = dict(model.named_modules())
     for u in plan.units:
         if u.path not in modules:
