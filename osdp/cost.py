@@ -52,7 +52,7 @@ unit's neighbours are not what the bound assumes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -96,6 +96,7 @@ class Calibration:
     checkpoint_overhead_s: float = 0.0  # per checkpointed unit, per step (beyond the recomputed forward)
     optimizer_tensor_s: float = 0.0  # per parameter tensor, per optimizer step (DTensor dispatch)
     slice_overhead_s: float = 0.0  # per split slice gathered or reduced
+    slice_s_per_byte: float = 0.0  # per byte split slices move, beyond the collectives' model
     copy_s_per_byte: float = 0.0  # memcpy into and out of collective buffers
     overlap: float | None = None  # fraction of a unit's compute that hides its collectives; None: by device
     margin_bytes: int = 0
@@ -113,6 +114,7 @@ class Calibration:
             "checkpoint_overhead_s": self.checkpoint_overhead_s,
             "optimizer_tensor_s": self.optimizer_tensor_s,
             "slice_overhead_s": self.slice_overhead_s,
+            "slice_s_per_byte": self.slice_s_per_byte,
             "copy_s_per_byte": self.copy_s_per_byte,
             "overlap": self.overlap,
             "margin_bytes": self.margin_bytes,
@@ -259,19 +261,20 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
         gathers = 2 if mode == "zero3" else 1
         comm = gathers * _collective(ctx, "all_gather", gathered) + _collective(ctx, "reduce_scatter", rs_input)
         copied = gathers * (gathered // n + gathered) + rs_input  # shard in, gathered out; gradients in
-    slices = 0
+    slices = slice_bytes = 0
     for rows, q, in_f, pieces in split_rows:
         weight = n * rows * in_f
         gathers = 3 if ckpt else 2  # forward, backward (input gradient), recomputed forward
         comm += gathers * _collective(ctx, "all_gather", dt * weight, pieces)
         comm += _collective(ctx, "reduce_scatter", _REDUCE_BYTES * weight, pieces)
         slices += (gathers + 1) * pieces
+        slice_bytes += (gathers * dt + _REDUCE_BYTES) * weight
     overlap = cal.overlap_for(ctx.device)
     exposed = max(comm - overlap * compute, 0.0)
     overhead = (
         cal.unit_overhead_s.get(mode, 0.0) + cal.param_overhead_s * len(fsdp_shapes)
         + (cal.checkpoint_overhead_s if ckpt else 0.0)
-        + cal.slice_overhead_s * slices + cal.copy_s_per_byte * copied
+        + cal.slice_overhead_s * slices + cal.slice_s_per_byte * slice_bytes + cal.copy_s_per_byte * copied
     )
     optimizer_s = (
         ctx.calibration.optimizer_tensor_s * len(unit.param_shapes)

@@ -44,10 +44,9 @@ from osdp.cost import Calibration, OPTIMIZER_STATES, make_optimizer, predict
 from osdp.device import COLLECTIVES, AlphaBeta, CollectiveModel, DeviceInfo, measure_collectives, measure_device
 from osdp.distributed import all_gather_objects, broadcast_object
 from osdp.memory import PeakMemory
-from osdp.plan import ROOT, Plan, UnitPlan
+from osdp.plan import MODES, ROOT, Plan, UnitPlan
 from osdp.profile import ModelDescription, call_model, describe, loss_of
 from osdp.report import format_bytes, format_table
-from osdp.units import structure_signature
 
 # --------------------------------------------------------------------------- running a plan
 
@@ -69,6 +68,7 @@ def run_plan(
     max_steps: int = 40,
     time_budget_s: float = 2.0,
     measure_memory: bool = True,
+    lockstep: bool = False,
     loss_fn: Callable | None = None,
 ) -> dict[str, Any]:
     """Collective: train ``plan`` on a fresh model; this rank's step times and one step's peak memory.
@@ -76,7 +76,10 @@ def run_plan(
     The number of timed steps fits ``time_budget_s`` (within ``min_steps`` ..
     ``max_steps``, agreed by all ranks). The memory step is extra, because the
     CPU tracker slows the step it watches. Without a plan, the plain model on
-    every rank: its compute and optimizer step, as ``describe`` times them.
+    every rank: its compute and optimizer step, as ``describe`` times them;
+    with ``lockstep``, the ranks synchronise (a one-element all-reduce) where
+    every unit but the root starts its forward and its backward, as they do
+    under any plan.
     """
     import osdp
 
@@ -85,6 +88,8 @@ def run_plan(
         osdp.wrap(model, plan=plan, device=device)
     else:
         measure_memory = False
+        if lockstep:
+            _synchronise_units(model)
     opt = make_optimizer(optimizer, model.parameters())
 
     def step() -> tuple[float, float]:
@@ -113,9 +118,25 @@ def run_plan(
             del loss
         stats = meter.stats()
         result.update(peak_bytes=stats.peak_bytes, peak_breakdown=dict(stats.peak_breakdown))
-    del model, opt
-    gc.collect()
     return result
+
+
+def _synchronise_units(model: nn.Module) -> int:
+    """Hooks that make the ranks meet where each non-root unit starts forward and backward; returns the
+    number of meetings per step."""
+    from osdp.units import discover_units
+
+    token = torch.zeros(1, device=next(model.parameters()).device)
+
+    def meet(*_: Any) -> None:
+        dist.all_reduce(token)
+
+    modules = dict(model.named_modules())
+    units = [u.path for u in discover_units(model) if u.path != ROOT]
+    for path in units:
+        modules[path].register_forward_pre_hook(meet)
+        modules[path].register_full_backward_pre_hook(meet)
+    return 2 * len(units)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -130,11 +151,12 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 @dataclasses.dataclass
 class Job:
-    """One plan to train (None: the plain model's compute): how to build the model, the plan, this rank's batch."""
+    """One plan to train (None: the plain model, see ``run_plan``): how to build the model, the plan, this rank's batch."""
 
     build: Callable[[], nn.Module]
     plan: Plan | None
     batch: Any
+    lockstep: bool = False
 
 
 def run_jobs(
@@ -162,7 +184,8 @@ def run_jobs(
             each_round()
         for i, (name, job) in enumerate(jobs.items()):
             mine = run_plan(job.build, job.plan, job.batch, device=device, time_budget_s=time_budget_s / rounds,
-                            measure_memory=r == 0, **kwargs)
+                            measure_memory=r == 0, lockstep=job.lockstep, **kwargs)
+            gc.collect()  # FSDP state holds reference cycles: free this job's model before the next
             ranks = all_gather_objects(mine)
             steps[name].append(ranks)
             if r == 0:
@@ -252,44 +275,46 @@ def can_split(device: torch.device) -> bool:
 
 
 CALIBRATION_BATCH = 4
+# (Linears per unit, width): 2 and 4 Linears separate per-unit from per-parameter costs; the wide
+# net's split slices are 16x larger, which separates per-slice from per-byte costs of splitting
+CALIBRATION_NETS = ((2, 64), (4, 64), (2, 256))
 
 
 def calibration_jobs(
     device: torch.device, *, optimizer: str = "adamw", splits: bool = True
-) -> tuple[dict[str, Job], dict[int, ModelDescription]]:
+) -> tuple[dict[str, Job], dict[str, ModelDescription]]:
     """Collective: the synthetic-model jobs ``fit_calibration`` needs, and the nets' descriptions.
 
-    Two nets (units of 2 and of 4 Linears, so per-unit and per-parameter costs
-    separate), each under every mode, zero3 with checkpointing, and zero3 with
-    split 2.
+    The narrow nets under every mode, zero3 with checkpointing and zero3 with
+    split 2; the wide net under zero3 and split 2.
     """
-    from osdp.plan import MODES
-
     jobs: dict[str, Job] = {}
-    descriptions: dict[int, ModelDescription] = {}
-    for linears in (2, 4):
-        build = lambda linears=linears: CalibrationNet(linears=linears)  # noqa: E731
+    descriptions: dict[str, ModelDescription] = {}
+    for linears, d in CALIBRATION_NETS:
+        net = f"{linears}x{d}"
+        build = lambda linears=linears, d=d: CalibrationNet(d=d, linears=linears)  # noqa: E731
         g = torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0)
-        batch = (torch.randn(CALIBRATION_BATCH, 64, generator=g).to(device),)
+        batch = (torch.randn(CALIBRATION_BATCH, d, generator=g).to(device),)
         torch.manual_seed(0)
         description = describe(build().to(device), batch, cache=False, progress=False, optimizers=(optimizer,), repeats=5)
-        descriptions[linears] = broadcast_object(description)
-        paths = descriptions[linears].paths
+        descriptions[net] = broadcast_object(description)
+        paths = descriptions[net].paths
 
         def plan(mode: str, split: int = 1, ckpt: bool = False) -> Plan:
             return Plan([UnitPlan(p, mode, 1 if p == ROOT else split, ckpt and p != ROOT) for p in paths],
                         batch_size=CALIBRATION_BATCH)
 
-        for mode in MODES:
-            jobs[f"calibration-{linears}-{mode}"] = Job(build, plan(mode), batch)
-        jobs[f"calibration-{linears}-ckpt"] = Job(build, plan("zero3", ckpt=True), batch)
+        for mode in MODES if d == 64 else ("zero3",):
+            jobs[f"calibration-{net}-{mode}"] = Job(build, plan(mode), batch)
+        if d == 64:
+            jobs[f"calibration-{net}-ckpt"] = Job(build, plan("zero3", ckpt=True), batch)
         if splits:
-            jobs[f"calibration-{linears}-split"] = Job(build, plan("zero3", split=2), batch)
+            jobs[f"calibration-{net}-split"] = Job(build, plan("zero3", split=2), batch)
     return jobs, descriptions
 
 
 def fit_calibration(
-    descriptions: dict[int, ModelDescription],
+    descriptions: dict[str, ModelDescription],
     jobs: dict[str, Job],
     measured: dict[str, dict[str, Any]],
     device_info: DeviceInfo,
@@ -298,19 +323,19 @@ def fit_calibration(
     overlap: float | None,
     optimizer: str = "adamw",
 ) -> Calibration:
-    """What the cost model without runtime overheads does not explain on the calibration jobs, attributed:
-    a fixed cost per unit by mode and per parameter tensor (FSDP2's hooks and bookkeeping, nnls), per
-    checkpointed unit, per split slice, per parameter tensor in the optimizer step (DTensor dispatch),
-    and the memory margin (median of measured minus modelled peak)."""
+    """What the cost model without runtime overheads does not explain on the calibration jobs, attributed
+    (non-negative least squares): a fixed cost per unit by mode and per parameter tensor (FSDP2's hooks
+    and bookkeeping), per checkpointed unit, per split slice and per byte a split moves (SplitLinear's
+    loop), per parameter tensor in the optimizer step (DTensor dispatch); and the memory margin (median
+    of measured minus modelled peak)."""
     from scipy.optimize import nnls
 
-    from osdp.plan import MODES
-
     base = Calibration(copy_s_per_byte=copy_s_per_byte, overlap=overlap, source="partial")
-    rows, residuals, opt_rows, margins, ckpt, slices = [], [], [], [], [], []
+    rows, residuals, opt_rows, margins, ckpt = [], [], [], [], []
     residual: dict[str, float] = {}
     for name, job in jobs.items():
-        description = descriptions[int(name.split("-")[1])]
+        _, net, kind = name.split("-")
+        description = descriptions[net]
         pred = predict(description, job.plan, device_info, optimizer=optimizer, calibration=base)
         opt_pred = pred.breakdown["totals"]["optimizer_s"]
         m = measured[name]
@@ -318,27 +343,31 @@ def fit_calibration(
         n_params = sum(len(u.param_shapes) for u in description.units)
         opt_rows.append((m["measured_step_s"] - m["measured_fwd_bwd_s"] - opt_pred) / n_params)
         margins.append(m["measured_peak_bytes"] - pred.peak_bytes)
-        mode = name.rsplit("-", 1)[1]
-        if mode in MODES:
-            rows.append([len(description.units) * (mode == m_) for m_ in MODES] + [n_params])
+        if kind in MODES and net.endswith("x64"):
+            rows.append([len(description.units) * (kind == mode) for mode in MODES] + [n_params])
             residuals.append(residual[name])
     coef, _ = nnls(np.array(rows, dtype=float), np.array(residuals, dtype=float))
     param_overhead = float(coef[-1])
-    for linears, description in descriptions.items():
+    split_rows, split_extra = [], []
+    for net, description in descriptions.items():
         blocks = [u for u in description.units if u.path != ROOT]
-        zero3 = residual[f"calibration-{linears}-zero3"]
-        ckpt.append((residual[f"calibration-{linears}-ckpt"] - zero3) / len(blocks))
-        if f"calibration-{linears}-split" in residual:
-            weights = sum(len(u.split_shapes) for u in blocks)
-            # a split weight leaves FSDP (one parameter less) and moves in 2 slices: 2 gathers, 1 reduce each
-            extra = residual[f"calibration-{linears}-split"] - zero3 + param_overhead * weights
-            slices.append(extra / (3 * 2 * weights))
+        zero3 = residual[f"calibration-{net}-zero3"]
+        if f"calibration-{net}-ckpt" in residual:
+            ckpt.append((residual[f"calibration-{net}-ckpt"] - zero3) / len(blocks))
+        if f"calibration-{net}-split" in residual:
+            weights = [s for u in blocks for s in u.split_shapes]
+            # each split weight leaves FSDP (one parameter less) and moves in 2 slices: gathered twice
+            # (forward, backward) and its gradient reduced, fp32
+            split_rows.append([3 * 2 * len(weights), sum(3 * 4 * o * i for o, i in weights)])
+            split_extra.append(residual[f"calibration-{net}-split"] - zero3 + param_overhead * len(weights))
+    per_slice, per_byte = nnls(np.array(split_rows, dtype=float), np.array(split_extra))[0] if split_rows else (0.0, 0.0)
     return Calibration(
         unit_overhead_s={mode: float(c) for mode, c in zip(MODES, coef)},
         param_overhead_s=param_overhead,
         checkpoint_overhead_s=max(0.0, statistics.median(ckpt)),
         optimizer_tensor_s=max(0.0, statistics.median(opt_rows)),
-        slice_overhead_s=max(0.0, statistics.median(slices)) if slices else 0.0,
+        slice_overhead_s=float(per_slice),
+        slice_s_per_byte=float(per_byte),
         copy_s_per_byte=copy_s_per_byte,
         overlap=overlap,
         margin_bytes=max(0, int(statistics.median(margins))),
@@ -543,9 +572,9 @@ def validate(
     names = list(plans)
     half = len(names) // 2
     jobs = {
-        "compute": Job(build, None, batch),
+        "compute": Job(build, None, batch, lockstep=True),
         **{name: Job(build, plans[name], batch) for name in names[:half]},
-        "compute-2": Job(build, None, batch),
+        "compute-2": Job(build, None, batch, lockstep=True),
         **{name: Job(build, plans[name], batch) for name in names[half:]},
     }
     calibration_descriptions: dict[int, ModelDescription] = {}
@@ -566,7 +595,9 @@ def validate(
     _say(f"calibration: {json.dumps(calibration.to_dict())}")
     described_s = sum(c.fwd_s(batch_size) + c.bwd_s(batch_size) for c in description.costs("fp32"))
     reference = [measured[k] for k in ("compute", "compute-2")]
-    compute_scale = statistics.fmean(m["measured_fwd_bwd_s"] for m in reference) / described_s
+    # compute in lockstep (ranks meet at every unit, as they do under any plan), less the meetings themselves
+    meetings = 2 * sum(1 for u in description.units if u.path != ROOT) * device_info.collectives.time("all_reduce", 4)
+    compute_scale = (statistics.fmean(m["measured_fwd_bwd_s"] for m in reference) - meetings) / described_s
     optimizer_s = statistics.fmean(m["measured_step_s"] - m["measured_fwd_bwd_s"] for m in reference)
     param_bytes = sum(u.param_bytes for u in description.units)
     description = dataclasses.replace(
