@@ -27,6 +27,7 @@ import argparse
 import csv
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -41,7 +42,7 @@ import run as run_mod  # noqa: E402
 RESULTS = HERE / "results"
 # model -> (micro-batch per rank, sequence length)
 PROFILES = {
-    "quick": {"models": {"gpt2-mini": (8, 128)}, "budgets": 6, "rounds": 3, "time_per_run_s": 2.5},
+    "quick": {"models": {"gpt2-mini": (8, 128)}, "budgets": 6, "rounds": 5, "time_per_run_s": 1.5},
     "full": {"models": {"gpt2-mini": (8, 128), "gpt2-cpu-medium": (4, 128)}, "budgets": 8, "rounds": 5,
              "time_per_run_s": 3.0},
 }
@@ -51,7 +52,7 @@ CSV_COLUMNS = [
     "model", "world_size", "link", "strategy", "budget_bytes", "fits", "tokens_per_s", "peak_bytes",
     "predicted_tokens_per_s", "predicted_peak_bytes", "needs_bytes", "status", "tokens_per_s_min",
     "tokens_per_s_max", "step_s_median", "predicted_step_s", "replicated_fraction", "plan_hash", "plan_summary",
-    "same_run_as", "batch_size", "seq_len",
+    "same_run_as", "batch_size", "seq_len", "tokens_per_s_rounds",
 ]
 QUIET_LOAD = 2.5
 
@@ -81,6 +82,7 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
             "predicted_peak_bytes": rec.get("predicted_peak_bytes"),
             "tokens_per_s_min": min(m["tokens_per_s_rounds"]) if m else None,
             "tokens_per_s_max": max(m["tokens_per_s_rounds"]) if m else None,
+            "tokens_per_s_rounds": ";".join(f"{x:.1f}" for x in m["tokens_per_s_rounds"]) if m else None,
             "step_s_median": m.get("step_s_median"), "predicted_step_s": rec.get("predicted_step_s"),
             "replicated_fraction": rec.get("replicated_fraction"), "plan_hash": rec.get("plan_hash"),
             "plan_summary": rec.get("plan_summary"), "same_run_as": rec.get("same_run_as"),
@@ -122,6 +124,16 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 # --------------------------------------------------------------------------- comparison and targets
 
 
+def paired_ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """Median over repeats of a's tokens/s over b's in the same repeat (round r of every plan runs in the same
+    pass over the plans, so a slow phase of the machine hits both): steadier than a ratio of medians."""
+    ra, rb = a.get("tokens_per_s_rounds"), b.get("tokens_per_s_rounds")
+    if not ra or not rb:
+        return None
+    ra, rb = ([float(x) for x in r.split(";")] if isinstance(r, str) else r for r in (ra, rb))
+    return statistics.median(x / y for x, y in zip(ra, rb))
+
+
 def compare(rows: list[dict[str, Any]], result: dict[str, Any]) -> list[dict[str, Any]]:
     """Per budget of one (model, link): OSDP against the best fitting baseline and against FSDP."""
     half = result.get("half_replicated_peak_bytes")
@@ -141,8 +153,10 @@ def compare(rows: list[dict[str, Any]], result: dict[str, Any]) -> list[dict[str
             "osdp": osdp,
             "baselines": {s: at[s] for s in (*BASELINES, "fairscale") if s in at},
             "best": best,
-            "vs_best": t / best["tokens_per_s"] if (t and best) else None,
-            "vs_fsdp": t / fsdp["tokens_per_s"] if (t and fsdp) else None,
+            "vs_best_of_medians": t / best["tokens_per_s"] if (t and best) else None,
+            "vs_fsdp_of_medians": t / fsdp["tokens_per_s"] if (t and fsdp) else None,
+            "vs_best": paired_ratio(osdp, best) if (t and best) else None,
+            "vs_fsdp": paired_ratio(osdp, fsdp) if (t and fsdp) else None,
             "half_replicable": bool((osdp.get("replicated_fraction") or 0) >= 0.5 or (half and budget >= half)),
             "peak_within_budget": osdp["peak_bytes"] is None or osdp["peak_bytes"] <= budget,
         })
@@ -181,7 +195,9 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
               f"{meta['machine']['platform']}; Python {meta['machine']['python']}, torch {meta['machine']['torch']}",
               f"- ranks: {meta['world_size']} CPU processes (gloo), 1 thread each; optimizer AdamW, fp32",
               f"- repeats: {meta['rounds']} interleaved rounds of ~{meta['time_per_run_s']} s of timed steps per plan; "
-              "medians over rounds (spread = min..max of the round medians)",
+              "tokens/s are medians over rounds (in brackets: min..max of the round medians); the ratios OSDP / best "
+              "and OSDP / FSDP are medians over rounds of the ratio within the round (paired), the ratios of the "
+              "medians beside them",
               f"- load average (1 min) before / after each part: "
               + "; ".join(f"{p['model']} {p['link']}: {p['load_before'][0]:.1f} / {p['load_after'][0]:.1f}"
                           for p in meta["parts"]),
@@ -208,7 +224,7 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
                   f"a plan replicating half the parameters fits from {mib(result.get('half_replicated_peak_bytes'))} "
                   "(greedy bound).", ""]
         head = ["budget", "OSDP tokens/s", "OSDP peak", *BASELINES, "best baseline", "OSDP / best", "OSDP / FSDP",
-                "predicted: OSDP / best, / FSDP", "OSDP plan"]
+                "ratios of medians: / best, / FSDP", "predicted: / best, / FSDP", "OSDP plan"]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
         for c in comparison:
@@ -227,6 +243,7 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
                 f"{c['vs_best']:.2f}" if c["vs_best"] else "-",
                 (f"{c['vs_fsdp']:.2f}" + ("" if c["half_replicable"] else " (< half replicable)"))
                 if c["vs_fsdp"] else "-",
+                " / ".join("-" if x is None else f"{x:.2f}" for x in (c["vs_best_of_medians"], c["vs_fsdp_of_medians"])),
                 " / ".join("-" if x is None else f"{x:.2f}" for x in (c["predicted_vs_best"], c["predicted_vs_fsdp"])),
                 plan,
             ]) + " |")
