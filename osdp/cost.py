@@ -19,8 +19,9 @@ time
     part the device cannot hide behind the unit's compute (``overlap``: 0 with
     gloo, where FSDP2's collectives block; 1 on CUDA streams); FSDP2's runtime
     overheads measured once per machine (``Calibration``): per unit by mode,
-    per parameter, per checkpointed unit, per slice, memcpy into and out of
-    collective buffers; the optimizer step on the unit's shard.
+    per parameter, per checkpointed unit, per slice and per byte of slices,
+    memcpy into and out of collective buffers; the optimizer step on the
+    unit's shard.
 mem (additive)
     sharded (replicated) parameters and optimizer state, plus the larger of
     what the unit holds before its backward (saved activations, or only its

@@ -3,16 +3,22 @@
 On N local ranks (gloo on CPU, NCCL on CUDA; launched through torchrun when not
 already under it), every rank:
 
-1. measures the machine: collectives on the live group (``osdp.device``), then
-   FSDP2's runtime overheads and the memory margin on a small synthetic model
-   (``measure_calibration``; never the model being validated);
-2. describes the model (``osdp.profile.describe``), all ranks at once so that
-   compute is timed under the same contention as training; rank 0's
-   description is used everywhere;
-3. trains each plan for a few steps: median step time after warm-up, and the
-   peak memory of one step (``osdp.memory.PeakMemory``: live tensor bytes on
-   CPU, ``max_memory_allocated`` on CUDA), the slowest rank and the largest
-   peak over ranks.
+1. measures the collectives on the live group (``osdp.device``) and describes
+   the model (``osdp.profile.describe``), all ranks at once, so that compute
+   is timed under the same contention as training; rank 0's description is
+   used everywhere;
+2. trains every plan side by side, one step of each in turn, and with them
+   the jobs the prediction needs that involve no plan of this model: FSDP2's
+   runtime overheads on a synthetic model (``calibration_jobs`` /
+   ``fit_calibration``), and the plain model's compute and optimizer step
+   with the ranks meeting at every unit as they do under any plan; the
+   collectives are re-fitted a few times in between. A shared machine's load
+   changes within seconds; taking turns step by step spreads it over all
+   jobs instead of penalising one;
+3. takes each plan's step time as the median over its steps of the slowest
+   rank, and its peak memory per rank from one tracked step
+   (``osdp.memory.PeakMemory``: live tensor bytes on CPU,
+   ``max_memory_allocated`` on CUDA), the largest over ranks.
 
 Rank 0 prints predicted against measured with the error of each, the median
 and worst errors and the Kendall tau of the step-time ranking, and writes them
@@ -48,95 +54,12 @@ from osdp.plan import MODES, ROOT, Plan, UnitPlan
 from osdp.profile import ModelDescription, call_model, describe, loss_of
 from osdp.report import format_bytes, format_table
 
-# --------------------------------------------------------------------------- running a plan
+# --------------------------------------------------------------------------- running plans
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def run_plan(
-    build: Callable[[], nn.Module],
-    plan: Plan | None,
-    batch: Any,
-    *,
-    device: torch.device,
-    optimizer: str = "adamw",
-    warmup: int = 2,
-    min_steps: int = 3,
-    max_steps: int = 40,
-    time_budget_s: float = 2.0,
-    measure_memory: bool = True,
-    lockstep: bool = False,
-    loss_fn: Callable | None = None,
-) -> dict[str, Any]:
-    """Collective: train ``plan`` on a fresh model; this rank's step times and one step's peak memory.
-
-    The number of timed steps fits ``time_budget_s`` (within ``min_steps`` ..
-    ``max_steps``, agreed by all ranks). The memory step is extra, because the
-    CPU tracker slows the step it watches. Without a plan, the plain model on
-    every rank: its compute and optimizer step, as ``describe`` times them;
-    with ``lockstep``, the ranks synchronise (a one-element all-reduce) where
-    every unit but the root starts its forward and its backward, as they do
-    under any plan.
-    """
-    import osdp
-
-    model = build().to(device)
-    if plan is not None:
-        osdp.wrap(model, plan=plan, device=device)
-    else:
-        measure_memory = False
-        if lockstep:
-            _synchronise_units(model)
-    opt = make_optimizer(optimizer, model.parameters())
-
-    def step() -> tuple[float, float]:
-        _sync(device)
-        start = time.perf_counter()
-        loss = loss_of(call_model(model, batch), loss_fn)
-        loss.backward()
-        _sync(device)
-        middle = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _sync(device)
-        return time.perf_counter() - start, middle - start
-
-    warm = [step() for _ in range(warmup)]
-    wanted = int(time_budget_s / max(warm[-1][0], 1e-6)) if warm else min_steps
-    n = max(min_steps, min(max_steps, max(all_gather_objects(wanted))))
-    timed = [step() for _ in range(n)]
-    result: dict[str, Any] = {"step_s": [t for t, _ in timed], "fwd_bwd_s": [f for _, f in timed]}
-    if measure_memory:
-        with PeakMemory(device, model, opt, *_tensors(batch)) as meter:
-            loss = loss_of(call_model(model, batch), loss_fn)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del loss
-        stats = meter.stats()
-        result.update(peak_bytes=stats.peak_bytes, peak_breakdown=dict(stats.peak_breakdown))
-    return result
-
-
-def _synchronise_units(model: nn.Module) -> int:
-    """Hooks that make the ranks meet where each non-root unit starts forward and backward; returns the
-    number of meetings per step."""
-    from osdp.units import discover_units
-
-    token = torch.zeros(1, device=next(model.parameters()).device)
-
-    def meet(*_: Any) -> None:
-        dist.all_reduce(token)
-
-    modules = dict(model.named_modules())
-    units = [u.path for u in discover_units(model) if u.path != ROOT]
-    for path in units:
-        modules[path].register_forward_pre_hook(meet)
-        modules[path].register_full_backward_pre_hook(meet)
-    return 2 * len(units)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -151,7 +74,12 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 @dataclasses.dataclass
 class Job:
-    """One plan to train (None: the plain model, see ``run_plan``): how to build the model, the plan, this rank's batch."""
+    """A plan to train (None: the plain model): how to build the model, the plan, this rank's batch.
+
+    ``lockstep`` (plain model only): the ranks meet (a one-element all-reduce)
+    where every unit but the root starts its forward and its backward, as they
+    do under any plan.
+    """
 
     build: Callable[[], nn.Module]
     plan: Plan | None
@@ -159,60 +87,115 @@ class Job:
     lockstep: bool = False
 
 
+class _Trainer:
+    """One job's model, wrapped by its plan, and its optimizer: steps on demand."""
+
+    def __init__(self, job: Job, device: torch.device, optimizer: str, loss_fn: Callable | None):
+        import osdp
+
+        self.job, self.device, self.loss_fn = job, device, loss_fn
+        self.model = job.build().to(device)
+        if job.plan is not None:
+            osdp.wrap(self.model, plan=job.plan, device=device)
+        elif job.lockstep:
+            _synchronise_units(self.model)
+        self.optimizer = make_optimizer(optimizer, self.model.parameters())
+
+    def _fwd_bwd_opt(self) -> float:
+        loss = loss_of(call_model(self.model, self.job.batch), self.loss_fn)
+        loss.backward()
+        _sync(self.device)
+        middle = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return middle
+
+    def step(self) -> tuple[float, float]:
+        """(step seconds, forward + backward seconds)."""
+        _sync(self.device)
+        start = time.perf_counter()
+        middle = self._fwd_bwd_opt()
+        _sync(self.device)
+        return time.perf_counter() - start, middle - start
+
+    def peak(self) -> dict[str, Any]:
+        """One step under ``PeakMemory`` (slower: not timed)."""
+        with PeakMemory(self.device, self.model, self.optimizer, *_tensors(self.job.batch)) as meter:
+            self._fwd_bwd_opt()
+        stats = meter.stats()
+        return {"peak_bytes": stats.peak_bytes, "peak_breakdown": dict(stats.peak_breakdown)}
+
+
+def _synchronise_units(model: nn.Module) -> None:
+    from osdp.units import discover_units
+
+    token = torch.zeros(1, device=next(model.parameters()).device)
+
+    def meet(*_: Any) -> None:
+        dist.all_reduce(token)
+
+    modules = dict(model.named_modules())
+    for unit in discover_units(model):
+        if unit.path != ROOT:
+            modules[unit.path].register_forward_pre_hook(meet)
+            modules[unit.path].register_full_backward_pre_hook(meet)
+
+
 def run_jobs(
     jobs: dict[str, Job],
     *,
     device: torch.device,
-    rounds: int = 3,
+    optimizer: str = "adamw",
     time_budget_s: float = 4.0,
-    progress: Callable[[str], None] | None = None,
+    warmup: int = 2,
+    min_steps: int = 5,
+    max_steps: int = 200,
+    rounds: int = 4,
     each_round: Callable[[], None] | None = None,
-    **kwargs: Any,
+    progress: Callable[[str], None] | None = None,
+    loss_fn: Callable | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Collective: ``run_plan`` for each job, round-robin over ``rounds`` rounds (``each_round()`` first in each).
+    """Collective: train every job side by side, one step of each in turn; times and peak memory.
 
-    Interleaving spreads the slow phases of a shared machine over all jobs
-    instead of penalising whichever ran then. Per job: the median over all
-    timed steps of the slowest rank's time (for the plain model, whose ranks
-    do not wait for each other, that is what its compute costs once ranks
-    synchronise), and the largest peak over ranks (measured in the first round).
+    All jobs' models exist at once and take one step each in turn, so every
+    job sees the same machine: on a shared machine the load changes within
+    seconds, and gloo's blocking collectives suffer from it far more than
+    compute. ``time_budget_s`` is the timed seconds per job (within
+    ``min_steps`` .. ``max_steps`` steps each, agreed by all ranks);
+    ``each_round()`` runs ``rounds`` times spread over them. Per job: the
+    median over steps of the slowest rank's time, and the largest peak over
+    ranks of one tracked step (CPU tracking slows a step, so it is not timed).
     """
-    steps: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in jobs}
-    peaks: dict[str, list[dict[str, Any]]] = {}
-    for r in range(rounds):
-        if each_round is not None:
+    trainers = {}
+    for i, (name, job) in enumerate(jobs.items()):
+        if progress:
+            progress(f"setting up {i + 1}/{len(jobs)} {name}")
+        trainers[name] = _Trainer(job, device, optimizer, loss_fn)
+    warm = {name: [t.step()[0] for _ in range(warmup)][-1] for name, t in trainers.items()}
+    wanted = int(time_budget_s * len(jobs) / max(sum(warm.values()), 1e-9))
+    steps = max(min_steps, min(max_steps, max(all_gather_objects(wanted))))
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in jobs}
+    for s in range(steps):
+        if each_round is not None and s % max(1, steps // rounds) == 0:
             each_round()
-        for i, (name, job) in enumerate(jobs.items()):
-            mine = run_plan(job.build, job.plan, job.batch, device=device, time_budget_s=time_budget_s / rounds,
-                            measure_memory=r == 0, lockstep=job.lockstep, **kwargs)
-            gc.collect()  # FSDP state holds reference cycles: free this job's model before the next
-            ranks = all_gather_objects(mine)
-            steps[name].append(ranks)
-            if r == 0:
-                peaks[name] = [{"peak_bytes": x.get("peak_bytes"), "peak_breakdown": x.get("peak_breakdown")} for x in ranks]
-            if progress:
-                progress(f"round {r + 1}/{rounds}, {i + 1}/{len(jobs)} {name}")
-    def lockstep(name: str, key: str) -> float:
-        """Median over steps of the slowest rank's time: a synchronised job steps at that pace."""
-        return statistics.median(max(ts) for rnd in steps[name] for ts in zip(*(rank[key] for rank in rnd)))
-
+        for name, trainer in trainers.items():
+            times[name].append(trainer.step())
+        if progress and (s + 1) % max(1, steps // 10) == 0:
+            progress(f"step {s + 1}/{steps} of every job")
     out = {}
-    for name in jobs:
-        per_rank = [
-            {
-                "step_s": statistics.median(t for rnd in steps[name] for t in rnd[k]["step_s"]),
-                "fwd_bwd_s": statistics.median(t for rnd in steps[name] for t in rnd[k]["fwd_bwd_s"]),
-                **peaks[name][k],
-            }
-            for k in range(len(steps[name][0]))
-        ]
+    for name, trainer in trainers.items():
+        peak = trainer.peak() if trainer.job.plan is not None else {"peak_bytes": None, "peak_breakdown": None}
+        ranks = all_gather_objects({"times": times[name], **peak})
         out[name] = {
-            "measured_step_s": lockstep(name, "step_s"),
-            "measured_fwd_bwd_s": lockstep(name, "fwd_bwd_s"),
-            "measured_peak_bytes": max((r["peak_bytes"] or 0) for r in per_rank),
-            "steps": sum(len(rnd[0]["step_s"]) for rnd in steps[name]),
-            "per_rank": per_rank,
+            # the step of a synchronised job takes as long as its slowest rank's
+            "measured_step_s": statistics.median(max(t[0] for t in ts) for ts in zip(*(r["times"] for r in ranks))),
+            "measured_fwd_bwd_s": statistics.median(max(t[1] for t in ts) for ts in zip(*(r["times"] for r in ranks))),
+            "measured_peak_bytes": max((r["peak_bytes"] or 0) for r in ranks),
+            "steps": steps,
+            "per_rank": [{k: v for k, v in r.items() if k != "times"} for r in ranks],
         }
+    del trainers
+    gc.collect()  # FSDP state holds reference cycles
     return out
 
 
@@ -530,14 +513,15 @@ def validate(
     plan_names: Sequence[str] | None = None,
     precisions: Sequence[str] = ("fp32",),
     optimizer: str = "adamw",
-    rounds: int = 3,
+    rounds: int = 4,
     time_budget_s: float = 4.0,
     calibration: Calibration | None = None,
 ) -> dict[str, Any]:
     """Collective: predicted against measured for a set of plans of a reference model (see the module docstring).
 
-    Without a given ``calibration``, its synthetic jobs run in the same rounds
-    as the plans, so that both see the same machine.
+    Without a given ``calibration``, its synthetic jobs run side by side with
+    the plans, so that both see the same machine; ``rounds``: how often the
+    collectives are re-fitted meanwhile.
     """
     from osdp.data import synthetic_batch
 
@@ -654,8 +638,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plans", nargs="+", default=None, help="names of plans to run (default: all; see --list-plans)")
     p.add_argument("--bf16", action="store_true", help="also validate mixed-precision (bf16) plans")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
-    p.add_argument("--time-budget", type=float, default=4.0, help="seconds of timed steps per plan (default 4)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds the plans take turns in (default 3)")
+    p.add_argument("--time-budget", type=float, default=4.0, help="seconds of timed steps per job (default 4)")
+    p.add_argument("--rounds", type=int, default=4, help="times the collectives are re-fitted meanwhile (default 4)")
     p.add_argument("--calibration", type=Path, help="a calibration JSON (from a previous --json) instead of measuring")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--json", type=Path, help="write the records and summary here")
