@@ -59,15 +59,16 @@ class MemoryStats:
         return asdict(self) | {"peak_breakdown": dict(self.peak_breakdown)}
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested) tensor, list, tuple or dict, in order."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
         for x in obj:
-            yield from _tensors(x)
-    elif isinstance(obj, dict):
+            yield from iter_tensors(x)
+    elif isinstance(obj, Mapping):
         for x in obj.values():
-            yield from _tensors(x)
+            yield from iter_tensors(x)
 
 
 def _flat_tensors(args: Any) -> list[torch.Tensor]:
@@ -110,7 +111,7 @@ class _Watch(TorchDispatchMode):
                 if t.is_cpu and t.layout == torch.strided:
                     note(t.untyped_storage(), _EXTERNAL, known_ok=True)
         out = func(*args, **kwargs)
-        for t in (out,) if isinstance(out, torch.Tensor) else _tensors(out):
+        for t in (out,) if isinstance(out, torch.Tensor) else iter_tensors(out):
             if t.is_cpu and t.layout == torch.strided:
                 note(t.untyped_storage(), _TEMP)
         return out
@@ -270,7 +271,7 @@ class LiveBytesTracker:
 
     def _note(self, t: torch.Tensor, category: int) -> None:
         if is_traceable_wrapper_subclass(t):  # DTensor: its local tensor (the mesh is not a tensor)
-            for inner in _tensors([getattr(t, name) for name in t.__tensor_flatten__()[0]]):
+            for inner in iter_tensors([getattr(t, name) for name in t.__tensor_flatten__()[0]]):
                 self._note(inner, category)
         elif t.is_cpu and t.layout == torch.strided:
             self._note_storage(t.untyped_storage(), category)
@@ -341,7 +342,7 @@ class LiveBytesTracker:
                 for group in root.param_groups:
                     params(group["params"])
                 for state in root.state.values():
-                    for t in _tensors(state):
+                    for t in iter_tensors(state):
                         self._note(t, _OPTIM)
             else:
                 self._note(root, _INPUT)

@@ -49,13 +49,13 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from osdp.memory import CATEGORIES, LiveBytesTracker
+from osdp.memory import CATEGORIES, LiveBytesTracker, iter_tensors
 from osdp.plan import ROOT, display_path
 from osdp.units import (
     Unit,
@@ -242,20 +242,9 @@ class ModelDescription:
 # --------------------------------------------------------------------------- batches
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x)
-    elif isinstance(obj, Mapping):
-        for x in obj.values():
-            yield from _tensors(x)
-
-
 def batch_size_of(example_input: Any) -> int:
     """The batch size: dim 0 of the example's tensors (which must agree)."""
-    sizes = {t.shape[0] for t in _tensors(example_input) if t.dim() >= 1}
+    sizes = {t.shape[0] for t in iter_tensors(example_input) if t.dim() >= 1}
     if len(sizes) != 1:
         found = "no tensor with a batch dimension" if not sizes else f"batch dimensions {sorted(sizes)}"
         raise ProfileError(
@@ -404,7 +393,7 @@ class Segments:
             self.stack.append(path)
             self.inputs[path] = [
                 (_storage_key(t), t.untyped_storage().nbytes(), weakref.ref(t.untyped_storage()))
-                for t in _tensors((args, kwargs))
+                for t in iter_tensors((args, kwargs))
                 if t.layout == torch.strided
             ]
 
@@ -653,7 +642,7 @@ def memory_pass(
     pending: dict[str, list[nn.Parameter]] = {}  # gradients of a unit whose backward is running
     memory: dict[str, dict[str, int]] = {}
     last_root = root_total = 0
-    with LiveBytesTracker(model, *_tensors(batch)) as tracker:
+    with LiveBytesTracker(model, *iter_tensors(batch)) as tracker:
 
         def on_close(owner: str, phase: str) -> None:
             nonlocal last_root
