@@ -19,9 +19,10 @@ time
     part the device cannot hide behind the unit's compute (``overlap``: 0 with
     gloo, where FSDP2's collectives block; 1 on CUDA streams); FSDP2's runtime
     overheads measured once per machine (``Calibration``): per unit by mode,
-    per parameter, per checkpointed unit, per slice and per byte of slices,
-    memcpy into and out of collective buffers; the optimizer step on the
-    unit's shard.
+    per byte of the unit by mode (copies into and out of collective buffers,
+    fresh buffers, gloo's behaviour in training beyond the alpha-beta model),
+    per parameter, per checkpointed unit, per slice and per byte of slices;
+    the optimizer step on the unit's shard.
 mem (additive)
     sharded (replicated) parameters and optimizer state, plus the larger of
     what the unit holds before its backward (saved activations, or only its
@@ -93,12 +94,15 @@ class Calibration:
     """
 
     unit_overhead_s: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(MODES, 0.0))
+    # per fp32 byte of a unit's FSDP-managed parameters, by mode: what grows with a unit's size beyond the
+    # collectives' alpha-beta model (copies into and out of collective buffers, fresh buffers, gloo's
+    # in-training behaviour)
+    unit_s_per_byte: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(MODES, 0.0))
     param_overhead_s: float = 0.0  # per parameter tensor of a unit, per step (FSDP's per-parameter work)
     checkpoint_overhead_s: float = 0.0  # per checkpointed unit, per step (beyond the recomputed forward)
     optimizer_tensor_s: float = 0.0  # per parameter tensor, per optimizer step (DTensor dispatch)
     slice_overhead_s: float = 0.0  # per split slice gathered or reduced
     slice_s_per_byte: float = 0.0  # per byte split slices move, beyond the collectives' model
-    copy_s_per_byte: float = 0.0  # memcpy into and out of collective buffers
     overlap: float | None = None  # fraction of a unit's compute that hides its collectives; None: by device
     margin_bytes: int = 0
     source: str = "ideal (not measured)"
@@ -111,12 +115,12 @@ class Calibration:
     def to_dict(self) -> dict[str, Any]:
         return {
             "unit_overhead_s": dict(self.unit_overhead_s),
+            "unit_s_per_byte": dict(self.unit_s_per_byte),
             "param_overhead_s": self.param_overhead_s,
             "checkpoint_overhead_s": self.checkpoint_overhead_s,
             "optimizer_tensor_s": self.optimizer_tensor_s,
             "slice_overhead_s": self.slice_overhead_s,
             "slice_s_per_byte": self.slice_s_per_byte,
-            "copy_s_per_byte": self.copy_s_per_byte,
             "overlap": self.overlap,
             "margin_bytes": self.margin_bytes,
             "source": self.source,
@@ -257,11 +261,9 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     compute = costs.fwd_s(b) + costs.bwd_s(b) + (costs.fwd_s(b) if ckpt else 0.0)
     if mode == "replicate":
         comm = _collective(ctx, "all_reduce", _REDUCE_BYTES * fsdp_full)
-        copied = gathered + 2 * rs_input  # unshard copy; gradients into the reduce buffer and out of it
     else:
         gathers = 2 if mode == "zero3" else 1
         comm = gathers * _collective(ctx, "all_gather", gathered) + _collective(ctx, "reduce_scatter", rs_input)
-        copied = gathers * (gathered // n + gathered) + rs_input  # shard in, gathered out; gradients in
     slices = slice_bytes = 0
     for rows, q, in_f, pieces in split_rows:
         weight = n * rows * in_f
@@ -275,7 +277,8 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     overhead = (
         cal.unit_overhead_s.get(mode, 0.0) + cal.param_overhead_s * len(fsdp_shapes)
         + (cal.checkpoint_overhead_s if ckpt else 0.0)
-        + cal.slice_overhead_s * slices + cal.slice_s_per_byte * slice_bytes + cal.copy_s_per_byte * copied
+        + cal.unit_s_per_byte.get(mode, 0.0) * 4 * fsdp_full
+        + cal.slice_overhead_s * slices + cal.slice_s_per_byte * slice_bytes
     )
     optimizer_s = (
         ctx.calibration.optimizer_tensor_s * len(unit.param_shapes)

@@ -230,20 +230,6 @@ class CalibrationNet(nn.Module):
         return self.norm(x).square().mean()
 
 
-def measure_copy_rate(device: torch.device, nbytes: int = 16 * 2**20, repeats: int = 7) -> float:
-    """Seconds per byte of a large tensor copy (FSDP copies into and out of its collective buffers)."""
-    src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) / nbytes
-
-
 def can_split(device: torch.device) -> bool:
     """Collective: whether this build of osdp applies split plans (every rank finds the same)."""
     import osdp
@@ -259,8 +245,9 @@ def can_split(device: torch.device) -> bool:
 
 CALIBRATION_BATCH = 4
 # (Linears per unit, width): 2 and 4 Linears separate per-unit from per-parameter costs; the wide
-# net's split slices are 16x larger, which separates per-slice from per-byte costs of splitting
-CALIBRATION_NETS = ((2, 64), (4, 64), (2, 256))
+# net's units (2 MiB, like a small transformer's) are 64x larger, which separates per-unit from
+# per-byte costs, of FSDP and of split slices
+CALIBRATION_NETS = ((2, 64), (4, 64), (2, 512))
 
 
 def calibration_jobs(
@@ -268,8 +255,8 @@ def calibration_jobs(
 ) -> tuple[dict[str, Job], dict[str, ModelDescription]]:
     """Collective: the synthetic-model jobs ``fit_calibration`` needs, and the nets' descriptions.
 
-    The narrow nets under every mode, zero3 with checkpointing and zero3 with
-    split 2; the wide net under zero3 and split 2.
+    Every net under every mode and zero3 with split 2; the narrow ones also
+    zero3 with checkpointing.
     """
     jobs: dict[str, Job] = {}
     descriptions: dict[str, ModelDescription] = {}
@@ -287,7 +274,7 @@ def calibration_jobs(
             return Plan([UnitPlan(p, mode, 1 if p == ROOT else split, ckpt and p != ROOT) for p in paths],
                         batch_size=CALIBRATION_BATCH)
 
-        for mode in MODES if d == 64 else ("zero3",):
+        for mode in MODES:
             jobs[f"calibration-{net}-{mode}"] = Job(build, plan(mode), batch)
         if d == 64:
             jobs[f"calibration-{net}-ckpt"] = Job(build, plan("zero3", ckpt=True), batch)
@@ -302,18 +289,17 @@ def fit_calibration(
     measured: dict[str, dict[str, Any]],
     device_info: DeviceInfo,
     *,
-    copy_s_per_byte: float,
     overlap: float | None,
     optimizer: str = "adamw",
 ) -> Calibration:
     """What the cost model without runtime overheads does not explain on the calibration jobs, attributed
-    (non-negative least squares): a fixed cost per unit by mode and per parameter tensor (FSDP2's hooks
-    and bookkeeping), per checkpointed unit, per split slice and per byte a split moves (SplitLinear's
-    loop), per parameter tensor in the optimizer step (DTensor dispatch); and the memory margin (median
-    of measured minus modelled peak)."""
+    (non-negative least squares): a fixed cost per unit and per byte of a unit by mode, and per parameter
+    tensor (FSDP2's hooks, bookkeeping, copies, buffers), per checkpointed unit, per split slice and per
+    byte a split moves (SplitLinear's loop), per parameter tensor in the optimizer step (DTensor
+    dispatch); and the memory margin (median of measured minus modelled peak)."""
     from scipy.optimize import nnls
 
-    base = Calibration(copy_s_per_byte=copy_s_per_byte, overlap=overlap, source="partial")
+    base = Calibration(overlap=overlap, source="partial")
     rows, residuals, opt_rows, margins, ckpt = [], [], [], [], []
     residual: dict[str, float] = {}
     for name, job in jobs.items():
@@ -326,10 +312,13 @@ def fit_calibration(
         n_params = sum(len(u.param_shapes) for u in description.units)
         opt_rows.append((m["measured_step_s"] - m["measured_fwd_bwd_s"] - opt_pred) / n_params)
         margins.append(m["measured_peak_bytes"] - pred.peak_bytes)
-        if kind in MODES and net.endswith("x64"):
-            rows.append([len(description.units) * (kind == mode) for mode in MODES] + [n_params])
+        if kind in MODES:
+            nbytes = sum(u.param_bytes for u in description.units)
+            rows.append([len(description.units) * (kind == mode) for mode in MODES]
+                        + [nbytes * (kind == mode) for mode in MODES] + [n_params])
             residuals.append(residual[name])
-    coef, _ = nnls(np.array(rows, dtype=float), np.array(residuals, dtype=float))
+    scale = np.array([1.0] * 3 + [1e-9] * 3 + [1.0])  # condition the system: bytes are ~1e6 per unit
+    coef = nnls(np.array(rows, dtype=float) * scale, np.array(residuals, dtype=float))[0] * scale
     param_overhead = float(coef[-1])
     split_rows, split_extra = [], []
     for net, description in descriptions.items():
@@ -339,19 +328,20 @@ def fit_calibration(
             ckpt.append((residual[f"calibration-{net}-ckpt"] - zero3) / len(blocks))
         if f"calibration-{net}-split" in residual:
             weights = [s for u in blocks for s in u.split_shapes]
-            # each split weight leaves FSDP (one parameter less) and moves in 2 slices: gathered twice
-            # (forward, backward) and its gradient reduced, fp32
+            # each split weight leaves FSDP (one parameter and its bytes less) and moves in 2 slices:
+            # gathered twice (forward, backward) and its gradient reduced, fp32
             split_rows.append([3 * 2 * len(weights), sum(3 * 4 * o * i for o, i in weights)])
-            split_extra.append(residual[f"calibration-{net}-split"] - zero3 + param_overhead * len(weights))
+            left_fsdp = param_overhead * len(weights) + coef[5] * sum(4 * o * i for o, i in weights)
+            split_extra.append(residual[f"calibration-{net}-split"] - zero3 + left_fsdp)
     per_slice, per_byte = nnls(np.array(split_rows, dtype=float), np.array(split_extra))[0] if split_rows else (0.0, 0.0)
     return Calibration(
-        unit_overhead_s={mode: float(c) for mode, c in zip(MODES, coef)},
+        unit_overhead_s={mode: float(c) for mode, c in zip(MODES, coef[:3])},
+        unit_s_per_byte={mode: float(c) for mode, c in zip(MODES, coef[3:6])},
         param_overhead_s=param_overhead,
         checkpoint_overhead_s=max(0.0, statistics.median(ckpt)),
         optimizer_tensor_s=max(0.0, statistics.median(opt_rows)),
         slice_overhead_s=float(per_slice),
         slice_s_per_byte=float(per_byte),
-        copy_s_per_byte=copy_s_per_byte,
         overlap=overlap,
         margin_bytes=max(0, int(statistics.median(margins))),
         source=f"measured on {device_info.name}, {device_info.world_size} ranks, {time.strftime('%Y-%m-%d')}",
@@ -370,8 +360,8 @@ def measure_calibration(
     jobs, descriptions = calibration_jobs(device, optimizer=optimizer, splits=can_split(device))
     measured = run_jobs(jobs, device=device, optimizer=optimizer, time_budget_s=1.5, progress=progress)
     return fit_calibration(
-        descriptions, jobs, measured, device_info, copy_s_per_byte=measure_copy_rate(device),
-        overlap=0.0 if device.type == "cpu" else None, optimizer=optimizer,
+        descriptions, jobs, measured, device_info, overlap=0.0 if device.type == "cpu" else None,
+        optimizer=optimizer,
     )
 
 
@@ -573,7 +563,7 @@ def validate(
     if calibration is None:
         calibration = fit_calibration(
             calibration_descriptions, calibration_part, measured, device_info,
-            copy_s_per_byte=measure_copy_rate(device), overlap=0.0 if device.type == "cpu" else None,
+            overlap=0.0 if device.type == "cpu" else None,
             optimizer=optimizer,
         )
     _say(f"calibration: {json.dumps(calibration.to_dict())}")
