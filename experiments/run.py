@@ -20,8 +20,10 @@ The sweep (``sweep.py``) runs many of these in one process group per model
 and link (``--spec``): every plan is trained once per round, rounds
 interleaved, so that a shared machine's slow phases spread over all plans; a
 plan chosen at several budgets, or equal to a baseline, runs once. The runner
-of one plan is ``osdp.validate.run_plan`` (fresh model, warm-up, timed steps
-within a time budget, one extra step under ``osdp.memory.PeakMemory``).
+is ``osdp.validate.run_jobs``: in each repeat every plan's model is built and
+wrapped, and the plans take one step each in turn (warm-up, timed steps, one
+extra step under ``osdp.memory.PeakMemory``); a repeat's step time is the
+median over its steps of the slowest rank's.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def _progress(prefix: str) -> Callable[[str], None]:
 
 def run_fairscale(build, batch, *, device, time_budget_s: float, measure_memory: bool, unit_paths,
                   warmup: int = 2, min_steps: int = 3, max_steps: int = 40) -> dict[str, Any]:
-    """Collective: fairscale's FSDP (ZeRO-3, one instance per OSDP unit), timed like ``osdp.validate.run_plan``."""
+    """Collective: fairscale's FSDP (ZeRO-3, one instance per OSDP unit): warm-up, timed steps, one peak step."""
     import torch
 
     from osdp.cost import make_optimizer
@@ -217,7 +219,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     from osdp.search import BudgetTooSmall, min_peak
     from osdp.train import init_from_env
     from osdp.units import structure_signature
-    from osdp.validate import run_plan
+    from osdp.validate import Job, run_jobs
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     device = init_from_env(spec.get("device", "auto"))
@@ -277,27 +279,41 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     per_run_s = float(spec.get("time_per_run_s", 1.5))
     measured: dict[str, dict[str, Any]] = {}
 
-    def run_one(key: str, r: int, label: str) -> None:
-        plan = plans[key]
-        kwargs = dict(device=device, time_budget_s=per_run_s, measure_memory=r == 0)
-        if plan == "fairscale":
-            mine = run_fairscale(build, batch, unit_paths=description.paths, **kwargs)
-        else:
-            mine = run_plan(build, plan, batch, optimizer=optimizer, **kwargs)
-        ranks = all_gather_objects(mine)
-        m = measured.setdefault(key, {"rounds": [], "per_rank_peak": None})
-        m["rounds"].append([statistics.median(x["step_s"]) for x in ranks])
-        if r == 0:
-            m["per_rank_peak"] = [(x.get("peak_bytes"), x.get("peak_breakdown")) for x in ranks]
-        step = max(m["rounds"][-1])
-        peak = max((p or 0) for p, _ in m["per_rank_peak"])
-        say(f"round {r + 1}/{rounds}  {label}: {step * 1e3:.0f} ms/step, {tokens / step:,.0f} tokens/s per rank, "
-            f"peak {peak / 2**20:.1f} MiB  ({time.perf_counter() - started:.0f} s)")
+    jobs_at_once = int(spec.get("jobs_at_once") or 0)  # models alive at once in run_jobs (0: all)
 
-    # ---- round 1 of the baselines first: DDP's measured peak bounds the budgets
+    def measure(keys: list[str], r: int, *, time_s: float, min_steps: int = 3, timed: bool = True) -> None:
+        """Collective: one repeat of ``keys`` with osdp.validate.run_jobs (every model alive, one step of each
+        in turn, so all see the same load), fairscale (CUDA only) after it."""
+        osdp_keys = [k for k in keys if plans[k] != "fairscale"]
+        groups = [osdp_keys[i:i + jobs_at_once] for i in range(0, len(osdp_keys), jobs_at_once)] \
+            if jobs_at_once else [osdp_keys]
+        for group in filter(None, groups):
+            out = run_jobs({k: Job(build, plans[k], batch) for k in group}, device=device, optimizer=optimizer,
+                           time_budget_s=time_s, min_steps=min_steps, rounds=1)
+            for k in group:
+                m = measured.setdefault(k, {"rounds": [], "per_rank_peak": None})
+                if m["per_rank_peak"] is None:
+                    m["per_rank_peak"] = [(x.get("peak_bytes"), x.get("peak_breakdown")) for x in out[k]["per_rank"]]
+                if timed:
+                    m["rounds"].append(out[k]["measured_step_s"])
+                    m["steps"] = m.get("steps", 0) + out[k]["steps"]
+        for k in keys:
+            if plans[k] == "fairscale":
+                mine = run_fairscale(build, batch, unit_paths=description.paths, device=device, time_budget_s=time_s,
+                                     measure_memory=r == 0)
+                ranks = all_gather_objects(mine)
+                m = measured.setdefault(k, {"rounds": [], "per_rank_peak": None})
+                if r == 0:
+                    m["per_rank_peak"] = [(x.get("peak_bytes"), x.get("peak_breakdown")) for x in ranks]
+                m["rounds"].append(max(statistics.median(x["step_s"]) for x in ranks))
+        if timed:
+            say(f"repeat {r + 1}/{rounds} ({time.perf_counter() - started:.0f} s): " + ", ".join(
+                f"{labels[k]} {tokens / measured[k]['rounds'][-1]:,.0f}" for k in keys) + " tokens/s per rank")
+
+    # ---- the baselines' peaks first (one short untimed pass): DDP's measured peak bounds the budgets
     labels = {r["key"]: r["strategy"] for r in requests if r.get("key")}
-    for key in list(plans):
-        run_one(key, 0, labels[key])
+    say("measuring the baselines' peak memory")
+    measure([k for k in plans if plans[k] != "fairscale"], 0, time_s=0.1, min_steps=1, timed=False)
 
     budgets = [int(x) for x in spec.get("budgets") or []]
     problem = build_problem(description, device_info, b, optimizer=optimizer)
@@ -312,7 +328,6 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         if ddp_needs is None:
             raise ValueError("auto budgets go up to where DDP fits: include ddp in the strategies")
         budgets = sorted(set(budgets) | set(auto_budgets(lowest, ddp_needs, int(spec["auto_budgets"]))))
-    new_keys = []
     for budget in budgets:
         request: dict[str, Any] = {"strategy": "osdp", "budget_bytes": budget}
         if rank == 0:
@@ -331,17 +346,14 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
             if plan.hash not in plans:
                 plans[plan.hash] = plan
                 labels[plan.hash] = f"osdp@{budget / 2**20:.1f}MiB"
-                new_keys.append(plan.hash)
         else:
             request.update(key=None, status="budget too small", needs_bytes=payload)
         requests.append(request)
-    for key in new_keys:
-        run_one(key, 0, labels[key])
     keys = list(plans)
-    for r in range(1, rounds):
-        shift = r % len(keys)  # rotate the order: no plan always runs first after a pause
-        for key in keys[shift:] + keys[:shift]:
-            run_one(key, r, labels[key])
+    say(f"{len(keys)} distinct plans, {rounds} repeats")
+    for r in range(rounds):
+        shift = r % len(keys)  # rotate the order between repeats
+        measure(keys[shift:] + keys[:shift], r, time_s=per_run_s)
 
     if rank != 0:
         return None
@@ -361,7 +373,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
                        replicated_fraction=param_fraction(description, plan, "replicate"), **predicted(plan))
         if key is not None and key in measured:
             m = measured[key]
-            per_round = [max(x) for x in m["rounds"]]  # the slowest rank: ranks wait for each other
+            per_round = list(m["rounds"])  # per repeat: median over steps of the slowest rank's step
             med = statistics.median(per_round)
             rec["same_run_as"] = labels[key]
             rec["measured"] = {
@@ -372,10 +384,11 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
                 "tokens_per_s": tokens / med,
                 "tokens_per_s_rounds": [tokens / t for t in per_round],
                 "peak_bytes": max((p or 0) for p, _ in m["per_rank_peak"]),
+                "timed_steps": m.get("steps"),
+                # ranks step together (every step ends in collectives): one step time, this rank's peak
                 "per_rank": [
-                    {"rank": k, "step_s_median": statistics.median(rnd[k] for rnd in m["rounds"]),
-                     "tokens_per_s": tokens / statistics.median(rnd[k] for rnd in m["rounds"]),
-                     "peak_bytes": p, "peak_breakdown": bd}
+                    {"rank": k, "step_s_median": med, "tokens_per_s": tokens / med, "peak_bytes": p,
+                     "peak_breakdown": bd}
                     for k, (p, bd) in enumerate(m["per_rank_peak"])
                 ],
             }
