@@ -194,6 +194,7 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
               f"- machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, "
               f"{meta['machine']['platform']}; Python {meta['machine']['python']}, torch {meta['machine']['torch']}",
               f"- ranks: {meta['world_size']} CPU processes (gloo), 1 thread each; optimizer AdamW, fp32",
+              f"- osdp source: {meta.get('osdp_source', 'not recorded')}",
               f"- repeats: {meta['rounds']} interleaved rounds of ~{meta['time_per_run_s']} s of timed steps per plan; "
               "tokens/s are medians over rounds (in brackets: min..max of the round medians); the ratios OSDP / best "
               "and OSDP / FSDP are medians over rounds of the ratio within the round (paired), the ratios of the "
@@ -261,6 +262,19 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
 
 
 # --------------------------------------------------------------------------- the sweep
+
+
+def source_state() -> str:
+    """The commit the sweep ran, and whether osdp/ had uncommitted changes."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        r = subprocess.run(["git", "-C", str(HERE.parent), *a], capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "osdp")
+    return head + (" with uncommitted changes in osdp/" if dirty else "")
 
 
 def wait_for_quiet(minutes: float) -> None:
@@ -348,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                               "load_after": os.getloadavg(), "seconds": time.time() - t0})
                 print(f"sweep: [{n}/{total}] done in {(time.time() - t0) / 60:.1f} min", flush=True)
 
-    meta = {"profile": profile_name, "command": command, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+    meta = {"osdp_source": source_state(), "profile": profile_name, "command": command, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
             "seconds": time.time() - start, "machine": results[0]["machine"] if results else run_mod.machine_info(),
             "world_size": 2, "rounds": rounds, "time_per_run_s": per_run, "budgets": budgets, "parts": parts,
             "links": links}
