@@ -72,7 +72,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--out", type=Path, default=RESULTS / "validate_cost_model.json")
     p.add_argument("--quiet-load", type=float, default=2.5,
                    help="wait until the 1-minute load average is below this before each model (default 2.5)")

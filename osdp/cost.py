@@ -21,8 +21,9 @@ time
     overheads measured once per machine (``Calibration``): per unit by mode,
     per byte of the unit by mode (copies into and out of collective buffers,
     fresh buffers, gloo's behaviour in training beyond the alpha-beta model),
-    per parameter, per checkpointed unit, per slice and per byte of slices;
-    the optimizer step on the unit's shard.
+    per parameter, per checkpointed unit, per slice and per byte of slices,
+    and split slices' gathers competing with compute for the cores; the
+    optimizer step on the unit's shard.
 mem (additive)
     sharded (replicated) parameters and optimizer state, plus the larger of
     what the unit holds before its backward (saved activations, or only its
@@ -103,6 +104,9 @@ class Calibration:
     optimizer_tensor_s: float = 0.0  # per parameter tensor, per optimizer step (DTensor dispatch)
     slice_overhead_s: float = 0.0  # per split slice gathered or reduced
     slice_s_per_byte: float = 0.0  # per byte split slices move, beyond the collectives' model
+    # fraction of the time a split unit's asynchronous slice collectives run alongside its compute that
+    # adds to the step (on CPU gloo's threads compete with compute for the cores; ~0 on CUDA)
+    slice_contention: float = 0.0
     overlap: float | None = None  # fraction of a unit's compute that hides its collectives; None: by device
     margin_bytes: int = 0
     source: str = "ideal (not measured)"
@@ -121,6 +125,7 @@ class Calibration:
             "optimizer_tensor_s": self.optimizer_tensor_s,
             "slice_overhead_s": self.slice_overhead_s,
             "slice_s_per_byte": self.slice_s_per_byte,
+            "slice_contention": self.slice_contention,
             "overlap": self.overlap,
             "margin_bytes": self.margin_bytes,
             "source": self.source,
@@ -265,13 +270,15 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
         gathers = 2 if mode == "zero3" else 1
         comm = gathers * _collective(ctx, "all_gather", gathered) + _collective(ctx, "reduce_scatter", rs_input)
     slices = slice_bytes = 0
+    split_comm = 0.0
     for rows, q, in_f, pieces in split_rows:
         weight = n * rows * in_f
         gathers = 3 if ckpt else 2  # forward, backward (input gradient), recomputed forward
-        comm += gathers * _collective(ctx, "all_gather", dt * weight, pieces)
-        comm += _collective(ctx, "reduce_scatter", _REDUCE_BYTES * weight, pieces)
+        split_comm += gathers * _collective(ctx, "all_gather", dt * weight, pieces)
+        split_comm += _collective(ctx, "reduce_scatter", _REDUCE_BYTES * weight, pieces)
         slices += (gathers + 1) * pieces
         slice_bytes += (gathers * dt + _REDUCE_BYTES) * weight
+    comm += split_comm
     overlap = cal.overlap_for(ctx.device)
     exposed = max(comm - overlap * compute, 0.0)
     overhead = (
@@ -279,6 +286,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
         + (cal.checkpoint_overhead_s if ckpt else 0.0)
         + cal.unit_s_per_byte.get(mode, 0.0) * 4 * fsdp_full
         + cal.slice_overhead_s * slices + cal.slice_s_per_byte * slice_bytes
+        + cal.slice_contention * min(split_comm, compute)
     )
     optimizer_s = (
         ctx.calibration.optimizer_tensor_s * len(unit.param_shapes)
@@ -286,7 +294,8 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     )
     time_s = compute + exposed + overhead + optimizer_s
     parts = {
-        "compute_s": compute, "comm_s": comm, "exposed_comm_s": exposed, "overhead_s": overhead,
+        "compute_s": compute, "comm_s": comm, "split_comm_s": split_comm, "exposed_comm_s": exposed,
+        "overhead_s": overhead,
         "optimizer_s": optimizer_s, "persistent_bytes": persistent, "activation_bytes": act,
         "held_bytes": held, "gradient_bytes": grad, "fwd_transient_bytes": fwd, "bwd_transient_bytes": bwd,
         "post_backward_bytes": post, "optimizer_temp_bytes": optimizer_temp,

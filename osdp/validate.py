@@ -244,10 +244,11 @@ def can_split(device: torch.device) -> bool:
 
 
 CALIBRATION_BATCH = 4
-# (Linears per unit, width): 2 and 4 Linears separate per-unit from per-parameter costs; the wide
-# net's units (2 MiB, like a small transformer's) are 64x larger, which separates per-unit from
-# per-byte costs, of FSDP and of split slices
-CALIBRATION_NETS = ((2, 64), (4, 64), (2, 512))
+# (Linears per unit, width, batch): 2 and 4 Linears separate per-unit from per-parameter costs; the
+# wide net's units (2 MiB, like a small transformer's) are 64x larger, which separates per-unit from
+# per-byte costs, of FSDP and of split slices; with a large batch its slices' gathers run while
+# there is compute to compete with
+CALIBRATION_NETS = ((2, 64, 4), (4, 64, 4), (2, 512, 4), (2, 512, 64))
 
 
 def calibration_jobs(
@@ -255,26 +256,26 @@ def calibration_jobs(
 ) -> tuple[dict[str, Job], dict[str, ModelDescription]]:
     """Collective: the synthetic-model jobs ``fit_calibration`` needs, and the nets' descriptions.
 
-    Every net under every mode and zero3 with split 2; the narrow ones also
-    zero3 with checkpointing.
+    The small-batch nets under every mode and zero3 with split 2, the narrow
+    ones also zero3 with checkpointing; the large-batch net under zero3 and split 2.
     """
     jobs: dict[str, Job] = {}
     descriptions: dict[str, ModelDescription] = {}
-    for linears, d in CALIBRATION_NETS:
-        net = f"{linears}x{d}"
+    for linears, d, b in CALIBRATION_NETS:
+        net = f"{linears}x{d}b{b}"
         build = lambda linears=linears, d=d: CalibrationNet(d=d, linears=linears)  # noqa: E731
         g = torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0)
-        batch = (torch.randn(CALIBRATION_BATCH, d, generator=g).to(device),)
+        batch = (torch.randn(b, d, generator=g).to(device),)
         torch.manual_seed(0)
         description = describe(build().to(device), batch, cache=False, progress=False, optimizers=(optimizer,), repeats=5)
         descriptions[net] = broadcast_object(description)
         paths = descriptions[net].paths
 
-        def plan(mode: str, split: int = 1, ckpt: bool = False) -> Plan:
+        def plan(mode: str, split: int = 1, ckpt: bool = False, b: int = b) -> Plan:
             return Plan([UnitPlan(p, mode, 1 if p == ROOT else split, ckpt and p != ROOT) for p in paths],
-                        batch_size=CALIBRATION_BATCH)
+                        batch_size=b)
 
-        for mode in MODES:
+        for mode in MODES if b == CALIBRATION_BATCH else ("zero3",):  # the rest needs no compute
             jobs[f"calibration-{net}-{mode}"] = Job(build, plan(mode), batch)
         if d == 64:
             jobs[f"calibration-{net}-ckpt"] = Job(build, plan("zero3", ckpt=True), batch)
@@ -294,9 +295,11 @@ def fit_calibration(
 ) -> Calibration:
     """What the cost model without runtime overheads does not explain on the calibration jobs, attributed
     (non-negative least squares): a fixed cost per unit and per byte of a unit by mode, and per parameter
-    tensor (FSDP2's hooks, bookkeeping, copies, buffers), per checkpointed unit, per split slice and per
-    byte a split moves (SplitLinear's loop), per parameter tensor in the optimizer step (DTensor
-    dispatch); and the memory margin (median of measured minus modelled peak)."""
+    tensor (FSDP2's hooks, bookkeeping, copies, buffers), per checkpointed unit, per split slice, per
+    byte a split moves (SplitLinear's loop) and per second its slices' gathers run alongside compute
+    (the contention of gloo's threads with compute on a CPU with a core per rank), per parameter tensor
+    in the optimizer step (DTensor dispatch); and the memory margin (median of measured minus modelled
+    peak)."""
     from scipy.optimize import nnls
 
     base = Calibration(overlap=overlap, source="partial")
@@ -312,7 +315,7 @@ def fit_calibration(
         n_params = sum(len(u.param_shapes) for u in description.units)
         opt_rows.append((m["measured_step_s"] - m["measured_fwd_bwd_s"] - opt_pred) / n_params)
         margins.append(m["measured_peak_bytes"] - pred.peak_bytes)
-        if kind in MODES:
+        if kind in MODES and pred.breakdown["totals"]["compute_s"] < 0.01:  # small batches: overheads only
             nbytes = sum(u.param_bytes for u in description.units)
             rows.append([len(description.units) * (kind == mode) for mode in MODES]
                         + [nbytes * (kind == mode) for mode in MODES] + [n_params])
@@ -329,11 +332,17 @@ def fit_calibration(
         if f"calibration-{net}-split" in residual:
             weights = [s for u in blocks for s in u.split_shapes]
             # each split weight leaves FSDP (one parameter and its bytes less) and moves in 2 slices:
-            # gathered twice (forward, backward) and its gradient reduced, fp32
-            split_rows.append([3 * 2 * len(weights), sum(3 * 4 * o * i for o, i in weights)])
+            # gathered twice (forward, backward) and its gradient reduced, fp32; its gathers run
+            # asynchronously, alongside the unit's compute
+            units = predict(description, jobs[f"calibration-{net}-split"].plan, device_info, optimizer=optimizer,
+                            calibration=base).breakdown["units"]
+            alongside = sum(min(units[u.path]["split_comm_s"], units[u.path]["compute_s"]) for u in blocks)
+            split_rows.append([3 * 2 * len(weights), 1e-9 * sum(3 * 4 * o * i for o, i in weights), alongside])
             left_fsdp = param_overhead * len(weights) + coef[5] * sum(4 * o * i for o, i in weights)
             split_extra.append(residual[f"calibration-{net}-split"] - zero3 + left_fsdp)
-    per_slice, per_byte = nnls(np.array(split_rows, dtype=float), np.array(split_extra))[0] if split_rows else (0.0, 0.0)
+    per_slice, per_gb, contention = (
+        nnls(np.array(split_rows, dtype=float), np.array(split_extra))[0] if split_rows else (0.0, 0.0, 0.0)
+    )
     return Calibration(
         unit_overhead_s={mode: float(c) for mode, c in zip(MODES, coef[:3])},
         unit_s_per_byte={mode: float(c) for mode, c in zip(MODES, coef[3:6])},
@@ -341,7 +350,8 @@ def fit_calibration(
         checkpoint_overhead_s=max(0.0, statistics.median(ckpt)),
         optimizer_tensor_s=max(0.0, statistics.median(opt_rows)),
         slice_overhead_s=float(per_slice),
-        slice_s_per_byte=float(per_byte),
+        slice_s_per_byte=float(per_gb) * 1e-9,
+        slice_contention=float(contention),
         overlap=overlap,
         margin_bytes=max(0, int(statistics.median(margins))),
         source=f"measured on {device_info.name}, {device_info.world_size} ranks, {time.strftime('%Y-%m-%d')}",

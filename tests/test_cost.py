@@ -36,6 +36,7 @@ CALIBRATION = Calibration(
     unit_overhead_s={"replicate": 1e-4, "zero2": 2e-4, "zero3": 3e-4}, param_overhead_s=1e-5,
     unit_s_per_byte={"replicate": 1e-11, "zero2": 2e-11, "zero3": 3e-11},
     checkpoint_overhead_s=5e-5, optimizer_tensor_s=1e-6, slice_overhead_s=2e-5, slice_s_per_byte=1e-12,
+    slice_contention=0.5,
     overlap=0.5, margin_bytes=12345,
 )
 
