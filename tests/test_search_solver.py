@@ -66,6 +66,25 @@ def test_coarse_grid_is_conservative_and_within_its_slack():
             assert s.step_time <= tighter[0] + 1e-12
 
 
+def test_coarse_grid_never_misses_a_uniform_plan_or_the_fastest_plan_that_fits():
+    """At a budget exactly equal to a uniform plan's peak (DDP's budget in a sweep), rounding up onto a
+    coarse grid would rule it out; the search still returns it, or something faster, in exact bytes."""
+    rng = np.random.default_rng(7)
+    for _ in range(100):
+        units, options = int(rng.integers(2, 9)), int(rng.integers(2, 5))
+        p = random_problem(rng, units, options, max_mem=3001, max_tr=3001, p_allowed=1.0)
+        fastest = np.argmin(p.time, axis=1)
+        for choice in (fastest, *(np.full(units, o) for o in range(options))):
+            budget = p.peak(choice)
+            if budget < brute_force_min_peak(p):
+                continue
+            s = solve(p, budget, resolution=997)
+            assert s.peak_bytes == p.peak(s.choice) <= budget
+            assert s.step_time <= p.step_time(choice) + 1e-12
+        s = solve(p, p.peak(fastest), resolution=997)
+        assert_same_time(s.step_time, p.step_time(fastest))  # the unconstrained optimum, exactly
+
+
 @pytest.mark.parametrize("units,seed", [(30, 0), (45, 1), (60, 2)])
 def test_medium_instances_equal_milp(units, seed):
     rng = np.random.default_rng(seed)

@@ -25,6 +25,9 @@ How:
   every solution). When all offsets share a divisor that yields few enough
   buckets, that divisor is the resolution and the search is exact.
 * Identical units (repeated blocks) share one row of preprocessing.
+* The unconstrained optimum (every unit's fastest option) and the uniform
+  plans (one option for all units: DDP, ZeRO-2, FSDP, ...) are checked in exact
+  bytes too, so rounding never makes the search miss one that fits.
 
 A unit's options with exactly equal time and memory are told apart by the
 smaller transient, then the smaller option index, so results are deterministic.
@@ -258,6 +261,19 @@ class _Tables:
         return out
 
 
+def _simple_choices(problem: Problem) -> list[np.ndarray]:
+    """The fastest option for every unit, and every option taken by all units that allow it.
+
+    Checked in exact bytes after the DP, so that grid rounding can never make the
+    search miss the unconstrained optimum or a uniform plan (DDP, ZeRO-2, FSDP,
+    each with or without checkpointing) that fits the budget.
+    """
+    ok = problem.allowed
+    fastest = np.argmin(np.where(ok, problem.time, np.inf), axis=1)
+    uniform = [np.full(problem.num_units, o) for o in range(problem.num_options) if ok[:, o].all()]
+    return [fastest, *uniform]
+
+
 def solve(
     problem: Problem, budget: int, *, resolution: int | None = None, buckets: int = DEFAULT_BUCKETS
 ) -> Solution:
@@ -308,11 +324,10 @@ def solve(
         if bound.rows[U, L] < found:
             old, best, best_level, found = best, bound, L, bound.rows[U, L]
             release(old)
-    choice = fallback  # exactly feasible; the DP can miss it only through rounding
-    if best is not None:
-        planned = tab.choose(full, best, [best_level])[0]
-        if problem.step_time(planned) <= problem.step_time(fallback):
-            choice = planned
+    # The DP's plan, or a simple plan checked in exact bytes where grid rounding hid it.
+    candidates = [tab.choose(full, best, [best_level])[0]] if best is not None else []
+    candidates += [c for c in _simple_choices(problem) if problem.peak(c) <= budget] + [fallback]
+    choice = min(candidates, key=problem.step_time)  # min keeps the first of equals: the DP's
     step_time, peak = problem.step_time(choice), problem.peak(choice)
     assert peak <= budget, "conservative rounding violated"
     return Solution(
