@@ -12,7 +12,7 @@ per-b compute times, saved activations, working-set peaks) and FSDP2's
 schedule on torch 2.13 (``docs/COST_MODEL.md`` derives each term):
 
 time
-    forward + backward compute (+ the forward again when checkpointed); the
+    forward + backward compute (+ the measured recompute when checkpointed); the
     collectives of the mode on the device's alpha-beta model (zero3: two
     all-gathers and a reduce-scatter, zero2: one and one, replicate: an
     all-reduce, split k: the split weights in k slices each way), of which the
@@ -263,7 +263,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     transient = max(fwd, bwd, post, optimizer_temp)
 
     # -- time --------------------------------------------------------------------
-    compute = costs.fwd_s(b) + costs.bwd_s(b) + (costs.fwd_s(b) if ckpt else 0.0)
+    compute = costs.fwd_s(b) + costs.bwd_s(b) + (costs.recompute_seconds(b) if ckpt else 0.0)
     if mode == "replicate":
         comm = _collective(ctx, "all_reduce", _REDUCE_BYTES * fsdp_full)
     else:

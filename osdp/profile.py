@@ -35,8 +35,10 @@ so the units add up to the timed step (``ModelDescription.checks`` records both)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -68,7 +70,7 @@ from osdp.units import (
     structure_signature,
 )
 
-PROFILE_VERSION = 1  # bump when what is measured changes: old cache entries are ignored
+PROFILE_VERSION = 2  # bump when what is measured changes: old cache entries are ignored
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PHASES = ("fwd", "bwd")
 _GRADIENTS = CATEGORIES.index("gradients")
@@ -130,6 +132,13 @@ class UnitCosts:
     bwd_end_bytes: Affine  # the working set (likewise net) when its backward ends
     fwd_flops: Affine | None = None  # analytic descriptions only
     bwd_flops: Affine | None = None
+    # What checkpointing adds to the unit's backward: its forward redone, measured (the recompute
+    # stops once the last tensor backward needs is rebuilt, so it is cheaper than the forward);
+    # None (analytic descriptions, units that cannot be checkpointed): the forward time.
+    recompute_s: Affine | None = None
+
+    def recompute_seconds(self, b: float) -> float:
+        return (self.recompute_s or self.fwd_s)(b)
 
 
 @dataclass(frozen=True)
@@ -185,7 +194,8 @@ class ModelDescription:
         """The same description with every compute time multiplied by ``factor``: for compute re-timed
         under the conditions of a run (``osdp validate`` times the plain model alongside the plans)."""
         def scaled(c: UnitCosts) -> UnitCosts:
-            return dataclasses.replace(c, fwd_s=c.fwd_s.scaled(factor), bwd_s=c.bwd_s.scaled(factor))
+            recompute = c.recompute_s.scaled(factor) if c.recompute_s is not None else None
+            return dataclasses.replace(c, fwd_s=c.fwd_s.scaled(factor), bwd_s=c.bwd_s.scaled(factor), recompute_s=recompute)
 
         units = [dataclasses.replace(u, costs={p: scaled(c) for p, c in u.costs.items()}) for u in self.units]
         return dataclasses.replace(self, units=units)
@@ -715,6 +725,28 @@ def _time_at(model: nn.Module, units: Sequence[Unit], batch: Any, loss_fn, repea
     }
 
 
+def checkpointable(units: Sequence[Unit]) -> list[Unit]:
+    """The units a plan may checkpoint: not the root, none enclosing other units."""
+    return [u for u in units if u.path != ROOT and not u.nested]
+
+
+@contextlib.contextmanager
+def _checkpointed(model: nn.Module, units: Sequence[Unit]):
+    """Every checkpointable unit's forward under non-reentrant activation checkpointing (as a plan's
+    checkpointing runs it), the module hooks outside it; restored on exit."""
+    from torch.utils.checkpoint import checkpoint
+
+    modules = dict(model.named_modules())
+    wrapped = [modules[u.path] for u in checkpointable(units)]
+    for m in wrapped:
+        m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)
+    try:
+        yield
+    finally:
+        for m in wrapped:
+            del m.forward  # the instance attribute: the class's forward again
+
+
 def time_optimizers(params: Sequence[torch.Tensor], names: Iterable[str], repeats: int = 3) -> dict[str, float]:
     """Step seconds per fp32 parameter byte of each optimizer, on fresh tensors shaped like ``params``."""
     from osdp.cost import make_optimizer
@@ -787,9 +819,12 @@ def fit_costs(
     memory: Mapping[int, Mapping[str, Mapping[str, float]]],
     seconds: Mapping[int, Mapping[tuple[str, str], float]],
     flops: Mapping[int, Mapping[tuple[str, str], float]] | None = None,
+    checkpointed_seconds: Mapping[int, Mapping[tuple[str, str], float]] | None = None,
 ) -> dict[str, UnitCosts]:
     """UnitCosts per unit from measurements at each size: times averaged over identical units,
-    memory exact per unit (a unit's place in the schedule matters), all fitted linear in b."""
+    memory exact per unit (a unit's place in the schedule matters), all fitted linear in b.
+    ``checkpointed_seconds``: the same timing with every checkpointable unit checkpointed; a
+    unit's recompute time is how much longer its backward took."""
     paths = [u.path for u in units]
 
     def by_unit(table: Mapping[tuple[str, str], float]) -> dict[str, dict[str, float]]:
@@ -797,6 +832,12 @@ def fit_costs(
 
     times = {b: average_repeated(units, by_unit(seconds[b]), statistics.fmean) for b in sizes}
     counts = {b: by_unit(flops[b]) for b in sizes} if flops is not None else None
+    recompute: dict[str, Affine] = {}
+    if checkpointed_seconds is not None:
+        ckpt = {b: average_repeated(units, by_unit(checkpointed_seconds[b]), statistics.fmean) for b in sizes}
+        for u in checkpointable(units):
+            extra = [max(0.0, ckpt[b][u.path]["bwd"] - times[b][u.path]["bwd"]) for b in sizes]
+            recompute[u.path] = Affine.fit(sizes, extra)
 
     def fit(table: Mapping[int, Mapping[str, Mapping[str, float]]], path: str, key: str) -> Affine:
         return Affine.fit(sizes, [table[b][path].get(key, 0) for b in sizes])
@@ -813,6 +854,7 @@ def fit_costs(
             bwd_end_bytes=fit(memory, p, "bwd_end"),
             fwd_flops=fit(counts, p, "fwd") if counts else None,
             bwd_flops=fit(counts, p, "bwd") if counts else None,
+            recompute_s=recompute.get(p),
         )
         for p in paths
     }
@@ -935,15 +977,17 @@ def describe(
                 show(f"{prec}: warm-up")
                 step_s = _warm_up(runnable, resize_batch(example_input, sizes[-1]), loss_fn)
                 reps = repeats or max(2, min(7, int(time_budget_s / len(precisions) / max(step_s, 1e-4) / 2.5 / len(sizes))))
-                memory, seconds = {}, {}
+                memory, seconds, checkpointed = {}, {}, {}
                 for i, b in enumerate(sizes):
-                    show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps")
+                    show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps, plain and checkpointed")
                     batch = resize_batch(example_input, b)
                     memory[b], order = memory_pass(runnable, runnable_units, batch, loss_fn)
                     timing = _time_at(runnable, runnable_units, batch, loss_fn, reps)
                     seconds[b] = timing["seconds"]
                     checks.setdefault(prec, {})[str(b)] = {k: timing[k] for k in ("step_s", "hooked_step_s")}
-                costs[prec] = fit_costs(runnable_units, sizes, memory, seconds)
+                    with _checkpointed(runnable, runnable_units):
+                        checkpointed[b] = _time_at(runnable, runnable_units, batch, loss_fn, reps)["seconds"]
+                costs[prec] = fit_costs(runnable_units, sizes, memory, seconds, checkpointed_seconds=checkpointed)
                 if runnable is not model:
                     del runnable
             show("timing the optimizers")

@@ -108,6 +108,31 @@ def test_directions(tiny):
     assert bf16.breakdown["totals"]["activation_bytes"] < zero3.breakdown["totals"]["activation_bytes"]
 
 
+def test_checkpointing_costs_the_measured_recompute(tiny):
+    """A checkpointed unit adds its measured recompute time (or its forward, when none was measured)
+    plus the calibrated per-unit overhead, nothing else, where no collective is exposed."""
+    import dataclasses
+
+    from osdp.profile import Affine
+
+    mlp = "blocks.0.mlp"
+    costs = tiny.unit(mlp).costs["fp32"]
+    measured = dataclasses.replace(costs, recompute_s=Affine(1e-3, 2e-4))
+    units = [dataclasses.replace(u, costs={**u.costs, "fp32": measured}) if u.path == mlp else u for u in tiny.units]
+    described = dataclasses.replace(tiny, units=units)
+    unmeasured = dataclasses.replace(tiny, units=[
+        dataclasses.replace(u, costs={**u.costs, "fp32": dataclasses.replace(costs, recompute_s=None)})
+        if u.path == mlp else u for u in tiny.units])
+    cal = Calibration(overlap=0.0, checkpoint_overhead_s=5e-5)
+
+    def step(description, ckpt):
+        plan = Plan([UnitPlan(u.path, "replicate", 1, ckpt and u.path == mlp) for u in tiny.units], batch_size=B)
+        return predict(description, plan, device(1), calibration=cal).breakdown["units"][mlp]["compute_s"]
+
+    assert step(described, True) - step(described, False) == pytest.approx(1e-3 + 2e-4 * B)
+    assert step(unmeasured, True) - step(unmeasured, False) == pytest.approx(costs.fwd_s(B))
+
+
 def test_overlap_hides_collectives_behind_compute(tiny):
     plan = Plan([UnitPlan(u.path, "zero3") for u in tiny.units], batch_size=B)
     serial = predict(tiny, plan, device(), calibration=Calibration(overlap=0.0))

@@ -116,6 +116,50 @@ def test_times_add_up_and_go_to_the_unit_that_computes():
     assert total == pytest.approx(check["step_s"], rel=0.05)
 
 
+def test_recompute_is_measured_and_stops_where_backward_needs_nothing_more():
+    """Checkpointing redoes a unit's forward only up to the last tensor its backward needs: a unit
+    ending in a large matmul (whose output nobody saves) recomputes little of its forward, a chain of
+    saved activations nearly all of it. The root cannot be checkpointed and keeps the forward time."""
+
+    class Chain(nn.Module):  # every tanh saves its output: the whole forward is redone
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(256, 256)
+
+        def forward(self, x):
+            for _ in range(20):
+                x = torch.tanh(self.fc(x))
+            return x
+
+    class WideEnd(nn.Module):  # a small saved part, then a 32x larger matmul nothing needs to redo
+        def __init__(self):
+            super().__init__()
+            self.small, self.wide = nn.Linear(256, 256), nn.Linear(256, 8192)
+
+        def forward(self, x):
+            return self.wide(torch.tanh(self.small(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.chain, self.wide_end = Chain(), WideEnd()
+
+        def forward(self, x):
+            return self.wide_end(self.chain(x)).mean()
+
+    torch.manual_seed(0)
+    net = Net()
+    d = describe(net, torch.randn(64, 256), cache=False, progress=False, repeats=5, optimizers=())
+    chain, wide_end = d.unit("chain").costs["fp32"], d.unit("wide_end").costs["fp32"]
+    assert chain.recompute_s is not None and wide_end.recompute_s is not None
+    assert chain.recompute_seconds(64) > 0.5 * chain.fwd_s(64)
+    assert wide_end.recompute_seconds(64) < 0.5 * wide_end.fwd_s(64)
+    root = d.unit("").costs["fp32"]
+    assert root.recompute_s is None and root.recompute_seconds(64) == root.fwd_s(64)
+    assert "forward" not in vars(net.chain) and "forward" not in vars(net.wide_end)  # checkpointing undone
+    assert ModelDescription.from_json(d.to_json()).unit("chain").costs["fp32"].recompute_s == chain.recompute_s
+
+
 def test_analytic_matches_measured_memory_byte_for_byte(tiny):
     analytic = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink", world_size=8, progress=False)
     assert analytic.paths == tiny.paths and analytic.forward_order == tiny.forward_order
