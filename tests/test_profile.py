@@ -83,24 +83,27 @@ def test_activation_bytes_of_a_linear_unit_and_user_forms():
         describe(net, x, **FAST)
 
 
+class TanhChain(nn.Module):
+    """20 Linear + tanh: compute-heavy, and every step saves its output for backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(256, 256)
+
+    def forward(self, x):
+        for _ in range(20):
+            x = torch.tanh(self.fc(x))
+        return x
+
+
 def test_times_add_up_and_go_to_the_unit_that_computes():
     """A unit with a big matmul gets most of the time; per-unit times sum to the plain step (scaled),
     and the raw hooked sum is close to it (attribution counts every second once)."""
 
-    class Heavy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(256, 256)
-
-        def forward(self, x):
-            for _ in range(20):
-                x = torch.tanh(self.fc(x))
-            return x
-
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.light, self.heavy = nn.Linear(256, 256), Heavy()
+            self.light, self.heavy = nn.Linear(256, 256), TanhChain()
 
         def forward(self, x):
             return self.heavy(self.light(x)).mean()
@@ -121,16 +124,6 @@ def test_recompute_is_measured_and_stops_where_backward_needs_nothing_more():
     ending in a large matmul (whose output nobody saves) recomputes little of its forward, a chain of
     saved activations nearly all of it. The root cannot be checkpointed and keeps the forward time."""
 
-    class Chain(nn.Module):  # every tanh saves its output: the whole forward is redone
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(256, 256)
-
-        def forward(self, x):
-            for _ in range(20):
-                x = torch.tanh(self.fc(x))
-            return x
-
     class WideEnd(nn.Module):  # a small saved part, then a 32x larger matmul nothing needs to redo
         def __init__(self):
             super().__init__()
@@ -142,7 +135,7 @@ def test_recompute_is_measured_and_stops_where_backward_needs_nothing_more():
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.chain, self.wide_end = Chain(), WideEnd()
+            self.chain, self.wide_end = TanhChain(), WideEnd()  # every tanh in the chain saves its output
 
         def forward(self, x):
             return self.wide_end(self.chain(x)).mean()
