@@ -91,7 +91,7 @@ def plot_throughput(rows: list[dict[str, Any]], model: str, links: list[dict[str
                 bottom.plot(*zip(*peaks), color=colour, marker=marker, linestyle=style, label=label)
         lo, hi = budgets[0] / MiB, budgets[-1] / MiB
         bottom.plot([lo, hi], [lo, hi], color="black", linewidth=0.8, label="budget")
-        top.set_title(f"{model}, 2 CPU ranks (gloo), {link.get('label', link['name'])}", fontsize=9)
+        top.set_title(f"{model}, 2 CPU ranks (gloo)\n{link.get('label', link['name'])}", fontsize=9)
         top.set_ylabel("tokens/s per rank (median; bars: spread over repeats)")
         top.set_ylim(bottom=0)
         top.grid(alpha=0.3)
@@ -181,9 +181,10 @@ def plot_all(folder: Path) -> list[Path]:
     results = data["results"]
     rows = load_rows(folder)
     written = []
-    load = "; ".join(f"{p['link']}: load {p['load_before'][0]:.1f}" for p in data["meta"].get("parts", []))
     for model in dict.fromkeys(r["model"] for r in results):
         links = [r["link"] for r in results if r["model"] == model]
+        load = "; ".join(f"{p['link']}: load {p['load_before'][0]:.1f}"
+                         for p in data["meta"].get("parts", []) if p["model"] == model)
         p = folder / f"throughput_{model}.png"
         plot_throughput(rows, model, links, p, note=f"{data['meta']['date']}, 1-min load average at start: {load}")
         written.append(p)
