@@ -9,7 +9,7 @@ step time median <= 10%, worst <= 20%; Kendall tau of the time ranking >= 0.8.
 
 Writes experiments/results/validate_cost_model.json (every record) and
 validate_cost_model.md (the tables). Run: python experiments/validate_cost_model.py
-(about 10 minutes on a 2-core machine; --models to choose).
+(about 15 minutes on a quiet 2-core machine; --models to choose).
 """
 
 from __future__ import annotations
