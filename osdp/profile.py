@@ -979,15 +979,16 @@ def describe(
                 reps = repeats or max(2, min(7, int(time_budget_s / len(precisions) / max(step_s, 1e-4) / 2.5 / len(sizes))))
                 memory, seconds, checkpointed = {}, {}, {}
                 for i, b in enumerate(sizes):
-                    show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps, plain and checkpointed")
+                    show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps")
                     batch = resize_batch(example_input, b)
                     memory[b], order = memory_pass(runnable, runnable_units, batch, loss_fn)
                     timing = _time_at(runnable, runnable_units, batch, loss_fn, reps)
                     seconds[b] = timing["seconds"]
                     checks.setdefault(prec, {})[str(b)] = {k: timing[k] for k in ("step_s", "hooked_step_s")}
-                    with _checkpointed(runnable, runnable_units):
-                        checkpointed[b] = _time_at(runnable, runnable_units, batch, loss_fn, reps)["seconds"]
-                costs[prec] = fit_costs(runnable_units, sizes, memory, seconds, checkpointed_seconds=checkpointed)
+                    if checkpointable(runnable_units):
+                        with _checkpointed(runnable, runnable_units):
+                            checkpointed[b] = _time_at(runnable, runnable_units, batch, loss_fn, reps)["seconds"]
+                costs[prec] = fit_costs(runnable_units, sizes, memory, seconds, checkpointed_seconds=checkpointed or None)
                 if runnable is not model:
                     del runnable
             show("timing the optimizers")

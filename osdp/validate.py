@@ -315,7 +315,7 @@ def fit_calibration(
         n_params = sum(len(u.param_shapes) for u in description.units)
         opt_rows.append((m["measured_step_s"] - m["measured_fwd_bwd_s"] - opt_pred) / n_params)
         margins.append(m["measured_peak_bytes"] - pred.peak_bytes)
-        if kind in MODES and pred.breakdown["totals"]["compute_s"] < 0.01:  # small batches: overheads only
+        if kind in MODES and job.plan.batch_size == CALIBRATION_BATCH:  # little compute: overheads only
             nbytes = sum(u.param_bytes for u in description.units)
             rows.append([len(description.units) * (kind == mode) for mode in MODES]
                         + [nbytes * (kind == mode) for mode in MODES] + [n_params])

@@ -27,7 +27,10 @@ def _wrap_with_budget(rank, world_size, budget):
 def test_wrap_searches_once_and_every_rank_applies_the_same_plan():
     tight, loose, tiny = run_ranks(_wrap_with_budget, 2, "4GiB", timeout=240), None, None
     assert tight[0][0] == "ok" and tight[0][1] == tight[1][1]
-    assert set(tight[0][3]) == {"replicate"}  # everything fits replicated: the fastest
+    # Nothing limits memory, so no unit pays for a second all-gather (zero3, split): on CPU nothing hides
+    # collectives, so those are strictly slower under the model. Whether replicate or zero2 is faster
+    # depends on the collectives measured on this machine (the solver test checks the fastest is taken).
+    assert set(tight[0][3]) <= {"replicate", "zero2"}
     tiny = run_ranks(_wrap_with_budget, 2, "64KiB", timeout=240)
     assert tiny[0][0] == tiny[1][0] == "too small"  # the same error on every rank
     minimum, batch_size = tiny[0][1], tiny[0][2]
