@@ -4,7 +4,7 @@
 lives in the ``osdp.plan`` module and is exported here as ``osdp.Plan``.
 """
 
-from osdp.api import plan_of, strategy_plan, wrap
+from osdp.api import plan_of, set_requires_gradient_sync, strategy_plan, wrap
 from osdp.device import DeviceInfo, device_preset, list_presets, parse_size
 from osdp.plan import MODES, Plan, PlanError, UnitPlan
 from osdp.search import BudgetTooSmall
@@ -13,6 +13,7 @@ from osdp.planner import plan  # noqa: E402 - after the osdp.plan module is load
 
 __all__ = [
     "MODES", "BudgetTooSmall", "DeviceInfo", "Plan", "PlanError", "Unit", "UnitPlan", "device_preset",
-    "discover_units", "list_presets", "parse_size", "plan", "plan_of", "strategy_plan", "wrap",
+    "discover_units", "list_presets", "parse_size", "plan", "plan_of", "set_requires_gradient_sync", "strategy_plan",
+    "wrap",
 ]
 __version__ = "0.1.0"

@@ -18,6 +18,9 @@ from torch.utils._python_dispatch import (
 
 __all__ = [
     "FSDPMemTracker",
+    "ddp_bucket_bytes",
+    "ddp_post_forward",
+    "ddp_pre_forward",
     "TorchDispatchMode",
     "init_fake_process_group",
     "is_traceable_wrapper_subclass",
@@ -36,6 +39,28 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def ddp_bucket_bytes(ddp) -> int:
+    """Bytes of a DistributedDataParallel's gradient buckets, from its logging record."""
+    sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+    return sum(int(b) for b in str(sizes).split(",") if b.strip())
+
+
+def ddp_pre_forward(ddp, args, kwargs):
+    """What ``DistributedDataParallel.forward`` does before the module runs (as composable ``replicate``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._active_ddp_module = ddp
+    return ddp._pre_forward(*args, **kwargs)
+
+
+def ddp_post_forward(ddp, output):
+    """What ``DistributedDataParallel.forward`` does after the module ran: arm the reducer for backward."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._active_ddp_module = None
+    return ddp._post_forward(output)
 
 
 def __getattr__(name: str) -> Any:

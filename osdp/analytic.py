@@ -105,6 +105,7 @@ def describe_analytic(
     batch_sizes: Sequence[int] | None = None,
     precisions: Sequence[str] = ("fp32",),
     units: Sequence[Unit] | None = None,
+    granularity: str = "sub-block",
     progress: bool = True,
     name: str | None = None,
 ) -> ModelDescription:
@@ -115,6 +116,7 @@ def describe_analytic(
     meta tensors; only shapes and dtypes are used.
     """
     start = time.perf_counter()
+    units_given = units
     info = device if isinstance(device, DeviceInfo) else device_preset(device, world_size)
     for p in precisions:
         if p not in PRECISIONS:
@@ -139,7 +141,7 @@ def describe_analytic(
     with mode:
         fake_model = fake_copy(model, mode)
         show("checking the forward")
-        units = resolve_units(fake_model, resize_batch(fake_input, sizes[0]), loss_fn, units)
+        units = resolve_units(fake_model, resize_batch(fake_input, sizes[0]), loss_fn, units, granularity)
         for prec in precisions:
             runnable = fake_model if prec == "fp32" else fake_copy(model, mode, PRECISIONS[prec])
             runnable_units = build_units(runnable, [u.path for u in units])
@@ -167,6 +169,7 @@ def describe_analytic(
         input_spec=input_spec(example_input),
         forward_order=tuple(order),
         profile_seconds=time.perf_counter() - start,
+        granularity=granularity if units_given is None else "given",
     )
     show.done(f"done in {description.profile_seconds:.1f}s")
     return description

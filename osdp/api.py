@@ -8,7 +8,9 @@ import torch
 import torch.nn as nn
 
 from osdp.distributed import raise_on_any_rank
-from osdp.fsdp_ext.apply import apply_plan, check_model, default_device, ensure_process_group, plan_of
+from osdp.fsdp_ext.apply import (
+    apply_plan, check_model, default_device, ensure_process_group, plan_of, set_requires_gradient_sync,
+)
 from osdp.plan import STRATEGIES, Plan, PlanError
 from osdp.units import discover_units
 
@@ -79,4 +81,4 @@ def wrap(
     return apply_plan(model, plan, device=device)
 
 
-__all__ = ["wrap", "plan_of", "strategy_plan"]
+__all__ = ["wrap", "plan_of", "set_requires_gradient_sync", "strategy_plan"]

@@ -62,6 +62,7 @@ import numpy as np
 import torch
 
 from osdp.device import DeviceInfo
+from osdp.fsdp_ext.replicate import replicates_with_ddp
 from osdp.plan import MODES, ROOT, Plan, PlanError, UnitPlan, display_path
 from osdp.profile import ModelDescription, UnitProfile
 from osdp.search.problem import OPTIONS, Problem
@@ -71,6 +72,7 @@ OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}
 # bytes of temporaries per byte of parameter shard in a foreach (CUDA) step: Adam's sqrt(v) list
 _FOREACH_TEMPS = {"sgd": 0, "sgd-momentum": 0, "adamw": 1}
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 _REDUCE_BYTES = 4  # gradients are reduced in fp32 (MixedPrecisionPolicy(reduce_dtype=float32) for bf16)
 
 
@@ -232,12 +234,19 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     rs_input = _REDUCE_BYTES * fsdp_padded
     grad = 4 * shard_numel
     act = costs.ckpt_bytes.bytes(b) if ckpt else costs.act_bytes.bytes(b)
-    held = gathered if (mode != "zero3" and not enclosing) else 0
     foreach = ctx.device.device_type == "cuda"
-    after = grad + (_FOREACH_TEMPS[opt] * 4 * shard_numel if foreach else 0)
-    mem = persistent + max(act + held, after)
-    if enclosing:  # gathered through the whole step
-        mem += gathered
+    foreach_temps = _FOREACH_TEMPS[opt] * 4 * shard_numel if foreach else 0
+    largest_shard = max((4 * math.ceil(math.prod(s) / shard_n) for s in unit.param_shapes), default=0)
+    if mode == "replicate" and replicates_with_ddp(ctx.precision):
+        # DDP: parameters used in place, gradients are views into buckets that live all step
+        held = 0
+        mem = persistent + grad + max(act, foreach_temps)
+        rs_input = largest_shard  # a fresh gradient, before the reducer copies it into its bucket
+    else:
+        held = gathered if (mode != "zero3" and not enclosing) else 0
+        mem = persistent + max(act + held, grad + foreach_temps)
+        if enclosing:  # gathered through the whole step
+            mem += gathered
 
     # the working sets beyond what mem already counts of this unit's activations
     temp_fwd = costs.fwd_peak_bytes.signed_bytes(b) - act
@@ -258,13 +267,16 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
         slice_fwd = max(2 * n * q * in_f * dt for _, q, in_f, _ in split_rows)
         slice_bwd = max(2 * n * q * in_f * (dt + _REDUCE_BYTES) for _, q, in_f, _ in split_rows)
         fwd, bwd = fwd + slice_fwd, bwd + slice_bwd
-    largest_shard = max((4 * math.ceil(math.prod(s) / shard_n) for s in unit.param_shapes), default=0)
     optimizer_temp = 0 if foreach else 2 * largest_shard
     transient = max(fwd, bwd, post, optimizer_temp)
 
     # -- time --------------------------------------------------------------------
     compute = costs.fwd_s(b) + costs.bwd_s(b) + (costs.recompute_seconds(b) if ckpt else 0.0)
-    if mode == "replicate":
+    if mode == "replicate" and replicates_with_ddp(ctx.precision):
+        # DDP all-reduces 25 MiB buckets across units: each unit pays its bytes and its share of an alpha
+        reduced = _REDUCE_BYTES * fsdp_full
+        comm = _collective(ctx, "all_reduce", DDP_BUCKET_BYTES) * reduced / DDP_BUCKET_BYTES if reduced else 0.0
+    elif mode == "replicate":
         comm = _collective(ctx, "all_reduce", _REDUCE_BYTES * fsdp_full)
     else:
         gathers = 2 if mode == "zero3" else 1

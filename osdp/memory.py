@@ -18,10 +18,12 @@ from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from osdp._torch_private import (
     TorchDispatchMode,
+    ddp_bucket_bytes,
     is_traceable_wrapper_subclass,
     is_traceable_wrapper_subclass_type,
 )
@@ -318,6 +320,20 @@ class LiveBytesTracker:
         if self._current > self._peak:
             self._peak, self._peak_events = self._current, len(self._events)
 
+    def _note_ddp_buckets(self, ddp: DistributedDataParallel) -> None:
+        """A DDP model's flat gradient buckets: made by its C++ reducer out of dispatch's sight, alive all
+        along. Counted as gradients, from DDP's own record of their sizes; with ``gradient_as_bucket_view``
+        the gradients are those buckets and are counted as gradients already."""
+        key = -id(ddp)  # never a storage address
+        if ddp.gradient_as_bucket_view or key in self._live:
+            return
+        with self._lock:
+            rec = _Storage(len(self._category), None, counted=True)
+            self._category.append(_GRAD)
+            self._live[key] = rec
+            rec.nbytes = ddp_bucket_bytes(ddp)
+            self._change(rec, rec.nbytes)
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._note(t, _ACT)
         return t
@@ -333,9 +349,15 @@ class LiveBytesTracker:
                 if p.grad is not None:
                     self._note(p.grad, _GRAD)
 
+        from osdp.fsdp_ext.apply import reducer_storages
+
         for root in self._roots:
             if isinstance(root, nn.Module):
+                if isinstance(root, DistributedDataParallel):
+                    self._note_ddp_buckets(root)
                 params(root.parameters())
+                for storage in reducer_storages(root):  # gradients live there, between steps too
+                    self._note_storage(storage, _GRAD)
                 for b in root.buffers():
                     self._note(b, _BUFFER)
             elif isinstance(root, torch.optim.Optimizer):

@@ -19,7 +19,7 @@ from osdp.analytic import describe_analytic
 from osdp.cost import predict
 from osdp.device import DEVICE_PRESETS, device_preset, list_presets, parse_size
 from osdp.plan import display_path
-from osdp.planner import search
+from osdp.planner import describe_granularities, search
 from osdp.report import format_table
 from osdp.search import BudgetTooSmall, format_frontier, plot_frontier
 from osdp.sizes import format_bytes
@@ -77,19 +77,20 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device("meta"):  # parameters take no memory: planning a 1.5B model here is fine
         model = models.build(args.model, seq_len=seq_len)
     example = torch.zeros(max(candidates), seq_len, dtype=torch.long, device="meta")
-    description = describe_analytic(
+    descriptions = describe_granularities(lambda **g: describe_analytic(
         model, (example, example), device_info, world_size=args.world_size, batch_sizes=candidates,
-        precisions=(args.mixed_precision,), progress=False, name=args.model,
-    )
+        precisions=(args.mixed_precision,), progress=False, name=args.model, **g,
+    ))
     try:
-        result = search(description, device_info, candidates, mixed_precision=args.mixed_precision,
-                        optimizer=args.optimizer, model_signature=description.signature)
+        result = search(descriptions, device_info, candidates, mixed_precision=args.mixed_precision,
+                        optimizer=args.optimizer, model_signature=descriptions[0].signature)
     except BudgetTooSmall as e:
         print(f"osdp plan: {e}", file=sys.stderr)
         return 1
     plan = result.plan
-    prediction = predict(description, plan, device_info, optimizer=args.optimizer)
-    print(plan_report(args, plan, prediction, seq_len, description.profile_seconds, result.search_seconds))
+    prediction = predict(result.description, plan, device_info, optimizer=args.optimizer)
+    describe_s = sum(d.profile_seconds for d in descriptions)
+    print(plan_report(args, plan, prediction, seq_len, describe_s, result.search_seconds))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(plan.to_json())
@@ -115,7 +116,8 @@ def plan_report(args, plan, prediction, seq_len: int, describe_s: float, search_
     totals = [
         f"{plan.summary()}",
         f"model {args.model}, {args.world_size} ranks of {args.device}, budget "
-        f"{format_bytes(plan.meta['budget_bytes'])}, micro-batch {plan.batch_size} x {seq_len} tokens, {plan.mixed_precision}",
+        f"{format_bytes(plan.meta['budget_bytes'])}, micro-batch {plan.batch_size} x {seq_len} tokens, "
+        f"{plan.mixed_precision}, {plan.meta['granularity']} units",
         f"predicted: step {plan.predicted_step_s * 1e3:.1f} ms, peak {format_bytes(plan.predicted_peak_bytes)} per rank, "
         f"{tokens_per_s:,.0f} tokens/s per rank",
         f"described in {describe_s:.1f} s (analytic), searched in {search_s * 1e3:.1f} ms",

@@ -24,22 +24,23 @@ from osdp.distributed import broadcast_object, world
 from osdp.plan import Plan
 from osdp.profile import ModelDescription, batch_size_of, describe
 from osdp.search import BudgetTooSmall, FrontierPoint, Problem, pareto_frontier, sweep_batch_sizes
-from osdp.units import structure_signature
+from osdp.units import GRANULARITIES, structure_signature
 
 
 @dataclass
 class SearchResult:
     plan: Plan
-    problems: list[Problem]  # one per candidate micro-batch size
+    description: ModelDescription  # the description (unit granularity) the plan was found in
+    problems: list[Problem]  # one per candidate micro-batch size and description
     search_seconds: float
 
     def frontier(self, max_peak: int | None = None) -> list[FrontierPoint]:
-        """Throughput vs memory over every candidate batch size (Pareto-optimal points)."""
+        """Throughput vs memory over every candidate batch size and granularity (Pareto-optimal points)."""
         return pareto_frontier(self.problems, max_peak=max_peak)
 
 
 def search(
-    description: ModelDescription,
+    descriptions: ModelDescription | Sequence[ModelDescription],
     device_info: DeviceInfo,
     batch_sizes: Sequence[int],
     *,
@@ -47,16 +48,38 @@ def search(
     optimizer: str = "adamw",
     model_signature: str | None = None,
 ) -> SearchResult:
-    """The best plan for ``description`` on ``device_info`` (its memory is the budget)."""
+    """The best plan on ``device_info`` (its memory is the budget) over one or more descriptions.
+
+    Several descriptions of one model, one per unit granularity
+    (``describe_granularities``), let the search choose the unit size too: the
+    plan with the most samples/s over all of them wins. BudgetTooSmall only if
+    none fits, naming the smallest minimum.
+    """
+    if isinstance(descriptions, ModelDescription):
+        descriptions = [descriptions]
     budget = device_info.memory_bytes
-    problems = [
-        build_problem(description, device_info, b, precision=mixed_precision, optimizer=optimizer)
-        for b in batch_sizes
-    ]
-    start = time.perf_counter()
-    sweep = sweep_batch_sizes(problems, budget)  # raises BudgetTooSmall naming the minimum and its batch size
-    seconds = time.perf_counter() - start
-    best = sweep.best
+    found: list[tuple[Any, ModelDescription, list[Problem]]] = []
+    too_small: list[BudgetTooSmall] = []
+    all_problems: list[Problem] = []
+    seconds = 0.0
+    for description in descriptions:
+        problems = [
+            build_problem(description, device_info, b, precision=mixed_precision, optimizer=optimizer)
+            for b in batch_sizes
+        ]
+        all_problems += problems
+        start = time.perf_counter()
+        try:
+            sweep = sweep_batch_sizes(problems, budget)  # raises BudgetTooSmall naming the minimum
+        except BudgetTooSmall as e:
+            too_small.append(e)
+            continue
+        finally:
+            seconds += time.perf_counter() - start
+        found.append((sweep.best, description, problems))
+    if not found:
+        raise min(too_small, key=lambda e: e.min_peak_bytes)
+    best, description, problems = max(found, key=lambda f: f[0].samples_per_s)
     problem = next(p for p in problems if p.batch_size == best.batch_size)
     plan = plan_from_choice(
         problem,
@@ -73,9 +96,20 @@ def search(
             "optimizer": optimizer,
             "slack_bytes": best.slack_bytes,
             "predicted_samples_per_s": best.samples_per_s,
+            "granularity": description.granularity,
         },
     )
-    return SearchResult(plan, problems, seconds)
+    return SearchResult(plan, description, all_problems, seconds)
+
+
+def describe_granularities(describe_one: Callable[..., ModelDescription]) -> list[ModelDescription]:
+    """``describe_one(granularity=g)`` for every unit granularity that gives other units than the finer ones."""
+    descriptions: list[ModelDescription] = []
+    for granularity in GRANULARITIES:
+        description = describe_one(granularity=granularity)
+        if all(d.paths != description.paths for d in descriptions):
+            descriptions.append(description)
+    return descriptions
 
 
 def plan(
@@ -110,10 +144,12 @@ def plan(
     outcome: tuple[str, Any]
     if rank == 0:
         try:
-            description = describe(model, example_input, loss_fn=loss_fn, precisions=(mixed_precision,))
+            descriptions = describe_granularities(
+                lambda **g: describe(model, example_input, loss_fn=loss_fn, precisions=(mixed_precision,), **g)
+            )
             candidates = list(batch_sizes or [batch_size_of(example_input)])
             result = search(
-                description, device_info, candidates, mixed_precision=mixed_precision, optimizer=optimizer,
+                descriptions, device_info, candidates, mixed_precision=mixed_precision, optimizer=optimizer,
                 model_signature=structure_signature(model),
             )
             outcome = ("plan", result.plan.to_json())
@@ -128,4 +164,4 @@ def plan(
     return Plan.from_json(payload)
 
 
-__all__ = ["BudgetTooSmall", "SearchResult", "plan", "search"]
+__all__ = ["BudgetTooSmall", "SearchResult", "describe_granularities", "plan", "search"]

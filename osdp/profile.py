@@ -178,6 +178,7 @@ class ModelDescription:
     checks: Mapping[str, Any] = field(default_factory=dict)  # whole step vs sum of units, per precision and size
     profile_seconds: float = 0.0
     cache_key: str | None = None
+    granularity: str = "sub-block"  # of the default units (osdp.units.GRANULARITIES), or "given"
     from_cache: bool = False
 
     def unit(self, path: str) -> UnitProfile:
@@ -616,16 +617,18 @@ def _check_units(model: nn.Module, units: Sequence[Unit], counts: Mapping[str, i
             )
 
 
-def resolve_units(model: nn.Module, batch: Any, loss_fn, units: Sequence[Unit] | None) -> list[Unit]:
+def resolve_units(
+    model: nn.Module, batch: Any, loss_fn, units: Sequence[Unit] | None, granularity: str = "sub-block"
+) -> list[Unit]:
     """The units to describe, after a checked forward that names the unit that fails, if one does.
 
-    Default units come from ``osdp.discover_units`` with call counts, so a
-    module that runs twice per forward is merged into its parent; given units
-    that run twice or own no parameters are refused.
+    Default units come from ``osdp.discover_units`` at ``granularity`` with
+    call counts, so a module that runs twice per forward is merged into its
+    parent; given units that run twice or own no parameters are refused.
     """
     counts = count_calls(model, lambda: _checked_forward(model, units, batch, loss_fn))
     if units is None:
-        return discover_units(model, counts)
+        return discover_units(model, counts, granularity)
     units = build_units(model, [u.path for u in units])
     _check_units(model, units, counts)
     return units
@@ -910,6 +913,7 @@ def describe(
     batch_sizes: Sequence[int] | None = None,
     precisions: Sequence[str] = ("fp32",),
     units: Sequence[Unit] | None = None,
+    granularity: str = "sub-block",
     optimizers: Sequence[str] = ("sgd", "sgd-momentum", "adamw"),
     repeats: int | None = None,
     time_budget_s: float = 20.0,
@@ -924,8 +928,8 @@ def describe(
     scalar loss, or ``loss_fn(output)`` must. ``batch_sizes`` default to half
     the example's and the example's. ``precisions``: "fp32" and/or "bf16"
     (measured on a bf16 copy, as FSDP's mixed precision computes). ``units``
-    default to ``osdp.discover_units`` with call counts, so a module that runs
-    twice per forward is merged into its parent. The model's parameters,
+    default to ``osdp.discover_units`` at ``granularity`` with call counts, so
+    a module that runs twice per forward is merged into its parent. The model's parameters,
     gradients and RNG state are left as they were.
     """
     start = time.perf_counter()
@@ -946,7 +950,8 @@ def describe(
     show = _Progress(progress, name)
 
     show("checking the forward")
-    units = resolve_units(model, resize_batch(example_input, sizes[0]), loss_fn, units)
+    given_units = units
+    units = resolve_units(model, resize_batch(example_input, sizes[0]), loss_fn, units, granularity)
 
     key_parts = {
         "version": PROFILE_VERSION, "model": model_fingerprint(model), "units": [u.path for u in units],
@@ -1010,6 +1015,7 @@ def describe(
         checks=checks,
         profile_seconds=time.perf_counter() - start,
         cache_key=key,
+        granularity=granularity if given_units is None else "given",
     )
     show.done(f"done in {description.profile_seconds:.1f}s")
     if cache:

@@ -5,7 +5,8 @@ A unit is a module whose parameters are gathered, sharded and reduced together
 
 * a module whose children are all leaves (``attn`` holding q/k/v/proj
   Linears, ``mlp`` holding its Linears) is a unit: the granularity of a
-  transformer sub-block;
+  transformer sub-block; at ``granularity="block"`` a module holding two or
+  more such sub-blocks (the transformer block) is the unit instead;
 * a parameter-owning leaf whose parent is not such a module (an embedding, a
   head) is a unit;
 * norm-like modules, whose parameters are all one-dimensional, are never units
@@ -29,6 +30,9 @@ from typing import Iterable, Mapping
 import torch.nn as nn
 
 from osdp.plan import ROOT, display_path
+
+# Unit sizes the planner chooses between: a transformer's attention and MLP apart, or whole blocks.
+GRANULARITIES = ("sub-block", "block")
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,9 @@ def _has_matrix_param(module: nn.Module) -> bool:
     return any(p.dim() >= 2 for p in module.parameters())
 
 
-def _candidates(model: nn.Module) -> list[str]:
+def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     modules = dict(model.named_modules())
     sub_block = {
         path
@@ -102,6 +108,13 @@ def _candidates(model: nn.Module) -> list[str]:
         and _parent(path) not in sub_block
         and any(p.dim() >= 2 for p in m.parameters(recurse=False))
     }
+    if granularity == "block":  # a module holding two or more sub-blocks (attention and MLP) replaces them
+        parents: dict[str, list[str]] = {}
+        for path in sub_block:
+            parents.setdefault(_parent(path), []).append(path)
+        for parent, children in parents.items():
+            if parent != ROOT and len(children) > 1:
+                sub_block = (sub_block - set(children)) | {parent}
     return sorted(sub_block | leaves)
 
 
@@ -144,6 +157,21 @@ def _signature(module: nn.Module) -> str:
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
 
 
+def unit_parameters(model: nn.Module, paths: Iterable[str]) -> dict[str, list[nn.Parameter]]:
+    """The parameters each unit owns (the root is always a unit), in ``model.parameters()`` order.
+
+    A parameter belongs to the deepest unit containing its owners' common
+    ancestor, so a tied weight goes to the unit enclosing every module using it.
+    """
+    paths = set(paths) | {ROOT}
+    owners = _param_owners(model)
+    owned: dict[str, list[nn.Parameter]] = {p: [] for p in paths}
+    for param in model.parameters():
+        home = _common_ancestor(owners[id(param)])
+        owned[max((u for u in paths if _is_within(home, u)), key=len)].append(param)
+    return owned
+
+
 def build_units(model: nn.Module, paths: Iterable[str]) -> list[Unit]:
     """Describe the given unit paths (the root is always added), bottom-up: children before parents."""
     modules = dict(model.named_modules())
@@ -151,16 +179,9 @@ def build_units(model: nn.Module, paths: Iterable[str]) -> list[Unit]:
     missing = sorted(p for p in paths if p not in modules)
     if missing:
         raise KeyError(missing[0])
-    # A parameter belongs to the deepest unit containing one of its owners' common ancestor.
-    owners = _param_owners(model)
-    params = {id(p): p for p in model.parameters()}
-    numel: dict[str, int] = {p: 0 for p in paths}
-    nbytes: dict[str, int] = {p: 0 for p in paths}
-    for pid, owner_paths in owners.items():
-        home = _common_ancestor(owner_paths)
-        unit = max((u for u in paths if _is_within(home, u)), key=len)
-        numel[unit] += params[pid].numel()
-        nbytes[unit] += params[pid].numel() * params[pid].element_size()
+    owned = unit_parameters(model, paths)
+    numel = {p: sum(t.numel() for t in owned[p]) for p in paths}
+    nbytes = {p: sum(t.numel() * t.element_size() for t in owned[p]) for p in paths}
     nested = {
         p: tuple(sorted(q for q in paths if q != p and _is_within(q, p) and _nearest_unit(q, paths) == p))
         for p in paths
@@ -188,13 +209,19 @@ def _nearest_unit(path: str, units: set[str]) -> str:
     return ROOT
 
 
-def discover_units(model: nn.Module, call_counts: Mapping[str, int] | None = None) -> list[Unit]:
+def discover_units(
+    model: nn.Module, call_counts: Mapping[str, int] | None = None, granularity: str = "sub-block"
+) -> list[Unit]:
     """The default units of ``model``, bottom-up, root last.
 
     ``call_counts`` (module path -> calls in one forward, e.g. from
     :func:`count_calls`) moves modules that run more than once up to their parent.
+    ``granularity="block"`` takes each module holding two or more sub-blocks
+    (a transformer block: attention and MLP) as one unit instead of its
+    sub-blocks: fewer, larger units pay FSDP2's per-unit costs fewer times,
+    smaller ones need less memory gathered at a time. The planner searches both.
     """
-    paths = _resolve_sharing(model, _candidates(model), call_counts)
+    paths = _resolve_sharing(model, _candidates(model, granularity), call_counts)
     return build_units(model, paths)
 
 

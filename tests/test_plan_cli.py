@@ -20,8 +20,12 @@ def test_plan_cli_writes_a_loadable_plan_within_budget(tmp_path, capsys):
     plan = Plan.from_json(out.read_text())
     assert plan.world_size == 4 and plan.batch_size == 2
     assert plan.predicted_peak_bytes <= 64 * 2**20
-    assert len(plan.units) == 4 * 2 + 2  # attn + mlp per layer, wpe, root
-    assert "blocks.0.mlp" in text and "tokens/s per rank" in text and "searched in" in text
+    granularity = plan.meta["granularity"]
+    per_layer = {"sub-block": ["attn", "mlp"], "block": [""]}[granularity]  # the search chose the unit size
+    assert {u.path for u in plan.units} == {
+        f"blocks.{i}" + (f".{part}" if part else "") for i in range(4) for part in per_layer
+    } | {"wpe", ""}
+    assert f"{granularity} units" in text and "tokens/s per rank" in text and "searched in" in text
     assert png.stat().st_size > 1000
 
 

@@ -6,10 +6,14 @@ the root, as ``fully_shard`` expects:
 * ``zero3``: ``fully_shard`` on the 1-D mesh, resharding after forward;
 * ``zero2``: the same without resharding after forward (gathered parameters
   are kept from forward until backward);
-* ``replicate``: ``fully_shard`` on an (N, 1) mesh with named dims, i.e. HSDP
-  with a shard group of one: every rank holds everything and gradients are
-  all-reduced, while parameters stay DTensors so that optimizers, state dicts
-  and DCP treat every unit alike;
+* ``replicate``: the parameters of every replicated unit go to one DDP
+  reducer (``fsdp_ext.replicate``): bucketed all-reduces overlapped with
+  backward and no second copy of the parameters, exactly as
+  ``DistributedDataParallel``; they stay plain tensors, which optimizers,
+  state dicts and DCP handle beside the sharded units' DTensors. In bf16
+  plans replicated units are FSDP2's on an (N, 1) mesh (HSDP with a shard
+  group of one), whose ``MixedPrecisionPolicy`` makes the bf16 copy that
+  compute needs;
 * ``split: k``: the unit's large Linears become ``SplitLinear`` (k slices,
   gathered one at a time); FSDP2 leaves their weights alone;
 * ``checkpoint``: activation checkpointing of the unit (composable, so
@@ -32,9 +36,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from osdp.distributed import all_gather_objects, world
 from osdp.plan import ROOT, Plan, PlanError, UnitPlan, display_path
 from osdp.split import apply_split, split_parameters, splittable_linears
-from osdp.units import Unit, build_units, structure_signature
+from osdp.fsdp_ext.replicate import ReplicatedParameters, replicates_with_ddp
+from osdp.units import Unit, build_units, structure_signature, unit_parameters
 
 _PLAN_ATTR = "_osdp_plan"
+_REPLICATED_ATTR = "_osdp_replicated"
 
 SHARD_DIM = "shard"
 REPLICATE_DIM = "replicate"
@@ -201,26 +207,57 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None =
     meshes = Meshes(device.type, world_size)
     modules = dict(model.named_modules())
     mp_policy = mixed_precision_policy(plan.mixed_precision)
+    replicate_with_ddp = replicates_with_ddp(plan.mixed_precision)
+    owned = unit_parameters(model, plan.paths)
+    replicated: set[nn.Parameter] = set()  # left to the DDP reducer, so ignored by every fully_shard
     for unit in units:  # bottom-up, root last
         decision = plan.unit(unit.path)
-        ignored = None
         if decision.split > 1:
             nested = {modules[p] for p in unit.nested}
             apply_split(modules[unit.path], decision.split, meshes.shard, exclude=nested, root=model,
                         mp_policy=mp_policy)
-            ignored = split_parameters(model.get_submodule(unit.path))
         module = model.get_submodule(unit.path)  # a unit that is itself a Linear was just replaced
         if decision.checkpoint:
             _checkpoint(module)
+        if decision.mode == "replicate" and replicate_with_ddp:
+            replicated.update(owned[unit.path])
+            continue
         fully_shard(
             module,
             mesh=meshes.for_mode(decision.mode),
             reshard_after_forward=decision.mode == "zero3",
             mp_policy=mp_policy,
-            ignored_params=ignored,
+            ignored_params=(split_parameters(module) | replicated) or None,
         )
+    if replicated:
+        in_order = [p for p in model.parameters() if p in replicated]  # DDP buckets them in reverse
+        setattr(model, _REPLICATED_ATTR, ReplicatedParameters(model, in_order, device))
     setattr(model, _PLAN_ATTR, plan)
     return model
+
+
+def reducer_storages(model: nn.Module) -> list[torch.UntypedStorage]:
+    """Storages the DDP reducer of a wrapped model's replicated units owns (its gradient buckets)."""
+    replicated = getattr(model, _REPLICATED_ATTR, None)
+    return [] if replicated is None else replicated.bucket_storages()
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
+    """Whether the next backward reduces gradients (False: accumulate them locally), for every unit.
+
+    The OSDP form of ``FSDPModule.set_requires_gradient_sync`` and
+    ``DistributedDataParallel.no_sync``: call it with False before the
+    micro-batches that only accumulate, and with True before the last one.
+    """
+    plan_of(model)  # raises unless wrapped
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
+    replicated = getattr(model, _REPLICATED_ATTR, None)
+    if replicated is not None:
+        replicated.set_requires_gradient_sync(requires_gradient_sync)
 
 
 def _checkpoint(module: nn.Module) -> None:

@@ -1,0 +1,146 @@
+"""Replicated units run on DDP's reducer: what DistributedDataParallel does, composed with sharded units.
+
+Equality with one process under every mode is test_wrap's; here: the units are
+what the plan says (plain parameters in one reducer vs FSDP2 DTensors), the
+memory is DDP's (no second parameter copy), gradient accumulation reduces once,
+and whole blocks as units train the same.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+import osdp
+from dist_harness import run_ranks
+from osdp.memory import PeakMemory
+from osdp.plan import ROOT, Plan, UnitPlan
+from osdp.units import unit_parameters
+from test_wrap import build_toy, toy_batches
+from training_check import assert_matches_reference, full_state, reference, sgd, train
+
+
+def _mixed_plan(model) -> Plan:
+    paths = [u.path for u in osdp.discover_units(model)]
+    modes = {p: ("replicate" if ".attn" in p or p == ROOT else "zero3" if ".mlp" in p else "zero2") for p in paths}
+    return Plan([UnitPlan(p, m) for p, m in modes.items()])
+
+
+def _what_runs_each_unit(rank, world_size):
+    model = build_toy()
+    osdp.wrap(model, plan=_mixed_plan(model))
+    plan = osdp.plan_of(model)
+    modules = dict(model.named_modules())
+    owned = unit_parameters(model, plan.paths)
+    return {
+        u.path: (u.mode, isinstance(modules[u.path], FSDPModule), [isinstance(p, DTensor) for p in owned[u.path]])
+        for u in plan.units
+    }
+
+
+def test_replicated_units_are_left_to_ddp_and_sharded_ones_to_fsdp2():
+    kinds = run_ranks(_what_runs_each_unit, 2, timeout=120)[0]
+    assert {mode for mode, _, _ in kinds.values()} == {"replicate", "zero2", "zero3"}
+    for path, (mode, is_fsdp, dtensors) in kinds.items():
+        assert dtensors, path
+        if mode == "replicate":
+            assert not is_fsdp and not any(dtensors), path  # plain tensors, used in place
+        else:
+            assert is_fsdp and all(dtensors), path
+
+
+def _peaks(rank, world_size):
+    """Peak bytes of one step of torch DDP and of OSDP's all-replicate plan, after a warm-up step."""
+    batch = toy_batches(global_batch=8)[0]
+    n = batch[0].shape[0] // world_size
+    mine = tuple(t[rank * n:(rank + 1) * n] for t in batch)
+    peaks = {}
+    for name in ("torch-ddp", "osdp"):
+        model = build_toy()
+        if name == "torch-ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            osdp.wrap(model, strategy="ddp")
+        opt = torch.optim.AdamW(model.parameters())
+        for measured in (False, True):
+            with PeakMemory("cpu", model, opt, *mine) as meter:
+                model(*mine).backward()
+                opt.step()
+                opt.zero_grad()
+        peaks[name] = meter.stats().peak_bytes
+    return peaks
+
+
+def test_replicate_needs_no_more_memory_than_ddp():
+    for peaks in run_ranks(_peaks, 2, timeout=120):
+        # DDP's buckets are counted for both (osdp.memory); the plain model's gradients and AdamW's
+        # states alone are over half of it, so a second copy of the parameters would show
+        assert peaks["osdp"] <= 1.02 * peaks["torch-ddp"], peaks
+
+
+def _accumulate(rank, world_size, plan_json, micro):
+    """k micro-batches per step, gradients reduced only with the last; counts the reductions."""
+    model = build_toy()
+    osdp.wrap(model, plan=plan_json)
+    opt = sgd(model)
+    reductions = []
+    original = torch.distributed.all_reduce
+
+    def counting(*args, **kwargs):
+        reductions.append(args[0].numel())
+        return original(*args, **kwargs)
+
+    losses = []
+    for inputs, targets in toy_batches():
+        n = inputs.shape[0] // world_size
+        mine_x, mine_y = inputs[rank * n:(rank + 1) * n], targets[rank * n:(rank + 1) * n]
+        m = n // micro
+        total = 0.0
+        torch.distributed.all_reduce = counting
+        try:
+            for i in range(micro):
+                osdp.set_requires_gradient_sync(model, i == micro - 1)
+                loss = model(mine_x[i * m:(i + 1) * m], mine_y[i * m:(i + 1) * m]) / micro
+                loss.backward()
+                total += loss.item()
+        finally:
+            torch.distributed.all_reduce = original
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    state = full_state(model)  # collective: every rank takes part
+    return losses, state if rank == 0 else None, len(reductions)
+
+
+def test_gradient_accumulation_reduces_once_and_equals_one_process():
+    model = build_toy()
+    plans = {"ddp": Plan.for_strategy([u.path for u in osdp.discover_units(model)], "ddp"),
+             "mixed": _mixed_plan(model)}
+    batches = toy_batches()
+    ref = reference(build_toy, batches)
+    for name, plan in plans.items():
+        out = {}
+        for micro in (1, 2):
+            out[micro] = run_ranks(_accumulate, 2, plan.to_json(), micro, timeout=120)
+            assert_matches_reference([[r[:2]] for r in out[micro]], ref, [f"{name}, {micro} micro-batches"])
+        # the replicated units' buckets are all-reduced once per step however many micro-batches
+        assert out[1][0][2] > 0 and out[2][0][2] == out[1][0][2], name
+
+
+def _blocks_plan(model) -> Plan:
+    units = osdp.discover_units(model, granularity="block")
+    return Plan([UnitPlan(u.path, ("zero3", "zero2", "replicate")[i % 3], checkpoint=u.path.startswith("blocks"))
+                 for i, u in enumerate(units)])
+
+
+def test_whole_blocks_as_units_train_equal_to_one_process():
+    from training_check import train_under_plans
+
+    model = build_toy()
+    plan = _blocks_plan(model)
+    assert {u.path for u in plan.units} >= {"blocks.0", "blocks.1"}
+    assert not any(".attn" in u.path or ".mlp" in u.path for u in plan.units)
+    batches = toy_batches()
+    out = run_ranks(train_under_plans, 2, build_toy, batches, [plan.to_json()], timeout=120)
+    assert_matches_reference(out, reference(build_toy, batches), ["blocks"])
