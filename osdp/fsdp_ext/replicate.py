@@ -69,7 +69,7 @@ class ReplicatedParameters:
         self._buckets[bucket.index()] = weakref.ref(buffer.untyped_storage())
         group = self.ddp.process_group
         work = dist.all_reduce(buffer.div_(group.size()), group=group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
+        return work.get_future().then(lambda _: buffer)  # reduced in place
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """False: gradients accumulate locally (as under ``DistributedDataParallel.no_sync``)."""
