@@ -104,6 +104,8 @@ def cached_library(directory: Path, key: dict[str, str]) -> tuple[Path | None, s
         library = directory / manifest["library"]
         expected_hash = manifest["sha256"]
         built_for = manifest["key"]
+        if not isinstance(built_for, dict):
+            raise TypeError(f"its key is {type(built_for).__name__}, not an object")
     except (OSError, ValueError, KeyError, TypeError) as e:
         return None, f"{manifest_path} is unreadable ({type(e).__name__}: {e})"
     if built_for != key:
