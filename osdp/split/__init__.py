@@ -18,12 +18,14 @@ the same key, that FSDP2 makes of an ``nn.Linear`` weight, so:
   model (any k) and an unsplit one, FSDP2-sharded or plain, and across world
   sizes (DCP reshards; tested: saved on 2 ranks, loaded on 2 and on 4).
 
-Implementations: the C++ extension in ``csrc/`` compiled on first use
-(``backend()`` "cpp", or "cuda" where CUDA tensors take its stream path), else
-the PyTorch loop ("python"), same semantics; ``OSDP_SPLIT_BACKEND`` or
-``set_backend`` chooses.
+Implementations: the C++ extension in ``csrc/`` (shipped in the package as
+``osdp/_csrc/``), built on first use or by ``osdp build-ext`` into a cache that
+ranks share (``backend()`` "cpp", or "cuda" where CUDA tensors take its stream
+path), else the PyTorch loop ("python"), same semantics; ``OSDP_SPLIT_BACKEND``
+or ``set_backend`` chooses.
 """
 
+from osdp.split._build import ExtensionUnavailable
 from osdp.split._extension import (
     backend,
     build_extension,
@@ -41,6 +43,7 @@ from osdp.split.linear import (
 )
 
 __all__ = [
+    "ExtensionUnavailable",
     "MIN_SPLIT_NUMEL",
     "SplitLinear",
     "apply_split",

@@ -1,34 +1,30 @@
 """Which implementation of the split loop runs: the C++ extension in csrc/, or osdp/split/_loop.py.
 
-The extension is compiled on first use with ``torch.utils.cpp_extension.load``
-(a JIT build against the installed torch, so installing osdp never builds
-anything and never asks pip for another torch) and cached under
-``$OSDP_EXTENSIONS_DIR`` or ``~/.cache/osdp/torch_extensions``, one folder per
-Python and torch version; later processes load it in a fraction of a second.
-It needs a C++ compiler and ``ninja``, not a CUDA toolkit: its stream path
-(used for CUDA tensors) is written against c10's device-generic streams and
-events.
+The extension is built against the installed torch on first use, or ahead of
+time with ``osdp build-ext``, into a cache shared by every process of a job
+(``$OSDP_EXTENSIONS_DIR``, default ``~/.cache/osdp/torch_extensions``, one
+directory per osdp, torch and Python; see ``_build``); later processes load it
+in a fraction of a second. Building needs a C++ compiler and ``ninja``, not a
+CUDA toolkit: the stream path (used for CUDA tensors) is written against c10's
+device-generic streams and events.
 
 ``OSDP_SPLIT_BACKEND`` (or ``set_backend``) chooses: ``auto`` (default: the
-extension, or the Python loop with a warning if it cannot be built),
+extension, or the Python loop with a warning saying why it cannot be built),
 ``python`` (never build), ``cpp`` (the extension or an error).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import warnings
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from osdp.split import _loop
+from osdp.split import _build, _loop
 
 MODES = ("auto", "python", "cpp")
-SOURCES = [Path(__file__).resolve().parents[2] / "csrc" / "split_linear.cpp"]
 
 _lock = threading.Lock()
 _mode: str | None = None  # None: from the environment
@@ -43,33 +39,14 @@ def _current_mode() -> str:
     return mode
 
 
-def build_directory() -> Path:
-    root = os.environ.get("OSDP_EXTENSIONS_DIR") or Path.home() / ".cache" / "osdp" / "torch_extensions"
-    return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
-
-
 def build_extension(verbose: bool = False) -> ModuleType:
-    """Compile (once, then from the cache) and load the extension; raise if that fails."""
+    """Build (once, then from the cache) and load the extension; raise ``ExtensionUnavailable`` saying
+    what is missing if that cannot be done here."""
     global _ext, _error
     with _lock:
-        if _ext is not None:
-            return _ext
-        from torch.utils import cpp_extension
-
-        missing = [str(s) for s in SOURCES if not s.exists()]
-        if missing:
-            raise FileNotFoundError(f"extension sources not found: {missing} (osdp installed without csrc/)")
-        directory = build_directory()
-        directory.mkdir(parents=True, exist_ok=True)
-        _ext = cpp_extension.load(
-            name="osdp_split",
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O2"],
-            with_cuda=False,  # no CUDA headers: streams and events through c10's device-generic API
-            build_directory=str(directory),
-            verbose=verbose,
-        )
-        _error = None
+        if _ext is None:
+            _ext = _build.load(_build.ensure_built(verbose=verbose))
+            _error = None
         return _ext
 
 
@@ -96,9 +73,10 @@ def implementation():
             return build_extension()
         except Exception as e:  # noqa: BLE001 - any build failure falls back to the Python loop
             _error = e
+            why = str(e).strip() if isinstance(e, _build.ExtensionUnavailable) else f"{type(e).__name__}: {e}"
             warnings.warn(
-                f"osdp.split: C++ extension unavailable ({type(e).__name__}: {str(e).strip()[:500]}); "
-                "using the PyTorch loop (same semantics). Set OSDP_SPLIT_BACKEND=python to silence this.",
+                f"osdp.split: C++ extension unavailable ({why[:2000]}); using the PyTorch loop (same "
+                "semantics). Set OSDP_SPLIT_BACKEND=python to silence this.",
                 stacklevel=3,
             )
     return _loop
