@@ -1,7 +1,19 @@
 import os
 
+import pytest
+
 # One thread per process: the test machines have 2 cores and multi-rank tests run several processes.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped without it; ``pytest -m gpu`` runs only them."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest -m gpu there, or python experiments/gpu_check.py)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

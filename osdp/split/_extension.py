@@ -4,7 +4,8 @@ The extension is compiled on first use with ``torch.utils.cpp_extension.load``
 (a JIT build against the installed torch, so installing osdp never builds
 anything and never asks pip for another torch) and cached under
 ``$OSDP_EXTENSIONS_DIR`` or ``~/.cache/osdp/torch_extensions``, one folder per
-Python and torch version; later processes load it in a fraction of a second.
+Python version, torch version and source text; later processes load it in a
+fraction of a second.
 It needs a C++ compiler and ``ninja``, not a CUDA toolkit: its stream path
 (used for CUDA tensors) is written against c10's device-generic streams and
 events.
@@ -16,6 +17,7 @@ extension, or the Python loop with a warning if it cannot be built),
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -44,8 +46,12 @@ def _current_mode() -> str:
 
 
 def build_directory() -> Path:
+    """One folder per Python, torch and source text: checkouts with different sources (two branches
+    at once, say) never rebuild over each other's library."""
     root = os.environ.get("OSDP_EXTENSIONS_DIR") or Path.home() / ".cache" / "osdp" / "torch_extensions"
-    return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES if s.exists())).hexdigest()[:12]
+    version = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
+    return Path(root) / f"{version}_{digest}"
 
 
 def build_extension(verbose: bool = False) -> ModuleType:
