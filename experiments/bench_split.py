@@ -246,7 +246,7 @@ def stand_in_overlap(
     out_features: int = 16384,
     ks: tuple[int, ...] = (2, 4, 8),
     dtype: torch.dtype = torch.bfloat16,
-    compute_to_gather: float = 1.25,
+    compute_to_gather: float = 1.5,
     tokens: int | None = None,
     max_tokens: int = 65536,
     rounds: int = 10,
@@ -268,10 +268,10 @@ def stand_in_overlap(
     weight = (torch.randn(out_features, in_features, device=device) / in_features**0.5).to(dtype)
     whole = StandInSplit(weight, 1)
     if tokens is None:  # calibrate: the copies of the whole weight, and matmul seconds per token
-        probe = torch.randn(1024, in_features, device=device, dtype=dtype)
-        out = torch.empty(1024, out_features, device=device, dtype=dtype)
+        probe = torch.randn(4096, in_features, device=device, dtype=dtype)
+        out = torch.empty(4096, out_features, device=device, dtype=dtype)
         t = _median_times({"g": whole.gathers, "c": lambda: whole.matmuls(probe, out)}, 5, 2, device)
-        per_token = statistics.median(t["c"]) / 1024
+        per_token = statistics.median(t["c"]) / 4096
         tokens = int(compute_to_gather * statistics.median(t["g"]) / per_token) // 256 * 256
         tokens = min(max(tokens, 256), max_tokens)
         del probe, out
@@ -286,7 +286,8 @@ def stand_in_overlap(
         linear_w.grad = x_leaf.grad = None
 
     reference = torch.nn.functional.linear(x, weight).float()
-    tolerance = 5e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-3
+    low = dtype in (torch.bfloat16, torch.float16)  # outputs of about 1: a bf16 rounding step is up to 0.03
+    atol, rtol = (5e-2, 2e-2) if low else (1e-4, 1e-4)
     results = {}
     for k in ks:
         op = StandInSplit(weight, k)
@@ -295,7 +296,8 @@ def stand_in_overlap(
         def forward_checked(op=op, errors=errors) -> None:
             y = op.forward(x)
             if len(errors) < 3:  # a missing wait between the streams would read a stale slice
-                errors.append((y.float() - reference).abs().max().item())
+                diff = (y.float() - reference).abs()
+                errors.append((diff.max().item(), bool((diff <= atol + rtol * reference.abs()).all())))
 
         fns = {"gather": op.gathers, "compute": lambda op=op: op.matmuls(x, out), "split_forward": forward_checked,
                "split_step": lambda op=op: op.step(x, grad), "unsplit_gathered_step": lambda: whole.step(x, grad),
@@ -314,12 +316,12 @@ def stand_in_overlap(
             "unsplit_gathered_step_s": med["unsplit_gathered_step"],
             "step_vs_linear": med["split_step"] / med["linear_step"],
             "step_vs_unsplit_gathered": med["split_step"] / med["unsplit_gathered_step"],
-            "max_abs_error": max(errors), "matches_linear": max(errors) <= tolerance,
+            "max_abs_error": max(e for e, _ in errors), "matches_linear": all(ok for _, ok in errors),
         }
         del op
     return {
         "layer": f"Linear({in_features}, {out_features})", "dtype": str(dtype).removeprefix("torch."),
-        "tokens": tokens, "weight_bytes": weight.nbytes, "rounds": rounds, "timer": "CUDA events" if device.type == "cuda"
+        "tokens": tokens, "compute_to_gather_target": compute_to_gather, "weight_bytes": weight.nbytes, "rounds": rounds, "timer": "CUDA events" if device.type == "cuda"
         else "wall clock", "stand_in": StandInSplit.__doc__.split("\n\n")[0].replace("\n    ", " ").strip(),
         "per_k": results,
     }
