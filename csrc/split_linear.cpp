@@ -16,6 +16,13 @@
 // only makes the issuing stream wait, so the CPU runs ahead. That path is
 // written against c10's device-generic Stream/Event API, so the extension
 // compiles the same with or without a CUDA toolkit.
+//
+// The slices travel through a Transport: the process group's collectives, or,
+// to measure the overlap on one device where there is no second rank, a
+// stand-in (stand_in_forward / stand_in_backward) that moves the same bytes
+// between pinned host memory and the device with copies issued where the
+// collectives would be, on the communication stream. Everything else (the
+// loop, the streams, events and buffers) is the same code.
 
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
@@ -51,6 +58,54 @@ WorkPtr reduce_scatter(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& i
   return pg->_reduce_scatter_base(out, in, opts);
 }
 #pragma GCC diagnostic pop
+
+// How slice i moves: gathered into `out` (size() * q_i rows) from this rank's `piece`, and
+// its weight gradient `in` (size() * q_i rows, rank-major) reduce-scattered into `out`.
+// A null Work means the transfer was enqueued on the current stream (nothing to wait for).
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int64_t size() const = 0;
+  virtual WorkPtr gather(at::Tensor& out, at::Tensor& piece, int64_t i) = 0;
+  virtual WorkPtr reduce_scatter(at::Tensor& out, at::Tensor& in, int64_t i) = 0;
+};
+
+class GroupTransport final : public Transport {
+ public:
+  explicit GroupTransport(ProcessGroupPtr pg) : pg_(std::move(pg)) {}
+  int64_t size() const override { return pg_->getSize(); }
+  WorkPtr gather(at::Tensor& out, at::Tensor& piece, int64_t) override { return all_gather(pg_, out, piece); }
+  WorkPtr reduce_scatter(at::Tensor& out, at::Tensor& in, int64_t) override {
+    return ::reduce_scatter(pg_, out, in);
+  }
+
+ private:
+  ProcessGroupPtr pg_;
+};
+
+// The stand-in: one rank holding the whole weight; slice i is copied in from pinned host
+// memory (`slices[i]`, the bytes a gather would bring) and each slice's weight gradient is
+// copied out to pinned host memory (`sinks[i]`, the bytes a reduce-scatter would send); the
+// reduction over one rank is the identity. On a GPU the copies run on the copy engines
+// over PCIe, on the communication stream, for as long as those bytes take.
+class HostCopyTransport final : public Transport {
+ public:
+  HostCopyTransport(std::vector<at::Tensor> slices, std::vector<at::Tensor> sinks)
+      : slices_(std::move(slices)), sinks_(std::move(sinks)) {}
+  int64_t size() const override { return 1; }
+  WorkPtr gather(at::Tensor& out, at::Tensor&, int64_t i) override {
+    out.copy_(slices_.at(i), /*non_blocking=*/true);
+    return {};
+  }
+  WorkPtr reduce_scatter(at::Tensor& out, at::Tensor& in, int64_t i) override {
+    sinks_.at(i).copy_(in, /*non_blocking=*/true);
+    if (!out.is_same(in)) out.copy_(in, /*non_blocking=*/true);
+    return {};
+  }
+
+ private:
+  std::vector<at::Tensor> slices_, sinks_;
+};
 
 // Live and peak bytes of the buffers the op holds.
 struct Counter {
@@ -130,7 +185,7 @@ class Streams {
     wait_stream(*comm_, *compute_);
     c10::StreamGuard guard(*comm_);
     WorkPtr work = issue();
-    work->wait();  // the communication stream waits for the collective; the CPU does not
+    if (work) work->wait();  // the communication stream waits for the collective; the CPU does not
     done_[slot]->record(*comm_);
     return work;
   }
@@ -139,7 +194,7 @@ class Streams {
   void wait(const WorkPtr& work, int slot) {
     if (comm_) {
       done_[slot]->block(*compute_);
-    } else {
+    } else if (work) {
       work->wait();
     }
   }
@@ -159,13 +214,14 @@ class Streams {
 // All-gathers slice i+1 into one of two buffers while slice i, in the other, is used.
 class Gatherer {
  public:
-  Gatherer(const at::Tensor& w, const ProcessGroupPtr& pg, const std::vector<int64_t>& sizes, at::ScalarType dtype,
+  Gatherer(const at::Tensor& w, Transport& transport, const std::vector<int64_t>& sizes, at::ScalarType dtype,
            Streams& streams)
-      : w_(w), pg_(pg), sizes_(sizes), offsets_(offsets_of(sizes)), dtype_(dtype), streams_(streams) {
+      : w_(w), transport_(transport), sizes_(sizes), offsets_(offsets_of(sizes)), dtype_(dtype), streams_(streams) {
     int64_t q_max = *std::max_element(sizes.begin(), sizes.end());
     int count = sizes.size() > 1 ? 2 : 1;
     for (int b = 0; b < count; ++b) {
-      buffers_.emplace_back(at::empty({pg->getSize() * q_max, w.size(1)}, w.options().dtype(dtype)), gathered_bytes);
+      buffers_.emplace_back(at::empty({transport.size() * q_max, w.size(1)}, w.options().dtype(dtype)),
+                            gathered_bytes);
     }
   }
 
@@ -173,11 +229,11 @@ class Gatherer {
 
   void start(int64_t i) {
     int slot = i % buffers_.size();
-    out_[slot] = buffers_[slot].tensor().narrow(0, 0, pg_->getSize() * sizes_[i]);
+    out_[slot] = buffers_[slot].tensor().narrow(0, 0, transport_.size() * sizes_[i]);
     work_[slot] = streams_.on_comm(
         [&] {
           in_[slot] = piece(i);  // on a device: cast/padded on the communication stream, off the compute path
-          return all_gather(pg_, out_[slot], in_[slot]);
+          return transport_.gather(out_[slot], in_[slot], i);
         },
         slot);
   }
@@ -201,7 +257,7 @@ class Gatherer {
   }
 
   at::Tensor w_;
-  ProcessGroupPtr pg_;
+  Transport& transport_;
   std::vector<int64_t> sizes_, offsets_;
   at::ScalarType dtype_;
   Streams& streams_;
@@ -210,16 +266,16 @@ class Gatherer {
   WorkPtr work_[2];
 };
 
-at::Tensor split_linear_forward(const at::Tensor& x, const at::Tensor& w_local, const ProcessGroupPtr& pg,
-                                const std::vector<int64_t>& piece_sizes, int64_t out_features) {
+at::Tensor forward_loop(const at::Tensor& x, const at::Tensor& w_local, Transport& transport,
+                        const std::vector<int64_t>& piece_sizes, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && w_local.dim() == 2 && x.size(1) == w_local.size(1), "split_linear_forward: bad shapes");
-  int64_t n = pg->getSize(), m = x.size(0);
+  int64_t n = transport.size(), m = x.size(0);
   int64_t c = std::accumulate(piece_sizes.begin(), piece_sizes.end(), int64_t{0});
   auto out = at::empty({m, n * c}, x.options());
   auto out_by_rank = out.view({m, n, c});
   Streams streams(x);
   {
-    Gatherer gatherer(w_local, pg, piece_sizes, x.scalar_type(), streams);
+    Gatherer gatherer(w_local, transport, piece_sizes, x.scalar_type(), streams);
     auto offsets = offsets_of(piece_sizes);
     gatherer.start(0);
     for (size_t i = 0; i < piece_sizes.size(); ++i) {
@@ -232,11 +288,12 @@ at::Tensor split_linear_forward(const at::Tensor& x, const at::Tensor& w_local, 
   return n * c == out_features ? out : out.narrow(1, 0, out_features).contiguous();
 }
 
-std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> split_linear_backward(
-    const at::Tensor& grad_out_in, const at::Tensor& x, const at::Tensor& w_local, const ProcessGroupPtr& pg,
-    const std::vector<int64_t>& piece_sizes, int64_t out_features, bool need_input_grad, bool need_weight_grad,
-    std::optional<at::ScalarType> reduce_dtype_opt) {
-  int64_t n = pg->getSize(), m = x.size(0);
+using Grads = std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>>;
+
+Grads backward_loop(const at::Tensor& grad_out_in, const at::Tensor& x, const at::Tensor& w_local,
+                    Transport& transport, const std::vector<int64_t>& piece_sizes, int64_t out_features,
+                    bool need_input_grad, bool need_weight_grad, std::optional<at::ScalarType> reduce_dtype_opt) {
+  int64_t n = transport.size(), m = x.size(0);
   int64_t c = std::accumulate(piece_sizes.begin(), piece_sizes.end(), int64_t{0});
   auto offsets = offsets_of(piece_sizes);
   at::Tensor grad_out = n * c == out_features ? grad_out_in : at::constant_pad_nd(grad_out_in, {0, n * c - out_features});
@@ -250,7 +307,7 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> split_linear_ba
   Streams streams(x);
   {
     std::optional<Gatherer> gatherer;
-    if (need_input_grad) gatherer.emplace(w_local, pg, piece_sizes, x.scalar_type(), streams);
+    if (need_input_grad) gatherer.emplace(w_local, transport, piece_sizes, x.scalar_type(), streams);
 
     // Reduce-scatters in flight use event slots 2 and 3 in turn: at most two are in flight.
     struct Pending {
@@ -287,7 +344,7 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> split_linear_ba
         Counted unreduced(reduce_dtype == product.scalar_type() ? product : product.to(reduce_dtype), grad_bytes);
         auto reduced = in_place ? grad_w->narrow(0, off, q) : at::empty({q, x.size(1)}, x.options().dtype(reduce_dtype));
         int slot = 2 + i % 2;
-        auto work = streams.on_comm([&] { return reduce_scatter(pg, reduced, unreduced.tensor()); }, slot);
+        auto work = streams.on_comm([&] { return transport.reduce_scatter(reduced, unreduced.tensor(), i); }, slot);
         pending.push_back({work, std::move(unreduced), reduced, off, slot});
         while (pending.size() > 1) finish();
       }
@@ -297,6 +354,49 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> split_linear_ba
   }
   if (grad_w && grad_w->size(0) != w_local.size(0)) grad_w = grad_w->narrow(0, 0, w_local.size(0));
   return {grad_x, grad_w};
+}
+
+at::Tensor split_linear_forward(const at::Tensor& x, const at::Tensor& w_local, const ProcessGroupPtr& pg,
+                                const std::vector<int64_t>& piece_sizes, int64_t out_features) {
+  GroupTransport transport(pg);
+  return forward_loop(x, w_local, transport, piece_sizes, out_features);
+}
+
+Grads split_linear_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_local,
+                            const ProcessGroupPtr& pg, const std::vector<int64_t>& piece_sizes, int64_t out_features,
+                            bool need_input_grad, bool need_weight_grad,
+                            std::optional<at::ScalarType> reduce_dtype) {
+  GroupTransport transport(pg);
+  return backward_loop(grad_out, x, w_local, transport, piece_sizes, out_features, need_input_grad,
+                       need_weight_grad, reduce_dtype);
+}
+
+void check_stand_in(const at::Tensor& w, const std::vector<at::Tensor>& slices, const std::vector<int64_t>& sizes,
+                    int64_t out_features) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == out_features,
+              "stand-in: one rank holds the whole weight, (out_features, in_features)");
+  TORCH_CHECK(slices.size() == sizes.size(), "stand-in: one host tensor per slice, got ", slices.size(), " for ",
+              sizes.size(), " slices");
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    TORCH_CHECK(slices[i].dim() == 2 && slices[i].size(0) == sizes[i] && slices[i].size(1) == w.size(1),
+                "stand-in: host tensor ", i, " must be (", sizes[i], ", ", w.size(1), ")");
+  }
+}
+
+at::Tensor stand_in_forward(const at::Tensor& x, const at::Tensor& w, const std::vector<at::Tensor>& slices,
+                            const std::vector<int64_t>& piece_sizes) {
+  check_stand_in(w, slices, piece_sizes, w.size(0));
+  HostCopyTransport transport(slices, {});
+  return forward_loop(x, w, transport, piece_sizes, w.size(0));
+}
+
+Grads stand_in_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w,
+                        const std::vector<at::Tensor>& slices, const std::vector<at::Tensor>& sinks,
+                        const std::vector<int64_t>& piece_sizes) {
+  check_stand_in(w, slices, piece_sizes, w.size(0));
+  TORCH_CHECK(sinks.size() == piece_sizes.size(), "stand-in: one host gradient sink per slice");
+  HostCopyTransport transport(slices, sinks);
+  return backward_loop(grad_out, x, w, transport, piece_sizes, w.size(0), true, true, std::nullopt);
 }
 
 std::unordered_map<std::string, int64_t> memory_stats() {
@@ -317,6 +417,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The loops release the GIL: they block on collectives run by other threads.
   m.def("forward", &split_linear_forward, py::call_guard<py::gil_scoped_release>());
   m.def("backward", &split_linear_backward, py::call_guard<py::gil_scoped_release>());
+  // Overlap measurements on one device (see HostCopyTransport); not used by SplitLinear.
+  m.def("stand_in_forward", &stand_in_forward, py::call_guard<py::gil_scoped_release>());
+  m.def("stand_in_backward", &stand_in_backward, py::call_guard<py::gil_scoped_release>());
   m.def("memory_stats", &memory_stats);
   m.def("reset_peak_memory_stats", &reset_peak_memory_stats);
 }

@@ -26,6 +26,10 @@ Run (2 local CPU ranks, one thread each; spawns its own ranks):
     python experiments/bench_split.py
 or, e.g. on GPUs: torchrun --nproc-per-node 2 experiments/bench_split.py
 Writes experiments/results/bench_split.json (machine, torch version, all numbers).
+
+On one GPU there is no second rank to gather from: ``stand_in_overlap`` (run by
+experiments/gpu_check.py) drives the op's C++ stream path with a stand-in for
+its collectives, copies between pinned host memory and the GPU (``StandInSplit``).
 """
 
 from __future__ import annotations
@@ -181,6 +185,146 @@ def overlap_probes(model, tokens, device) -> dict:
         layer(x)
 
     return {"gather": gather, "compute": compute, "split_forward": split_forward}
+
+
+class StandInSplit:
+    """The split op's C++ loop on one device, its collectives replaced by copies (csrc/split_linear.cpp,
+    ``HostCopyTransport``): slice i is copied in from pinned host memory where its all-gather would
+    bring it, and each slice's weight gradient copied out to pinned host memory where its
+    reduce-scatter would send it. The copies run where the collectives would, on the op's
+    communication stream, on the GPU's copy engines, for as long as those bytes take over PCIe.
+    Everything else is the op's own code: streams, events, the two gather buffers, the loop.
+    """
+
+    def __init__(self, weight: torch.Tensor, k: int) -> None:
+        self.ext = split.build_extension()
+        self.weight = weight.detach()
+        self.pieces = split.split_layout(weight.shape[0], 1, k)[1]
+        self.rows = [sum(self.pieces[:i]) for i in range(len(self.pieces))]
+        pin = weight.is_cuda  # page-locked memory needs a GPU; on CPU the copies are plain copies
+        self.slices = [self.weight[r : r + q].to("cpu", copy=True) for r, q in zip(self.rows, self.pieces)]
+        self.slices = [t.pin_memory() if pin else t for t in self.slices]
+        self.sinks = [torch.empty(q, weight.shape[1], dtype=weight.dtype, pin_memory=pin) for q in self.pieces]
+        self.buffer = torch.empty(max(self.pieces), weight.shape[1], dtype=weight.dtype, device=weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ext.stand_in_forward(x, self.weight, self.slices, self.pieces)
+
+    def step(self, x: torch.Tensor, grad: torch.Tensor) -> None:
+        """Forward and backward (input and weight gradients), as in training."""
+        self.forward(x)
+        self.ext.stand_in_backward(grad, x, self.weight, self.slices, self.sinks, self.pieces)
+
+    def gathers(self) -> None:
+        """The forward's copies alone, one after another."""
+        for t in self.slices:
+            self.buffer[: t.shape[0]].copy_(t, non_blocking=True)
+
+    def matmuls(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """The forward's slice products alone, into their columns of ``out``."""
+        for r, q in zip(self.rows, self.pieces):
+            out[:, r : r + q].copy_(torch.mm(x, self.buffer[:q].t()))
+
+
+def _median_times(fns: dict, rounds: int, warmup: int, device: torch.device) -> dict[str, list[float]]:
+    """Each function once per round, in turn (other load slows all alike); its times after warm-up."""
+    timer, times = Timer(device), {name: [] for name in fns}
+    for i in range(warmup + rounds):
+        for name, fn in fns.items():
+            timer.start()
+            fn()
+            elapsed = timer.stop()
+            if i >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def stand_in_overlap(
+    device: torch.device,
+    *,
+    in_features: int = 4096,
+    out_features: int = 16384,
+    ks: tuple[int, ...] = (2, 4, 8),
+    dtype: torch.dtype = torch.bfloat16,
+    compute_to_gather: float = 1.5,
+    tokens: int | None = None,
+    max_tokens: int = 65536,
+    rounds: int = 10,
+    warmup: int = 2,
+) -> dict:
+    """Fraction of the gather time hidden behind the slice matmuls, and step times, of an
+    ``out_features x in_features`` Linear on one device through ``StandInSplit``.
+
+    The stand-in's duration is fixed by the bytes and the host link; ``tokens`` (default: chosen
+    so that the forward's matmuls take ``compute_to_gather`` times as long as its copies, the
+    regime in which overlap can hide them) sets the compute. Per k, over interleaved rounds:
+    the copies alone (g), the matmuls alone (c), the op's forward (f); hidden = (g + c - f) / g.
+    The op starts slice 0's gather only when it is called, so at most (k - 1) / k of g can
+    hide (``hideable_s``); ``hidden_of_hideable`` is hidden time over that. Steps (forward and
+    backward) against the unsplit ``nn.Linear`` with its weight resident, and against the op
+    with one slice (gather all, then compute).
+    """
+    torch.manual_seed(0)
+    weight = (torch.randn(out_features, in_features, device=device) / in_features**0.5).to(dtype)
+    whole = StandInSplit(weight, 1)
+    if tokens is None:  # calibrate: the copies of the whole weight, and matmul seconds per token
+        probe = torch.randn(4096, in_features, device=device, dtype=dtype)
+        out = torch.empty(4096, out_features, device=device, dtype=dtype)
+        t = _median_times({"g": whole.gathers, "c": lambda: whole.matmuls(probe, out)}, 5, 2, device)
+        per_token = statistics.median(t["c"]) / 4096
+        tokens = int(compute_to_gather * statistics.median(t["g"]) / per_token) // 256 * 256
+        tokens = min(max(tokens, 256), max_tokens)
+        del probe, out
+    x = torch.randn(tokens, in_features, device=device, dtype=dtype)
+    grad = torch.randn(tokens, out_features, device=device, dtype=dtype)
+    out = torch.empty(tokens, out_features, device=device, dtype=dtype)
+    linear_w = weight.clone().requires_grad_()
+    x_leaf = x.clone().requires_grad_()
+
+    def linear_step() -> None:
+        torch.nn.functional.linear(x_leaf, linear_w).backward(grad)
+        linear_w.grad = x_leaf.grad = None
+
+    reference = torch.nn.functional.linear(x, weight).float()
+    low = dtype in (torch.bfloat16, torch.float16)  # outputs of about 1: a bf16 rounding step is up to 0.03
+    atol, rtol = (5e-2, 2e-2) if low else (1e-4, 1e-4)
+    results = {}
+    for k in ks:
+        op = StandInSplit(weight, k)
+        errors = []
+
+        def forward_checked(op=op, errors=errors) -> None:
+            y = op.forward(x)
+            if len(errors) < 3:  # a missing wait between the streams would read a stale slice
+                diff = (y.float() - reference).abs()
+                errors.append((diff.max().item(), bool((diff <= atol + rtol * reference.abs()).all())))
+
+        fns = {"gather": op.gathers, "compute": lambda op=op: op.matmuls(x, out), "split_forward": forward_checked,
+               "split_step": lambda op=op: op.step(x, grad), "unsplit_gathered_step": lambda: whole.step(x, grad),
+               "linear_step": linear_step}
+        t = _median_times(fns, rounds, warmup, device)
+        g, c, f = t["gather"], t["compute"], t["split_forward"]
+        hideable = 1 - op.pieces[0] / sum(op.pieces)
+        hidden = [(gi + ci - fi) / gi for gi, ci, fi in zip(g, c, f)]
+        med = {name: statistics.median(v) for name, v in t.items()}
+        results[k] = {
+            "hidden_fraction": min(max(statistics.median(hidden), 0.0), 1.0),
+            "hideable_fraction": hideable,
+            "hidden_of_hideable": min(max(statistics.median(hidden) / hideable, 0.0), 1.0),
+            "gather_s": med["gather"], "compute_s": med["compute"], "split_forward_s": med["split_forward"],
+            "split_step_s": med["split_step"], "linear_step_s": med["linear_step"],
+            "unsplit_gathered_step_s": med["unsplit_gathered_step"],
+            "step_vs_linear": med["split_step"] / med["linear_step"],
+            "step_vs_unsplit_gathered": med["split_step"] / med["unsplit_gathered_step"],
+            "max_abs_error": max(e for e, _ in errors), "matches_linear": all(ok for _, ok in errors),
+        }
+        del op
+    return {
+        "layer": f"Linear({in_features}, {out_features})", "dtype": str(dtype).removeprefix("torch."),
+        "tokens": tokens, "compute_to_gather_target": compute_to_gather, "weight_bytes": weight.nbytes, "rounds": rounds, "timer": "CUDA events" if device.type == "cuda"
+        else "wall clock", "stand_in": StandInSplit.__doc__.split("\n\n")[0].replace("\n    ", " ").strip(),
+        "per_k": results,
+    }
 
 
 def run(rank: int, world_size: int, args) -> list[dict] | None:

@@ -2,6 +2,7 @@
 
     python experiments/gpu_paper_config.py                                   # a machine with one CUDA GPU
     python experiments/gpu_paper_config.py --model gpt2-tiny --device cpu --budget 5MiB   # smoke check, seconds
+    python experiments/gpu_paper_config.py --plans all --extra-budgets 6GiB 4GiB --measured-compute
 
 The paper (IJCAI 2023) reports, for a 48-layer GPT with hidden size 1536 on 8
 GPUs with an 8 GB limit, OSDP using 8057 of 8192 MB against 5657 MB for
@@ -22,6 +23,14 @@ same micro-batch) for a few steps each on the real device: median step time
 after warm-up and the peak of one step (``torch.cuda.max_memory_allocated``;
 on CPU osdp.memory's live-bytes tracker). Writes ``gpu_paper_config.json``
 and ``gpu_paper_config.png`` to ``--out``.
+
+``--plans`` adds ZeRO-2 and the fixed plans of ``osdp validate`` (checkpointing,
+splits, mixed modes; ``all`` for every one), ``--extra-budgets`` OSDP's plans at
+other budgets, all at OSDP's micro-batch. Every run records the predicted
+peak and, with the collectives left out (the fake group has none), the
+predicted compute step from the analytic description and, with
+``--measured-compute``, from the model measured on this device
+(``osdp.profile.describe``), beside the measured ones.
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_paper_config"
+FIXED_PLANS = ("fsdp", "zero2", "fsdp-ckpt", "split2", "split4-ckpt", "mixed-z2-ckpt", "mixed-all")
+PLANS = ("osdp", *FIXED_PLANS)
 PAPER = {"osdp_peak_mb": 8057, "budget_mb": 8192, "fsdp_peak_mb": 5657, "osdp_seq_per_s": 192,
          "fairscale_fsdp_seq_per_s": 158, "world_size": 8, "gpus": "8 GPUs (paper: 8 GB limit per GPU)"}
 NOTE = "fake process group: rank 0 of 8; compute and memory real, collectives not executed"
@@ -52,6 +63,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--budget", default="8GiB", help="memory budget per rank (the paper: 8 GB)")
+    p.add_argument("--plans", nargs="+", default=["osdp", "fsdp"], choices=[*PLANS, "all"],
+                   help="plans to train (default: osdp fsdp; all: every one)")
+    p.add_argument("--extra-budgets", nargs="*", default=[], help="OSDP's plans at these budgets too")
+    p.add_argument("--measured-compute", action="store_true",
+                   help="also describe the model on the device and predict each plan's compute from that")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8], help="micro-batch candidates")
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's (1024 for gpt-48l-h1536)")
     p.add_argument("--mixed-precision", choices=["fp32", "bf16"], default="fp32")
@@ -59,7 +75,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="timed steps per plan")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if "all" in args.plans:
+        args.plans = list(PLANS)
+    return args
 
 
 def device_info_for(args, device: torch.device):
@@ -71,6 +90,75 @@ def device_info_for(args, device: torch.device):
     if args.mixed_precision == "bf16":
         flops["bfloat16"] = measure_flops(device, torch.bfloat16)
     return dataclasses.replace(info, name=f"{info.name} collectives, {device.type} FLOP/s measured", flops=flops)
+
+
+def compute_only(info):
+    """``info`` with free collectives: what a step costs under the fake group, which runs none."""
+    from osdp.device import AlphaBeta, CollectiveModel
+
+    free = CollectiveModel(info.world_size, {c: AlphaBeta(0.0, 0.0) for c in info.collectives.costs}, "none (fake group)")
+    return dataclasses.replace(info, collectives=free)
+
+
+def plans_to_run(args, description, info) -> tuple[dict[str, tuple[Any, int | None]], list[dict[str, Any]]]:
+    """{name: (plan, its budget or None)} in the order to run, and the OSDP budgets no plan fits.
+
+    OSDP at ``--budget`` (named "osdp") and at each of ``--extra-budgets``
+    ("osdp@SIZE"); the fixed plans of ``--plans`` at OSDP's micro-batch.
+    """
+    from osdp.device import parse_size
+    from osdp.planner import search
+    from osdp.search import BudgetTooSmall
+    from osdp.validate import default_plans
+
+    candidates = sorted(set(args.batch_sizes))
+    budgets = {"osdp": info.memory_bytes} if "osdp" in args.plans else {}
+    budgets.update({f"osdp@{b}": parse_size(b) for b in args.extra_budgets})
+    plans, not_fitting = {}, []
+    for name, budget in budgets.items():
+        try:
+            result = search(description, dataclasses.replace(info, memory_bytes=budget), candidates,
+                            mixed_precision=args.mixed_precision, model_signature=description.signature)
+            plans[name] = result.plan, budget
+        except BudgetTooSmall as e:
+            not_fitting.append({"name": name, "budget_bytes": budget, "needs_bytes": e.min_peak_bytes, "error": str(e)})
+    main = plans.get("osdp")
+    batch = main[0].batch_size if main else candidates[0]
+    fixed = default_plans(description, batch, args.world_size, splits=True)
+    for name in (n for n in FIXED_PLANS if n in args.plans):
+        plans[name] = dataclasses.replace(fixed[name], mixed_precision=args.mixed_precision), None
+    return plans, not_fitting
+
+
+def describe_on_device(args, device: torch.device, seq_len: int, batch_size: int):
+    """The model measured on ``device`` (unsharded, one process): per-unit compute for the cost model."""
+    from osdp import models
+    from osdp.data import synthetic_batch
+    from osdp.profile import describe
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = models.build(args.model, seq_len=seq_len)
+    config = models.get_config(args.model, seq_len=seq_len)
+    batch = tuple(t.to(device) for t in synthetic_batch(config, batch_size, generator=torch.Generator().manual_seed(1)))
+    description = None
+    for top in (batch_size, max(1, batch_size // 2)):  # a smaller one (fitted linear in it) if the first does not fit
+        try:
+            description = describe(model, batch, batch_sizes=sorted({max(1, top // 2), top}),
+                                   precisions=(args.mixed_precision,), optimizers=("adamw",), time_budget_s=8.0,
+                                   cache=False, progress=False, name=args.model)
+            break
+        except torch.OutOfMemoryError:
+            if top == 1:
+                raise
+            print(f"describing at micro-batch {top} ran out of memory: describing at {max(1, top // 2)}", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+    del model, batch
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return description
 
 
 def run_plan_fake(name: str, plan, args, device: torch.device, seq_len: int) -> dict[str, Any]:
@@ -129,9 +217,6 @@ def experiment(args: argparse.Namespace) -> dict[str, Any]:
     from osdp._torch_private import init_fake_process_group
     from osdp.analytic import describe_analytic
     from osdp.cost import predict
-    from osdp.plan import Plan
-    from osdp.planner import search
-    from osdp.search import BudgetTooSmall
 
     import warnings
 
@@ -156,27 +241,31 @@ def experiment(args: argparse.Namespace) -> dict[str, Any]:
                                         batch_sizes=candidates, precisions=(args.mixed_precision,), progress=False,
                                         name=args.model)
         record: dict[str, Any] = {"budget_bytes": info.memory_bytes}
-        try:
-            result = search(description, info, candidates, mixed_precision=args.mixed_precision,
-                            model_signature=description.signature)
-            osdp_plan = result.plan
-        except BudgetTooSmall as e:
-            record["osdp_error"] = str(e)
-            osdp_plan = None
-        batch = osdp_plan.batch_size if osdp_plan else candidates[0]
-        fsdp_plan = Plan.for_strategy(description.paths, "fsdp", batch_size=batch, world_size=args.world_size,
-                                      model_signature=description.signature, mixed_precision=args.mixed_precision)
+        plans, not_fitting = plans_to_run(args, description, info)
+        record["not_fitting"] = not_fitting
+        if any(x["name"] == "osdp" for x in not_fitting):
+            record["osdp_error"] = next(x["error"] for x in not_fitting if x["name"] == "osdp")
+        measured_description = None
+        if args.measured_compute and plans:
+            batch = next(iter(plans.values()))[0].batch_size
+            print(f"describing {args.model} on {device} (micro-batch {batch}) for the compute predictions", flush=True)
+            measured_description = describe_on_device(args, device, seq_len, batch)
+            record["measured_description"] = {"source": measured_description.source,
+                                              "profile_seconds": measured_description.profile_seconds,
+                                              "checks": measured_description.checks}
+        free = compute_only(info)
         runs = []
-        for name, plan in (("osdp", osdp_plan), ("fsdp", fsdp_plan)):
-            if plan is None:
-                continue
+        for name, (plan, budget) in plans.items():
             pred = predict(description, plan, info)
             print(f"{name}: {plan.summary()}, micro-batch {plan.batch_size}; predicted peak "
                   f"{pred.peak_bytes / 2**20:.1f} MiB, step {pred.step_s * 1e3:.1f} ms", flush=True)
             measured = run_plan_fake(name, plan, args, device, seq_len)
             comm = pred.breakdown["totals"]
-            measured.update(predicted_step_s=pred.step_s, predicted_peak_bytes=pred.peak_bytes,
+            measured.update(budget_bytes=budget, predicted_step_s=pred.step_s, predicted_peak_bytes=pred.peak_bytes,
+                            predicted_compute_analytic_s=predict(description, plan, free).step_s,
                             predicted_breakdown={k: v for k, v in comm.items()}, plan=plan.to_dict())
+            if measured_description is not None:
+                measured["predicted_compute_s"] = predict(measured_description, plan, free).step_s
             print(f"{name}: measured peak {measured['peak_bytes'] / 2**20:.1f} MiB "
                   f"({measured['peak_bytes'] / info.memory_bytes:.1%} of the budget), compute step "
                   f"{measured['step_s_median'] * 1e3:.1f} ms ({NOTE})", flush=True)
@@ -199,28 +288,31 @@ def plot(record: dict[str, Any], path: Path) -> None:
     from matplotlib.figure import Figure
 
     runs = record["runs"]
-    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    fig = Figure(figsize=(max(10, 1.3 * len(runs)), 4.5), layout="constrained")
     mem_ax, time_ax = fig.subplots(1, 2)
     names = [f"{r['name'].upper()}\nmicro-batch {r['batch_size']}" for r in runs]
+    colors = [{"osdp": "tab:green", "fsdp": "tab:red"}.get(r["name"], f"C{i % 10}") for i, r in enumerate(runs)]
     MiB = 2**20
-    mem_ax.bar(names, [r["peak_bytes"] / MiB for r in runs], color=["tab:green", "tab:red"][: len(runs)],
-               label="measured peak (this run)")
+    mem_ax.bar(names, [r["peak_bytes"] / MiB for r in runs], color=colors, label="measured peak (this run)")
     mem_ax.scatter(names, [r["predicted_peak_bytes"] / MiB for r in runs], color="black", marker="_", s=600,
                    zorder=3, label="predicted peak")
     mem_ax.axhline(record["budget_bytes"] / MiB, color="black", linestyle="--", linewidth=1, label="budget")
     if record["model"] == "gpt-48l-h1536":
-        paper = record["paper"]
-        mem_ax.scatter(names[:2], [paper["osdp_peak_mb"], paper["fsdp_peak_mb"]][: len(runs)], color="tab:purple",
-                       marker="*", s=120, zorder=4, label="paper (OSDP 8057, FSDP 5657 MB)")
+        paper = {"osdp": record["paper"]["osdp_peak_mb"], "fsdp": record["paper"]["fsdp_peak_mb"]}
+        shown = [(n, paper[r["name"]]) for n, r in zip(names, runs) if r["name"] in paper]
+        if shown:
+            mem_ax.scatter(*zip(*shown), color="tab:purple", marker="*", s=120, zorder=4,
+                           label="paper (OSDP 8057, FSDP 5657 MB)")
     for i, r in enumerate(runs):
         mem_ax.annotate(f"{r['peak_bytes'] / MiB:,.0f} MiB", (i, r["peak_bytes"] / MiB), ha="center",
                         textcoords="offset points", xytext=(0, 3), fontsize=8)
+    mem_ax.tick_params(axis="x", labelsize=7)
+    time_ax.tick_params(axis="x", labelsize=7)
     mem_ax.set_ylabel("peak memory of rank 0 (MiB)")
     mem_ax.set_title(f"{record['model']}, rank 0 of {record['world_size']}, budget "
                      f"{record['budget_bytes'] / MiB:,.0f} MiB", fontsize=9)
     mem_ax.legend(fontsize=7, loc="lower right")
-    time_ax.bar(names, [r["step_s_median"] * 1e3 for r in runs], color=["tab:green", "tab:red"][: len(runs)],
-                label="measured step (compute only)")
+    time_ax.bar(names, [r["step_s_median"] * 1e3 for r in runs], color=colors, label="measured step (compute only)")
     time_ax.scatter(names, [r["predicted_step_s"] * 1e3 for r in runs], color="black", marker="_", s=600, zorder=3,
                     label=f"predicted step (with {record['preset']} collectives)")
     time_ax.set_ylabel("ms per step")
@@ -238,11 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     plot(record, args.out / "gpu_paper_config.png")
     MiB = 2**20
     for r in record["runs"]:
-        print(f"{r['name']:5s} micro-batch {r['batch_size']}: peak {r['peak_bytes'] / MiB:8,.1f} MiB of "
-              f"{record['budget_bytes'] / MiB:,.1f} (predicted {r['predicted_peak_bytes'] / MiB:,.1f}); compute step "
+        budget = f" of {r['budget_bytes'] / MiB:,.1f}" if r["budget_bytes"] else ""
+        print(f"{r['name']:13s} micro-batch {r['batch_size']}: peak {r['peak_bytes'] / MiB:8,.1f} MiB{budget} "
+              f"(predicted {r['predicted_peak_bytes'] / MiB:,.1f}); compute step "
               f"{r['step_s_median'] * 1e3:.1f} ms (predicted step with communication {r['predicted_step_s'] * 1e3:.1f} ms)")
-    if "osdp_error" in record:
-        print(f"osdp: {record['osdp_error']}")
+    for x in record["not_fitting"]:
+        print(f"{x['name']}: {x['error']}")
     print(f"paper: OSDP {PAPER['osdp_peak_mb']} of {PAPER['budget_mb']} MB, FSDP {PAPER['fsdp_peak_mb']} MB")
     print(f"({NOTE}); wrote {args.out}")
     return 0

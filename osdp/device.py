@@ -411,6 +411,38 @@ def _same(value: float) -> dict[str, float]:
 
 
 GB, GiB, TFLOPS = 10**9, 2**30, 1e12
+
+# Dense peak FLOP/s from NVIDIA's data sheets (they print BF16 "with sparsity": half
+# that is the dense figure). Keyed by a part of torch.cuda.get_device_name(); the first
+# key found in the name wins, so the variants come before the plain names.
+DATASHEET_PEAK_FLOPS: dict[str, dict[str, float]] = {
+    # H100 PCIe data sheet: BF16 1,513 TFLOP/s with sparsity, FP32 51.
+    "H100 PCIe": {"bfloat16": 756 * TFLOPS, "float32": 51 * TFLOPS},
+    # H100 NVL and H200 NVL data sheets: BF16 1,671 with sparsity, FP32 60.
+    "H100 NVL": {"bfloat16": 835 * TFLOPS, "float32": 60 * TFLOPS},
+    "H200 NVL": {"bfloat16": 835 * TFLOPS, "float32": 60 * TFLOPS},
+    # H100 SXM5 ("NVIDIA H100 80GB HBM3") and H200 SXM data sheets: BF16 1,979 with sparsity, FP32 67.
+    "H100": {"bfloat16": 989 * TFLOPS, "float32": 67 * TFLOPS},
+    "H200": {"bfloat16": 989 * TFLOPS, "float32": 67 * TFLOPS},
+    # A100 data sheet (SXM4 and PCIe, 40 and 80 GB): BF16 312 dense, FP32 19.5.
+    "A100": {"bfloat16": 312 * TFLOPS, "float32": 19.5 * TFLOPS},
+    # V100 SXM2 data sheet: FP16 tensor cores 125, FP32 15.7; no bf16 hardware.
+    "V100": {"float16": 125 * TFLOPS, "float32": 15.7 * TFLOPS},
+}
+
+
+def datasheet_peak_flops(device_name: str) -> dict[str, float] | None:
+    """Dense peak FLOP/s by dtype name for a GPU named like ``torch.cuda.get_device_name()``, or None."""
+    for key, peaks in DATASHEET_PEAK_FLOPS.items():
+        if key in device_name:
+            return dict(peaks)
+    return None
+
+
+def _achievable(device_name: str) -> dict[str, float]:
+    return {k: MFU_FRACTION * v for k, v in DATASHEET_PEAK_FLOPS[device_name].items()}
+
+
 # Achievable compute = MFU_FRACTION x dense peak from NVIDIA's data sheets: 45% is
 # a typical model FLOP utilisation of well-tuned transformer training, not a
 # matmul benchmark. fp32 uses the non-tensor-core FP32 peak because PyTorch does
@@ -423,8 +455,7 @@ DEVICE_PRESETS: dict[str, DevicePreset] = {
     "h100-nvlink": DevicePreset(
         "8x H100 SXM5 80GB, NVLink 4 + NVSwitch (900 GB/s bidirectional per GPU)",
         "cuda", 80 * GiB,
-        # H100 SXM data sheet: 989 TFLOP/s dense BF16, 67 TFLOP/s FP32.
-        {"bfloat16": MFU_FRACTION * 989 * TFLOPS, "float32": MFU_FRACTION * 67 * TFLOPS},
+        _achievable("H100"),
         # NCCL maintainer: "360 GB/s is exactly what we'd expect on H100" for all_gather and
         # all_reduce busbw (NVIDIA/nccl-tests#326); all-reduce reaches ~470 GB/s with
         # NVLink SHARP (NVLS, NVIDIA/nccl-tests#290), which NCCL picks by default on H100.
@@ -436,8 +467,7 @@ DEVICE_PRESETS: dict[str, DevicePreset] = {
     "a100-80gb-nvlink": DevicePreset(
         "8x A100 SXM4 80GB, NVLink 3 + NVSwitch (600 GB/s bidirectional per GPU)",
         "cuda", 80 * GiB,
-        # A100 data sheet: 312 TFLOP/s dense BF16, 19.5 TFLOP/s FP32.
-        {"bfloat16": MFU_FRACTION * 312 * TFLOPS, "float32": MFU_FRACTION * 19.5 * TFLOPS},
+        _achievable("A100"),
         # nccl-tests busbw on 8x A100 SXM4: ~200-250 GB/s (NVIDIA/nccl-tests#149 reports ~200
         # on an HPE Apollo; ~230 is the usual DGX A100 figure). No NVLS on A100.
         _same(230 * GB),
@@ -447,7 +477,7 @@ DEVICE_PRESETS: dict[str, DevicePreset] = {
     "a100-40gb-nvlink": DevicePreset(
         "8x A100 SXM4 40GB, NVLink 3 + NVSwitch (600 GB/s bidirectional per GPU)",
         "cuda", 40 * GiB,
-        {"bfloat16": MFU_FRACTION * 312 * TFLOPS, "float32": MFU_FRACTION * 19.5 * TFLOPS},
+        _achievable("A100"),
         _same(230 * GB),  # same fabric as a100-80gb-nvlink
         _same(20e-6),
         max_world_size=8,
@@ -455,9 +485,7 @@ DEVICE_PRESETS: dict[str, DevicePreset] = {
     "v100-32gb-nvlink": DevicePreset(
         "8x V100 SXM2 32GB, NVLink 2 hybrid cube mesh (DGX-1V: 6 links x 25 GB/s per direction)",
         "cuda", 32 * GiB,
-        # V100 SXM2 data sheet: 125 TFLOP/s FP16 tensor cores, 15.7 TFLOP/s FP32; no
-        # bf16 hardware, so no bfloat16 figure.
-        {"float16": MFU_FRACTION * 125 * TFLOPS, "float32": MFU_FRACTION * 15.7 * TFLOPS},
+        _achievable("V100"),  # no bf16 hardware, so no bfloat16 figure
         # Estimate, not a cited measurement: 150 GB/s per direction x ~0.85, the
         # busbw/link-rate ratio seen on H100 and A100 above.
         _same(130 * GB),
@@ -469,7 +497,7 @@ DEVICE_PRESETS: dict[str, DevicePreset] = {
         "(every ring hop crosses the network: one rank per node, or a data-parallel "
         "group strided across nodes)",
         "cuda", 80 * GiB,
-        {"bfloat16": MFU_FRACTION * 989 * TFLOPS, "float32": MFU_FRACTION * 67 * TFLOPS},
+        _achievable("H100"),
         # "For NDR @ 400Gbps you should see 46-48GB/s per NIC" (NCCL maintainer,
         # NVIDIA/nccl-tests#290); 50 GB/s is the line rate.
         _same(46 * GB),

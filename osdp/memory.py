@@ -5,7 +5,8 @@ against (DESIGN.md section 8). On CUDA the caching allocator already counts
 every tensor byte (``torch.cuda.max_memory_allocated``). On CPU nothing does,
 so ``LiveBytesTracker`` counts the bytes of live CPU tensor storages itself,
 with the same scope: memory PyTorch allocates for tensors, not a
-communication library's own buffers.
+communication library's own buffers. It counts CUDA storages the same way, so
+that ``osdp.profile.describe`` attributes a GPU model's bytes to its units.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ CATEGORIES = (
 )
 _PARAM, _UNSHARDED, _GRAD, _OPTIM, _BUFFER, _INPUT, _ACT, _TEMP = range(len(CATEGORIES))
 _EXTERNAL = len(CATEGORIES)  # allocated out of the tracker's sight: followed, not counted
+_TRACKED_DEVICES = ("cpu", "cuda")
+
+
+def _tracked(t: torch.Tensor) -> bool:
+    return (t.is_cpu or t.is_cuda) and t.layout == torch.strided  # (is_* are cheaper than .device, per op)
 
 
 @dataclass(frozen=True)
@@ -110,17 +116,17 @@ class _Watch(TorchDispatchMode):
         # lift_fresh: an allocation made here, not a tensor from out of sight.
         if func is not _LIFT_FRESH:
             for t in _flat_tensors(args) + _flat_tensors(kwargs.values()) if kwargs else _flat_tensors(args):
-                if t.is_cpu and t.layout == torch.strided:
+                if _tracked(t):
                     note(t.untyped_storage(), _EXTERNAL, known_ok=True)
         out = func(*args, **kwargs)
         for t in (out,) if isinstance(out, torch.Tensor) else iter_tensors(out):
-            if t.is_cpu and t.layout == torch.strided:
+            if _tracked(t):
                 note(t.untyped_storage(), _TEMP)
         return out
 
 
 class LiveBytesTracker:
-    """Counts the bytes of live CPU tensor storages; records the peak and what it was made of.
+    """Counts the bytes of live CPU (and CUDA) tensor storages; records the peak and what it was made of.
 
     ``roots`` (modules, optimizers, tensors such as the batch) are the state
     that existed before the region: their storages are the baseline, and they
@@ -178,7 +184,7 @@ class LiveBytesTracker:
 
         def resize_(storage: torch.UntypedStorage, nbytes: int) -> Any:
             out = orig_resize(storage, nbytes)
-            if storage.device.type == "cpu":
+            if storage.device.type in _TRACKED_DEVICES:
                 tracker._note_storage(storage, _UNSHARDED if nbytes else _TEMP)
             return out
 
@@ -275,7 +281,7 @@ class LiveBytesTracker:
         if is_traceable_wrapper_subclass(t):  # DTensor: its local tensor (the mesh is not a tensor)
             for inner in iter_tensors([getattr(t, name) for name in t.__tensor_flatten__()[0]]):
                 self._note(inner, category)
-        elif t.is_cpu and t.layout == torch.strided:
+        elif _tracked(t):
             self._note_storage(t.untyped_storage(), category)
 
     def _note_storage(self, storage: torch.UntypedStorage, category: int, known_ok: bool = False) -> None:

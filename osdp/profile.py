@@ -420,14 +420,23 @@ class Segments:
         return hook
 
 
-class _Timer:
-    """Seconds per (phase, unit) between segment boundaries."""
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """Waits for the device's queued work: on CUDA a clock read without it times the kernel launches."""
+    if device.type == "cuda":
+        return functools.partial(torch.cuda.synchronize, device)
+    return lambda: None
 
-    def __init__(self) -> None:
+
+class _Timer:
+    """Seconds per (phase, unit) between segment boundaries (``sync`` first waits for the device)."""
+
+    def __init__(self, sync: Callable[[], None] = lambda: None) -> None:
         self.seconds: dict[tuple[str, str], float] = {}
+        self.sync = sync
         self.last = time.perf_counter()
 
     def __call__(self, owner: str, phase: str) -> None:
+        self.sync()
         now = time.perf_counter()
         key = (phase, owner)
         self.seconds[key] = self.seconds.get(key, 0.0) + now - self.last
@@ -702,20 +711,26 @@ def memory_pass(
     return memory, list(segments.finished)
 
 
-def _time_at(model: nn.Module, units: Sequence[Unit], batch: Any, loss_fn, repeats: int) -> dict[str, Any]:
+def _time_at(
+    model: nn.Module, units: Sequence[Unit], batch: Any, loss_fn, repeats: int, sync: Callable[[], None]
+) -> dict[str, Any]:
     """Per-unit seconds (medians over ``repeats`` hooked steps), scaled so that they add up to the
-    median plain step (hooks cost a few percent; plain and hooked steps alternate)."""
+    median plain step (hooks cost a few percent, waiting for a GPU at every boundary more; plain
+    and hooked steps alternate)."""
     timed, plain = [], []
     for _ in range(repeats):
         model.zero_grad(set_to_none=True)
-        timer = _Timer()
+        timer = _Timer(sync)
         with Segments(model, units, timer) as segments:
+            sync()
             timer.last = time.perf_counter()
             _step(model, batch, loss_fn, segments)
         timed.append(timer.seconds)
         model.zero_grad(set_to_none=True)
+        sync()
         start = time.perf_counter()
         _step(model, batch, loss_fn)
+        sync()
         plain.append(time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
     step_s = statistics.median(plain)
@@ -757,6 +772,7 @@ def time_optimizers(params: Sequence[torch.Tensor], names: Iterable[str], repeat
     out = {}
     shapes = [tuple(p.shape) for p in params if p.requires_grad]
     device = next(iter(params)).device
+    sync = synchronizer(device)
     nbytes = 4 * sum(math.prod(s) for s in shapes)
     for name in names:
         tensors = [nn.Parameter(torch.zeros(s, device=device)) for s in shapes]
@@ -766,8 +782,10 @@ def time_optimizers(params: Sequence[torch.Tensor], names: Iterable[str], repeat
         optimizer.step()  # creates the state
         times = []
         for _ in range(repeats):
+            sync()
             start = time.perf_counter()
             optimizer.step()
+            sync()
             times.append(time.perf_counter() - start)
         out[name] = statistics.median(times) / nbytes
         del optimizer, tensors
@@ -971,6 +989,7 @@ def describe(
             pass  # unreadable entry (older format): measure again
 
     saved_grads = {p: p.grad for p in params}
+    sync = synchronizer(device)
     costs: dict[str, dict[str, UnitCosts]] = {}
     checks: dict[str, Any] = {}
     order: list[str] = []
@@ -980,19 +999,19 @@ def describe(
                 runnable = model if prec == "fp32" else _copy_in(model, PRECISIONS[prec])
                 runnable_units = build_units(runnable, [u.path for u in units])
                 show(f"{prec}: warm-up")
-                step_s = _warm_up(runnable, resize_batch(example_input, sizes[-1]), loss_fn)
+                step_s = _warm_up(runnable, resize_batch(example_input, sizes[-1]), loss_fn, sync)
                 reps = repeats or max(2, min(7, int(time_budget_s / len(precisions) / max(step_s, 1e-4) / 2.5 / len(sizes))))
                 memory, seconds, checkpointed = {}, {}, {}
                 for i, b in enumerate(sizes):
                     show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps")
                     batch = resize_batch(example_input, b)
                     memory[b], order = memory_pass(runnable, runnable_units, batch, loss_fn)
-                    timing = _time_at(runnable, runnable_units, batch, loss_fn, reps)
+                    timing = _time_at(runnable, runnable_units, batch, loss_fn, reps, sync)
                     seconds[b] = timing["seconds"]
                     checks.setdefault(prec, {})[str(b)] = {k: timing[k] for k in ("step_s", "hooked_step_s")}
                     if checkpointable(runnable_units):
                         with _checkpointed(runnable, runnable_units):
-                            checkpointed[b] = _time_at(runnable, runnable_units, batch, loss_fn, reps)["seconds"]
+                            checkpointed[b] = _time_at(runnable, runnable_units, batch, loss_fn, reps, sync)["seconds"]
                 costs[prec] = fit_costs(runnable_units, sizes, memory, seconds, checkpointed_seconds=checkpointed or None)
                 if runnable is not model:
                     del runnable
@@ -1031,12 +1050,14 @@ def _copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return copy.deepcopy(model).to(dtype)
 
 
-def _warm_up(model: nn.Module, batch: Any, loss_fn) -> float:
+def _warm_up(model: nn.Module, batch: Any, loss_fn, sync: Callable[[], None]) -> float:
     """Two steps (first-call costs, allocator warm-up); returns the second's seconds."""
     for _ in range(2):
         model.zero_grad(set_to_none=True)
+        sync()
         start = time.perf_counter()
         _step(model, batch, loss_fn)
+        sync()
         elapsed = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
     return elapsed

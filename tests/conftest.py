@@ -1,12 +1,12 @@
 import os
 
+import pytest
+
 # One thread per process: the test machines have 2 cores and multi-rank tests run several processes.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +17,13 @@ def split_library():
     import osdp.split as split
 
     return Path(split.build_extension().__file__)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped without it; ``pytest -m gpu`` runs only them."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest -m gpu there, or python experiments/gpu_check.py)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

@@ -333,7 +333,7 @@ def test_models_without_parameters_or_not_materialized_are_refused_on_every_rank
     assert on_2[0][0]["meta_on_one_rank"][:2] == ("PlanError", f"rank 1 rejected the plan: {half[1]}")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to put a model on two devices")
+@pytest.mark.gpu  # a model on two devices needs a second one
 def test_a_model_on_two_devices_or_on_another_device_is_refused():
     spread = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).cuda())
     try:

@@ -215,6 +215,53 @@ def test_gpu_paper_config_smoke(tmp_path):
     assert (tmp_path / "gpu_paper_config.png").stat().st_size > 10_000
 
 
+def test_gpu_check_dry_run(tmp_path):
+    """experiments/gpu_check.py --dry-run: every part set up and run on the CPU at tiny sizes (fake process
+    group, stand-in gathers, guarded compile), and the record holds everything the GPU run reports."""
+    cmd = [sys.executable, str(EXPERIMENTS / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    record = json.loads((tmp_path / "cpu-dry-run.json").read_text())
+    assert record["dry_run"] and record["device"] == "cpu" and record["torch"] == torch.__version__
+    assert set(record["parts"]) == {"tests", "overlap", "paper_config", "flops", "mfu"}
+    assert not [p for p in record["parts"].values() if "error" in p]
+    # 1. the CUDA tests are collected under the gpu marker (the dry run does not run them)
+    collected = record["tests"]["collected"]
+    for test in ("test_split.py::test_cuda_stream_path_matches_linear",
+                 "test_bad_inputs.py::test_a_model_on_two_devices_or_on_another_device_is_refused",
+                 "test_gpu.py::test_peak_memory_on_cuda_is_the_allocators_peak_over_the_block",
+                 "test_gpu.py::test_bf16_training_of_gpt2_small_on_one_rank_matches_fp32",
+                 "test_gpu.py::test_a_checkpoint_saved_on_cuda_loads_on_cpu"):
+        assert any(c.endswith(test) for c in collected), test
+    assert not record["tests"]["ran"] and len(collected) < 20  # the marker selects, not the whole suite
+    # 2. the stand-in drives the C++ op: each k's output equals nn.Linear's
+    assert set(record["split_hidden_fraction"]) == {"2", "4", "8"}
+    for k, row in record["split_overlap"]["per_k"].items():
+        assert row["matches_linear"] and 0 <= row["hidden_fraction"] <= 1, k
+        assert row["hideable_fraction"] == 1 - 1 / int(k)
+    # 3. OSDP at three budgets, FSDP, ZeRO-2 and five more, rank 0 of 8; predicted and measured peaks
+    plans = record["paper_config"]
+    assert {"osdp", "osdp@4MiB", "osdp@3MiB", "fsdp", "zero2"} <= set(plans) and len(plans) >= 10
+    for name, p in plans.items():
+        assert p["measured_peak_bytes"] > 0 and p["predicted_peak_bytes"] > 0, name
+        assert p["measured_compute_s"] > 0 and p["predicted_compute_s"] > 0, name
+    assert record["over_budget"] == [] and record["targets"]["no_plan_over_budget"]
+    assert 0 <= record["memory_error_median"] <= record["memory_error_worst"]
+    assert "collectives not executed" in record["paper_config_setting"]["note"]
+    assert (tmp_path / "cpu-dry-run.paper_config.png").stat().st_size > 10_000
+    # 4. compute ranking, and the measured matmul rate against the preset
+    assert -1 <= record["compute_kendall_tau"] <= 1
+    assert record["flops"]["preset"] == "cpu-loopback" and record["flops"]["float32"]["measured"] > 0
+    # 5. tokens/s and MFU, eager and compiled (dynamo, guarded as on the GPU)
+    for model in ("gpt2-tiny", "gpt2-mini"):
+        for mode in ("eager", "compiled"):
+            run = record["training"][model][mode]
+            assert run["tokens_per_s"] > 0 and record["mfu"][model][mode] > 0, (model, mode)
+    assert record["training"]["gpt2-tiny"]["compiled"]["compile_backend"] == "eager"
+    md = (tmp_path / "cpu-dry-run.md").read_text()
+    assert "(dry run)" in md and "## 5. One GPU's limit" in md
+
+
 _SIGNAL_CHILD = """
 import os, signal, sys, time
 sys.path.insert(0, {experiments!r})

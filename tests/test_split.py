@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import osdp.split as split
@@ -332,17 +333,62 @@ def _cuda_stream_path(rank, world_size, backends):
             torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)  # TF32 may be on
             torch.testing.assert_close(x.grad, gx_ref, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(module.weight.grad.full_tensor(), gw_ref, atol=1e-4, rtol=1e-4)
+        # bf16 compute (slices gathered in bf16), fp32 gradient reduction: nn.Linear within bf16's precision
+        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for k in (1, 4):
+            module = SplitLinear.from_linear(copy.deepcopy(linear), k, mesh, mp_policy=bf16)
+            x = xs[rank].clone().requires_grad_()
+            y = module(x)
+            y.backward(grads[rank].to(torch.bfloat16))
+            assert y.dtype == torch.bfloat16 and module.weight.grad.dtype == torch.float32
+            torch.testing.assert_close(y.float(), y_ref, atol=3e-2, rtol=2e-2)
+            torch.testing.assert_close(x.grad, gx_ref, atol=3e-2, rtol=2e-2)
+            torch.testing.assert_close(module.weight.grad.full_tensor(), gw_ref, atol=3e-2, rtol=2e-2)
     split.set_backend("auto")
     return split.backend()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the stream path is compiled everywhere, run only on CUDA)")
+@pytest.mark.gpu
 def test_cuda_stream_path_matches_linear(backends):
     world_size = min(torch.cuda.device_count(), 2)
     assert run_ranks(_cuda_stream_path, world_size, backends, timeout=240) == ["cuda" if "cpp" in backends else "python"] * world_size
 
 
 # -- single process: the splitting rule and the backend switch -------------------------------------------
+
+
+def test_stand_in_transport_matches_linear(backends):
+    """The C++ loop with its collectives replaced by copies from and to host memory (how
+    experiments/gpu_check.py measures overlap on one GPU) computes nn.Linear's forward and gradients,
+    holds at most two gathered slices, and sends each slice's weight gradient to its host sink."""
+    if "cpp" not in backends:
+        pytest.skip("the C++ extension could not be built here (see the warning)")
+    ext = split.build_extension()
+    torch.manual_seed(0)
+    for in_f, out_f, k in ((16, 96, 1), (16, 96, 4), (7, 13, 3), (6, 5, 8)):
+        linear = nn.Linear(in_f, out_f, bias=False)
+        w = linear.weight.detach()
+        pieces = split_layout(out_f, 1, k)[1]
+        rows = [sum(pieces[:i]) for i in range(len(pieces))]
+        slices = [w[r : r + q].clone() for r, q in zip(rows, pieces)]
+        sinks = [torch.full((q, in_f), float("nan")) for q in pieces]
+        x = torch.randn(11, in_f, requires_grad=True)
+        grad = torch.randn(11, out_f)
+        y_ref = linear(x)
+        y_ref.backward(grad)
+        split.reset_peak_memory_stats()
+        y = ext.stand_in_forward(x.detach(), w, slices, pieces)
+        gathered_peak = ext.memory_stats()["peak_gathered_bytes"] - ext.memory_stats()["gathered_bytes"]
+        gx, gw = ext.stand_in_backward(grad, x.detach(), w, slices, sinks, pieces)
+        torch.testing.assert_close(y, y_ref.detach())
+        torch.testing.assert_close(gx, x.grad)
+        torch.testing.assert_close(gw, linear.weight.grad)
+        torch.testing.assert_close(torch.cat(sinks), linear.weight.grad)
+        assert gathered_peak == min(len(pieces), 2) * max(pieces) * in_f * 4
+    with pytest.raises(RuntimeError, match="one host tensor per slice"):
+        ext.stand_in_forward(torch.randn(2, 16), torch.randn(96, 16), [torch.randn(48, 16)], [48, 48])
+    with pytest.raises(RuntimeError, match=r"host tensor 1 must be \(48, 16\)"):
+        ext.stand_in_forward(torch.randn(2, 16), torch.randn(96, 16), [torch.randn(48, 16), torch.randn(40, 16)], [48, 48])
 
 
 def test_split_layout():

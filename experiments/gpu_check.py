@@ -1,0 +1,549 @@
+"""GPU proof: every GPU check of OSDP on one GPU, in one command, in under 9 minutes.
+
+    python experiments/gpu_check.py             # one CUDA GPU: experiments/results/gpu/<device>.json and .md
+    python experiments/gpu_check.py --dry-run   # CPU, tiny sizes: every part set up and run, about a minute
+
+One GPU has no second rank, so nothing here communicates between GPUs: multi-rank
+code runs as one rank of a real group, or as rank 0 of 8 under the fake process
+group (``osdp._torch_private.init_fake_process_group``: FSDP2 shards, gathers
+and frees as rank 0 of 8 does, so compute and memory are real, but the
+collectives are not executed), and every record says which.
+
+1. tests: ``pytest -m gpu`` (tests/test_gpu.py and the CUDA tests elsewhere: the
+   split op's stream path against nn.Linear in fp32 and bf16, a model on two
+   devices, PeakMemory against the allocator, the measured description on CUDA,
+   bf16 training of gpt2-small against fp32, a checkpoint saved on the GPU loaded
+   on the CPU), in a subprocess; the dry run only collects them.
+2. overlap: the split op's C++ stream path on a 4096 -> 16384 Linear at k = 2, 4, 8
+   with a stand-in for its collectives: copies of each slice from pinned host
+   memory, and of each weight-gradient slice to it, on the op's communication
+   stream (``bench_split.StandInSplit``); CUDA events. Hidden fraction of the
+   gather time, and step time against the unsplit Linear.
+3. memory: gpt-48l-h1536 (the OSDP paper's model), rank 0 of 8 under the fake
+   group, fp32, AdamW: OSDP's plans at 8, 6 and 4 GiB, FSDP, ZeRO-2 and five more
+   fixed plans (``gpu_paper_config``); predicted peak against
+   ``torch.cuda.max_memory_allocated`` per plan.
+4. compute: the same plans' measured compute step (no communication under the
+   fake group) against the cost model's prediction from the model measured on
+   this GPU (``osdp.profile.describe``) and from the analytic description; Kendall
+   tau. The CUDA presets' matmul FLOP/s against what this GPU measures.
+5. mfu: gpt2-small and gpt2-medium, bf16 autocast training on one GPU, eager and
+   ``torch.compile``: tokens/s and MFU against the data-sheet bf16 peak.
+
+A part that fails records its error and the others still run; ``--time-limit``
+(seconds for the whole run) skips the compiled MFU runs when too little is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+EXPERIMENTS = Path(__file__).resolve().parent
+ROOT = EXPERIMENTS.parent
+RESULTS = EXPERIMENTS / "results" / "gpu"
+for path in (str(EXPERIMENTS), str(ROOT)):  # bench_split, gpu_paper_config; this checkout's osdp
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import bench_split  # noqa: E402
+import gpu_paper_config  # noqa: E402
+
+TARGETS = {
+    "split_hidden_of_hideable_min": 0.80,  # per k
+    "memory_error_median_max": 0.05,
+    "memory_error_worst_max": 0.10,
+    "time_limit_s": 540,
+}
+FAKE_PG = gpu_paper_config.NOTE
+PARTS = ("tests", "overlap", "paper_config", "flops", "mfu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What each part runs: the GPU's sizes, or the dry run's tiny ones."""
+
+    overlap: dict[str, Any]
+    paper_argv: list[str]
+    mfu_models: dict[str, int]  # model -> micro-batch (sequences of the model's length)
+    mfu_steps: int
+    mfu_warmup: int
+    compile_backend: str
+    compile_reserve_s: float  # seconds a compiled MFU run may need; skipped when less is left
+
+
+GPU_SIZES = Sizes(
+    overlap=dict(in_features=4096, out_features=16384, ks=(2, 4, 8), dtype=torch.bfloat16, rounds=10, warmup=2),
+    paper_argv=["--model", "gpt-48l-h1536", "--world-size", "8", "--budget", "8GiB", "--extra-budgets", "6GiB",
+                "4GiB", "--batch-sizes", "1", "2", "4", "8", "--steps", "3", "--warmup", "1"],
+    mfu_models={"gpt2-small": 16, "gpt2-medium": 8},
+    mfu_steps=10,
+    mfu_warmup=3,
+    compile_backend="inductor",
+    compile_reserve_s=100.0,
+)
+DRY_SIZES = Sizes(
+    overlap=dict(in_features=256, out_features=1024, ks=(2, 4, 8), dtype=torch.float32, tokens=256, rounds=2,
+                 warmup=1),
+    paper_argv=["--model", "gpt2-tiny", "--world-size", "8", "--budget", "5MiB", "--extra-budgets", "4MiB", "3MiB",
+                "--batch-sizes", "4", "--steps", "1", "--warmup", "1"],
+    mfu_models={"gpt2-tiny": 4, "gpt2-mini": 2},
+    mfu_steps=2,
+    mfu_warmup=1,
+    compile_backend="eager",  # dynamo's tracing, guarded like the GPU's; inductor's C++ build takes minutes on CPU
+    compile_reserve_s=10.0,
+)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def slug(name: str, dry_run: bool) -> str:
+    return "cpu-dry-run" if dry_run else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+# --------------------------------------------------------------------------- 1. tests
+
+
+def part_tests(dry_run: bool, timeout_s: float) -> dict[str, Any]:
+    """``pytest -m gpu`` in a subprocess (the dry run collects the tests without running them)."""
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd += ["--collect-only"] if dry_run else [f"--junitxml={junit}"]
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+        out = {"command": " ".join(["python", *cmd[1:]]).replace(f"--junitxml={junit}", "--junitxml=..."),
+               "returncode": r.returncode, "ran": not dry_run, "output_tail": (r.stdout + r.stderr)[-3000:]}
+        if dry_run:
+            out["collected"] = [line for line in r.stdout.splitlines() if "::" in line]
+            return out
+        cases = ET.parse(junit).getroot().iter("testcase") if junit.exists() else []
+    results = {}
+    for case in cases:
+        test_id = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        results[test_id] = {"outcome": outcome, "seconds": float(case.get("time", 0))}
+    out.update(collected=list(results), results=results,
+               passed=sum(v["outcome"] == "passed" for v in results.values()),
+               failed=[k for k, v in results.items() if v["outcome"] in ("failure", "error")],
+               skipped=[k for k, v in results.items() if v["outcome"] == "skipped"])
+    return out
+
+
+# --------------------------------------------------------------------------- 2. overlap
+
+
+def part_overlap(sizes: Sizes, device: torch.device) -> dict[str, Any]:
+    return bench_split.stand_in_overlap(device, **sizes.overlap)
+
+
+# --------------------------------------------------------------------------- 3 and 4. the paper's configuration
+
+
+def part_paper_config(sizes: Sizes, device: torch.device, out: Path, stem: str) -> dict[str, Any]:
+    """gpu_paper_config with every plan and the measured compute; its full record and figure beside ours."""
+    args = gpu_paper_config.parse_args([*sizes.paper_argv, "--device", device.type, "--plans", "all",
+                                        "--measured-compute", "--out", str(out)])
+    record = gpu_paper_config.experiment(args)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.paper_config.json").write_text(json.dumps(record, indent=1, default=str))
+    gpu_paper_config.plot(record, out / f"{stem}.paper_config.png")
+    return record
+
+
+def memory_summary(record: dict[str, Any]) -> dict[str, Any]:
+    """Per plan predicted against measured peak; median and worst error; plans over their budget."""
+    plans, errors = {}, []
+    for r in record["runs"]:
+        error = r["predicted_peak_bytes"] / r["peak_bytes"] - 1
+        errors.append(abs(error))
+        plans[r["name"]] = {
+            "summary": r["summary"], "batch_size": r["batch_size"], "budget_bytes": r["budget_bytes"],
+            "predicted_peak_bytes": r["predicted_peak_bytes"], "measured_peak_bytes": r["peak_bytes"],
+            "measured_reserved_bytes": r.get("peak_reserved_bytes"), "error": error,
+            "over_budget": bool(r["budget_bytes"]) and r["peak_bytes"] > r["budget_bytes"],
+            "measured_compute_s": r["step_s_median"], "predicted_compute_s": r.get("predicted_compute_s"),
+            "predicted_compute_analytic_s": r["predicted_compute_analytic_s"],
+            "predicted_step_with_collectives_s": r["predicted_step_s"],
+        }
+    MiB = 2**20
+    paper = {name: {"measured_mib": plans[name]["measured_peak_bytes"] / MiB, "paper_mb": record["paper"][key]}
+             for name, key in (("osdp", "osdp_peak_mb"), ("fsdp", "fsdp_peak_mb")) if name in plans}
+    return {
+        "paper_config": plans,
+        "memory_error_median": statistics.median(errors) if errors else None,
+        "memory_error_worst": max(errors) if errors else None,
+        "over_budget": [name for name, p in plans.items() if p["over_budget"]],
+        "not_fitting": record.get("not_fitting", []),
+        "paper_comparison": paper,
+    }
+
+
+def compute_summary(plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Kendall tau and errors of the predicted compute step (measured and analytic descriptions)."""
+    from osdp.validate import kendall_tau
+
+    out: dict[str, Any] = {}
+    for key, label in (("predicted_compute_s", "measured"), ("predicted_compute_analytic_s", "analytic")):
+        rows = [(p[key], p["measured_compute_s"]) for p in plans.values() if p.get(key)]
+        if len(rows) < 2:
+            continue
+        predicted, measured = zip(*rows)
+        errors = [abs(a / b - 1) for a, b in rows]
+        out[label] = {"kendall_tau": kendall_tau(predicted, measured), "error_median": statistics.median(errors),
+                      "error_worst": max(errors), "plans": len(rows)}
+    return out
+
+
+# --------------------------------------------------------------------------- 4b. FLOP/s presets
+
+
+def preset_for(name: str) -> str | None:
+    """The osdp.device preset describing a GPU of this name (the CPU's for the CPU)."""
+    if name == "cpu":
+        return "cpu-loopback"
+    for key, preset in (("A100", "a100-80gb-nvlink"), ("V100", "v100-32gb-nvlink"), ("H100", "h100-nvlink"),
+                        ("H200", "h100-nvlink")):  # H200: H100 SXM's compute, more memory
+        if key in name:
+            return preset
+    return None
+
+
+def part_flops(device: torch.device) -> dict[str, Any]:
+    """Matmul FLOP/s measured here against the preset's (data sheet x MFU_FRACTION) and the data sheet."""
+    from osdp.device import DEVICE_PRESETS, MFU_FRACTION, datasheet_peak_flops, measure_flops
+
+    name = device_name(device)
+    preset = preset_for(name)
+    peaks = datasheet_peak_flops(name) or {}
+    out: dict[str, Any] = {"preset": preset, "mfu_fraction": MFU_FRACTION,
+                           "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
+    for dtype in (torch.float32, torch.bfloat16):
+        key = str(dtype).removeprefix("torch.")
+        measured = measure_flops(device, dtype)
+        row = {"measured": measured, "preset": None, "measured_over_preset": None,
+               "datasheet_peak": peaks.get(key), "measured_over_peak": None}
+        if preset and key in DEVICE_PRESETS[preset].flops:
+            row["preset"] = DEVICE_PRESETS[preset].flops[key]
+            row["measured_over_preset"] = measured / row["preset"]
+        if row["datasheet_peak"]:
+            row["measured_over_peak"] = measured / row["datasheet_peak"]
+        out[key] = row
+    return out
+
+
+# --------------------------------------------------------------------------- 5. MFU
+
+
+def train_throughput(model_name: str, batch: int, device: torch.device, backend: str | None, steps: int,
+                     warmup: int) -> dict[str, Any]:
+    """Tokens/s of bf16 autocast training (fp32 weights, AdamW) of a reference model on one device."""
+    from osdp import models
+    from osdp.data import synthetic_batch
+
+    torch.manual_seed(0)
+    config = models.get_config(model_name)
+    with torch.device(device):
+        model = models.build(model_name)
+    inputs, targets = (t.to(device) for t in synthetic_batch(config, batch, generator=torch.Generator().manual_seed(0)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    run = torch.compile(model, backend=backend) if backend else model
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = run(inputs, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    _sync(device)
+    start = time.perf_counter()
+    step()  # compiles, when compiled
+    _sync(device)
+    first_s = time.perf_counter() - start
+    for _ in range(warmup):
+        step()
+    timer, times = bench_split.Timer(device), []
+    for _ in range(steps):
+        timer.start()
+        loss = step()
+        times.append(timer.stop())
+    peak = None
+    if device.type == "cuda":  # (on CPU the live-bytes tracker would trace into the compiled graph)
+        from osdp.memory import PeakMemory
+
+        with PeakMemory(device) as meter:
+            step()
+        peak = meter.stats().peak_bytes
+    step_s = statistics.median(times)
+    tokens = batch * config.seq_len
+    out = {"batch_size": batch, "seq_len": config.seq_len, "params": models.num_params(model),
+           "flops_per_token": models.flops_per_token(config), "step_s": step_s, "step_times_s": times,
+           "tokens_per_s": tokens / step_s, "first_step_s": first_s, "final_loss": loss.item(),
+           "peak_bytes": peak, "compile_backend": backend}
+    del run, model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def part_mfu(sizes: Sizes, device: torch.device, remaining: Callable[[], float], flops: dict | None) -> dict[str, Any]:
+    from osdp.device import datasheet_peak_flops, measure_flops
+
+    peak = (datasheet_peak_flops(device_name(device)) or {}).get("bfloat16")
+    reference = "data-sheet dense bf16 peak"
+    if peak is None:  # no data sheet (the CPU): this device's own bf16 matmul rate
+        peak = (flops or {}).get("bfloat16", {}).get("measured") or measure_flops(device, torch.bfloat16)
+        reference = "this device's measured bf16 matmul FLOP/s (no data sheet)"
+    out: dict[str, Any] = {"peak_flops": peak, "reference": reference, "models": {}}
+    for model_name, batch in sizes.mfu_models.items():
+        modes: dict[str, Any] = {}
+        for mode, backend in (("eager", None), ("compiled", sizes.compile_backend)):
+            if backend and remaining() < sizes.compile_reserve_s:
+                modes[mode] = {"skipped": f"{remaining():.0f} s left of the time limit, a compiled run may need "
+                                          f"{sizes.compile_reserve_s:.0f} s"}
+                continue
+            try:
+                r = train_throughput(model_name, batch, device, backend, sizes.mfu_steps, sizes.mfu_warmup)
+            except Exception as e:  # noqa: BLE001 - torch.compile may fail on a given torch/GPU: say so, go on
+                modes[mode] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                continue
+            r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / peak
+            modes[mode] = r
+        out["models"][model_name] = modes
+    return out
+
+
+# --------------------------------------------------------------------------- the record
+
+
+def targets_met(record: dict[str, Any]) -> dict[str, Any]:
+    """Each target: met or not (the dry run's overlap and time mean nothing, so they are not judged)."""
+    t: dict[str, Any] = {}
+    tests = record.get("tests") or {}
+    if tests.get("ran"):
+        t["tests_pass"] = tests.get("returncode") == 0 and not tests.get("failed")
+    hideable = record.get("split_hidden_of_hideable") or {}
+    if hideable and not record["dry_run"]:
+        t["split_overlap"] = all(v >= TARGETS["split_hidden_of_hideable_min"] for v in hideable.values())
+    if record.get("memory_error_median") is not None:
+        t["memory_error_median"] = record["memory_error_median"] <= TARGETS["memory_error_median_max"]
+        t["memory_error_worst"] = record["memory_error_worst"] <= TARGETS["memory_error_worst_max"]
+        t["no_plan_over_budget"] = not record["over_budget"]
+    if not record["dry_run"]:
+        t["time_limit"] = record["seconds"] <= TARGETS["time_limit_s"]
+    return t
+
+
+def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    start = time.perf_counter()
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("gpu_check: no CUDA device here; --dry-run checks the script on the CPU")
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    sizes = DRY_SIZES if args.dry_run else GPU_SIZES
+    name = device_name(device)
+    stem = slug(name, args.dry_run)
+    remaining = lambda: args.time_limit - (time.perf_counter() - start)  # noqa: E731
+    record: dict[str, Any] = {
+        "device": name, "dry_run": args.dry_run, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+                    "gpu_memory_bytes": torch.cuda.get_device_properties(device).total_memory
+                    if device.type == "cuda" else None},
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "notes": [
+            "one GPU: multi-rank code runs on a one-rank group, or as rank 0 of 8 under the fake process group "
+            f"({FAKE_PG})",
+            "split overlap: the op's collectives are replaced by a stand-in, copies of each slice from pinned host "
+            "memory (and of each weight-gradient slice to it) on the op's communication stream; the op cannot "
+            "hide slice 0's gather, so at most (k-1)/k of the gather time can hide: the target is judged on "
+            "hidden_of_hideable",
+        ] + (["dry run: CPU, tiny sizes; no streams on CPU, so its overlap and timings mean nothing"]
+             if args.dry_run else []),
+        "parts": {},
+    }
+
+    def part(key: str, fn: Callable[[], Any]) -> Any:
+        if key not in args.parts:
+            return None
+        t0 = time.perf_counter()
+        print(f"gpu_check: {key} ({remaining():.0f} s left)", flush=True)
+        try:
+            result = fn()
+            record["parts"][key] = {"seconds": time.perf_counter() - t0}
+            return result
+        except Exception as e:  # noqa: BLE001 - record it, run the other parts
+            record["parts"][key] = {"seconds": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}",
+                                    "traceback": traceback.format_exc()[-4000:]}
+            print(f"gpu_check: {key} failed: {type(e).__name__}: {e}", flush=True)
+            return None
+        finally:  # what a part leaves behind must not count in the next one's peak memory
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    record["tests"] = part("tests", lambda: part_tests(args.dry_run, timeout_s=max(60.0, min(300.0, remaining()))))
+    overlap = part("overlap", lambda: part_overlap(sizes, device))
+    if overlap:
+        record["split_overlap"] = overlap
+        record["split_hidden_fraction"] = {k: v["hidden_fraction"] for k, v in overlap["per_k"].items()}
+        record["split_hidden_of_hideable"] = {k: v["hidden_of_hideable"] for k, v in overlap["per_k"].items()}
+        record["split_step_vs_linear"] = {k: v["step_vs_linear"] for k, v in overlap["per_k"].items()}
+    paper = part("paper_config", lambda: part_paper_config(sizes, device, args.out, stem))
+    if paper:
+        record.update(memory_summary(paper))
+        record["compute"] = compute_summary(record["paper_config"])
+        record["compute_kendall_tau"] = record["compute"].get("measured", {}).get("kendall_tau")
+        record["paper_config_setting"] = {k: paper[k] for k in ("model", "world_size", "rank", "seq_len",
+                                                               "mixed_precision", "preset", "budget_bytes", "note")}
+    record["flops"] = part("flops", lambda: part_flops(device))
+    mfu = part("mfu", lambda: part_mfu(sizes, device, remaining, record["flops"]))
+    if mfu:
+        record["mfu_reference"] = {"peak_flops": mfu["peak_flops"], "reference": mfu["reference"]}
+        record["mfu"] = {m: {mode: r.get("mfu") for mode, r in modes.items()} for m, modes in mfu["models"].items()}
+        record["training"] = mfu["models"]
+    record["seconds"] = time.perf_counter() - start
+    record["targets"] = targets_met(record)
+    return record
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _mib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**20:,.1f}"
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown(record: dict[str, Any]) -> str:
+    out = [f"# GPU proof: {record['device']}" + (" (dry run)" if record["dry_run"] else ""), "",
+           f"torch {record['torch']}, CUDA {record['cuda']}, {record['date']}, {record['seconds']:.0f} s "
+           "(`python experiments/gpu_check.py`).", ""]
+    out += [f"- {n}" for n in record["notes"]] + [""]
+    out += ["## Targets", "", _table(["check", "met"], [[k, "yes" if v else "**no**"] for k, v in record["targets"].items()]), ""]
+    errors = {k: v["error"] for k, v in record["parts"].items() if "error" in v}
+    if errors:
+        out += ["Parts that failed: " + "; ".join(f"{k}: {v}" for k, v in errors.items()), ""]
+    tests = record.get("tests")
+    if tests:
+        out += ["## 1. GPU tests", "", f"`{tests['command']}`: "
+                + (f"{tests['passed']} passed, {len(tests['failed'])} failed, {len(tests['skipped'])} skipped"
+                   if tests["ran"] else f"collected {len(tests['collected'])} (dry run: not run)"), ""]
+        out += [f"- {t}" + (f": {tests['results'][t]['outcome']}" if tests["ran"] else "") for t in tests["collected"]]
+        out.append("")
+    overlap = record.get("split_overlap")
+    if overlap:
+        out += ["## 2. Split op: overlap of the gathers (stand-in)", "",
+                f"{overlap['layer']}, {overlap['dtype']}, {overlap['tokens']} tokens, {overlap['timer']}. "
+                f"Stand-in: {overlap['stand_in']}", "",
+                _table(["k", "hidden", "hidden of hideable", "gather ms", "matmuls ms", "forward ms", "step ms",
+                        "vs Linear", "vs unsplit gathered", "matches Linear"],
+                       [[k, _pct(v["hidden_fraction"]), _pct(v["hidden_of_hideable"]), f"{v['gather_s'] * 1e3:.2f}",
+                         f"{v['compute_s'] * 1e3:.2f}", f"{v['split_forward_s'] * 1e3:.2f}",
+                         f"{v['split_step_s'] * 1e3:.2f}", f"{v['step_vs_linear']:.2f}",
+                         f"{v['step_vs_unsplit_gathered']:.2f}", v["matches_linear"]]
+                        for k, v in overlap["per_k"].items()]), ""]
+    if record.get("paper_config"):
+        s = record["paper_config_setting"]
+        out += ["## 3. The paper's configuration: memory", "",
+                f"{s['model']}, rank {s['rank']} of {s['world_size']} ({s['note']}), {s['mixed_precision']}, "
+                f"sequence {s['seq_len']}. Median error {_pct(record['memory_error_median'])}, worst "
+                f"{_pct(record['memory_error_worst'])}; over budget: {record['over_budget'] or 'none'}.", "",
+                _table(["plan", "micro-batch", "budget MiB", "predicted MiB", "measured MiB", "error", "summary"],
+                       [[n, p["batch_size"], _mib(p["budget_bytes"]), _mib(p["predicted_peak_bytes"]),
+                         _mib(p["measured_peak_bytes"]), _pct(p["error"]), p["summary"]]
+                        for n, p in record["paper_config"].items()]), ""]
+        for x in record["not_fitting"]:
+            out.append(f"- {x['name']}: {x['error']}")
+        for n, p in record["paper_comparison"].items():
+            out.append(f"- {n}: {p['measured_mib']:,.0f} MiB measured; the paper: {p['paper_mb']} MB")
+        out += ["", "## 4. Compute (no communication under the fake group)", "",
+                _table(["plan", "measured ms", "predicted ms (measured description)", "predicted ms (analytic)"],
+                       [[n, f"{p['measured_compute_s'] * 1e3:.1f}",
+                         "-" if p["predicted_compute_s"] is None else f"{p['predicted_compute_s'] * 1e3:.1f}",
+                         f"{p['predicted_compute_analytic_s'] * 1e3:.1f}"] for n, p in record["paper_config"].items()]),
+                ""]
+        for label, c in record["compute"].items():
+            out.append(f"- {label} description: Kendall tau {c['kendall_tau']:.2f}, error median "
+                       f"{_pct(c['error_median'])}, worst {_pct(c['error_worst'])} over {c['plans']} plans")
+        out.append("")
+    flops = record.get("flops")
+    if flops:
+        out += ["## 4b. Matmul FLOP/s against the presets", "",
+                _table(["dtype", "measured TFLOP/s", f"preset {flops['preset']}", "measured / preset",
+                        "data sheet", "measured / data sheet"],
+                       [[k, f"{v['measured'] / 1e12:.3g}", "-" if v["preset"] is None else f"{v['preset'] / 1e12:.3g}",
+                         "-" if v["measured_over_preset"] is None else f"{v['measured_over_preset']:.2f}",
+                         "-" if v["datasheet_peak"] is None else f"{v['datasheet_peak'] / 1e12:.0f}",
+                         _pct(v["measured_over_peak"])]
+                        for k, v in flops.items() if isinstance(v, dict)]), ""]
+    if record.get("training"):
+        ref = record["mfu_reference"]
+        out += ["## 5. One GPU's limit: bf16 training", "",
+                f"MFU against {ref['reference']}: {ref['peak_flops'] / 1e12:.3g} TFLOP/s.", "",
+                _table(["model", "mode", "micro-batch", "tokens/s", "MFU", "step ms", "first step s", "peak MiB"],
+                       [[m, mode, r.get("batch_size", "-"), f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else
+                         r.get("skipped") or r.get("error"), _pct(r.get("mfu")),
+                         f"{r['step_s'] * 1e3:.1f}" if "step_s" in r else "-",
+                         f"{r['first_step_s']:.1f}" if "first_step_s" in r else "-", _mib(r.get("peak_bytes"))]
+                        for m, modes in record["training"].items() for mode, r in modes.items()]), ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="on the CPU at tiny sizes: check the script, not the GPU")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="parts to run (default: all)")
+    p.add_argument("--time-limit", type=float, default=TARGETS["time_limit_s"] - 30,
+                   help="seconds for the whole run; compiled MFU runs are skipped when too little is left")
+    p.add_argument("--out", type=Path, default=RESULTS, help=f"output folder (default {RESULTS.relative_to(ROOT)})")
+    args = p.parse_args(argv)
+    record = run_all(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = slug(record["device"], args.dry_run)
+    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(record) + "\n")
+    print(markdown(record))
+    print(f"gpu_check: wrote {args.out / stem}.json and .md in {record['seconds']:.0f} s", flush=True)
+    failed = [k for k, v in record["parts"].items() if "error" in v]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
