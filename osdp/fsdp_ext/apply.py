@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from osdp import comm
 from osdp.distributed import all_gather_objects, world
 from osdp.plan import ROOT, Plan, PlanError, UnitPlan, display_path
 from osdp.split import apply_split, split_parameters, splittable_linears
@@ -219,6 +220,7 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None =
             mp_policy=mp_policy,
             ignored_params=ignored,
         )
+    comm.install(model)  # the reduce-scatter of osdp.comm's setting on every unit (FSDP2's own by default)
     setattr(model, _PLAN_ATTR, plan)
     return model
 
