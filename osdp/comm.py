@@ -2,12 +2,13 @@
 
 A reduce-scatter on NCCL (a ring) sends and receives (N-1)/N of the message per
 rank, as an all-gather does. Gloo's reduce-scatter costs about an all-reduce
-(its fitted per-byte cost is 1.5-1.9x the all-gather's on a shaped link), which
-makes sharding look dearer on CPU ranks than it is on GPUs, and makes CPU
-training slower than it needs to be. With the ``pairwise`` implementation every
-rank sends chunk j of its input to rank j and sums the N-1 chunks it receives
-with its own: (N-1)/N of the message out and in per rank, NCCL's traffic, on
-any backend with point-to-point ops.
+(its fitted per-byte cost is 1.5-1.9x the all-gather's on a shaped link, 2-3x
+on loopback: experiments/results/collectives.md), which makes sharding look
+dearer on CPU ranks than it is on GPUs, and CPU training slower than it needs
+to be. With the ``pairwise`` implementation every rank sends chunk j of its
+input to rank j and sums the N-1 chunks it receives with its own: (N-1)/N of
+the message out and in per rank, NCCL's traffic, on any backend with
+point-to-point ops.
 
 The setting (``OSDP_REDUCE_SCATTER`` = ``native`` (default) or ``pairwise``, or
 :func:`set_reduce_scatter`) is read where a reduction is made, and applies to
@@ -43,7 +44,7 @@ from osdp._torch_private import FSDPReduceScatterBase
 IMPLEMENTATIONS = ("native", "pairwise")
 ENV = "OSDP_REDUCE_SCATTER"
 
-# all_gather_single / reduce_scatter_single replace the *_tensor names in recent torch.
+# reduce_scatter_single replaces reduce_scatter_tensor in recent torch.
 native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # Point-to-point tags of pairwise reduce-scatters: one per call and group, the same on every rank

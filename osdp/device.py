@@ -182,8 +182,7 @@ def measure_collectives(
     Collective call on every rank of ``group``. Uses the calls FSDP2 makes
     (all_gather_single, the reduce-scatter of ``osdp.comm``'s setting with
     ReduceOp.AVG, all_reduce with ReduceOp.AVG for replicated units), on CUDA
-    for NCCL groups and on CPU
-    otherwise; about ``time_budget_s`` seconds (at least three rounds, at most
+    for NCCL groups and on CPU otherwise; about ``time_budget_s`` seconds (at least three rounds, at most
     ``repeats``). Each timing starts after a barrier and counts the slowest rank
     (a collective is done when every rank is). Sizes and collectives are
     interleaved round by round, so a burst of interference from elsewhere on

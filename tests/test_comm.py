@@ -58,13 +58,6 @@ def _against_native(rank, world_size):
     return checked, errors
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_pairwise_equals_native_reduce_scatter(world_size):
-    checked, errors = run_ranks(_against_native, world_size)[0]
-    assert checked == len(SIZES) * 4
-    assert "SUM or AVG" in errors[0] and "world size x the output" in errors[1] and "same dtype" in errors[2]
-
-
 def test_setting(monkeypatch):
     monkeypatch.delenv(comm.ENV, raising=False)
     assert comm.reduce_scatter_impl() == "native"
@@ -83,12 +76,14 @@ def test_setting(monkeypatch):
 
 
 def _train_pairwise(rank, world_size, build, batches, plans_json, backends):
-    """Under pairwise, for each split backend: every plan trained as in training_check; FSDP2 units use
-    FSDPReduceScatter, and the Python split loop's and FSDP2's reductions went through it."""
+    """``_against_native``; then under pairwise, for each split backend, every plan trained as in
+    training_check: FSDP2 units use FSDPReduceScatter, and FSDP2's and the Python split loop's reductions
+    went through it."""
     import osdp
     import osdp.split as split
     from training_check import full_state, train
 
+    direct = _against_native(rank, world_size)
     comm.set_reduce_scatter("pairwise")
     out = []
     for backend in backends:
@@ -102,11 +97,12 @@ def _train_pairwise(rank, world_size, build, batches, plans_json, backends):
             state = full_state(model)
             out.append((losses, state if rank == 0 else None, comm.uses_pairwise(model), pairwise_calls))
     split.set_backend("auto")
-    return out
+    return direct, out
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_training_with_pairwise_matches_single_process(world_size):
+def test_pairwise_equals_native_and_trains_like_one_process(world_size):
+    """One spawn per world size (each costs seconds): the direct comparison, then training."""
     import osdp.split as split
     from test_wrap import build_toy, every_mode_plans, toy_batches
     from training_check import assert_matches_reference, reference
@@ -117,11 +113,17 @@ def test_training_with_pairwise_matches_single_process(world_size):
     except Exception:  # noqa: BLE001 - no compiler here: the Python loop only
         backends = ("python",)
     plans = every_mode_plans(build_toy())
-    if world_size == 3:  # on three ranks (scratch buffers for the farther peer): FSDP2 units and split slices
+    # on three ranks FSDP2 pads the embedding's and the norms' rows (64 and 32 rows), and the farther peer's
+    # chunk goes through a scratch buffer: FSDP2 units and split slices
+    if world_size == 3:
         plans = {k: plans[k] for k in ("fsdp", "split")}
     batches = toy_batches(global_batch=12)
-    out = run_ranks(_train_pairwise, world_size, build_toy, batches, [p.to_json() for p in plans.values()],
-                    backends, timeout=240)
+    results = run_ranks(_train_pairwise, world_size, build_toy, batches, [p.to_json() for p in plans.values()],
+                        backends, timeout=240)
+    (checked, errors), _ = results[0]
+    assert checked == len(SIZES) * 4
+    assert "SUM or AVG" in errors[0] and "world size x the output" in errors[1] and "same dtype" in errors[2]
+    out = [r[1] for r in results]
     names = [f"{name} ({backend})" for backend in backends for name in plans]
     assert_matches_reference([[(losses, state) for losses, state, _, _ in r] for r in out],
                              reference(build_toy, batches), names)
