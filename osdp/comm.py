@@ -22,6 +22,9 @@ all of them alike:
 - ``osdp.device.measure_collectives``, so that the cost model prices the
   reduce-scatter that runs.
 
+It is meant for gloo: NCCL's own reduce-scatter already moves (N-1)/N, and
+the split op's C++ path takes the pairwise one on CPU tensors only.
+
 Set it the same way on every rank, before ``osdp.wrap``. The pairwise exchange
 keeps at most (N-2)/N of the message in extra buffers (none on 2 ranks: the
 peer's chunk is received straight into the output), fewer than gloo's own,
