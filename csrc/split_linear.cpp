@@ -3,7 +3,8 @@
 // Forward: all-gather slice i+1 while slice i multiplies into its part of the
 // output. Backward: gather again, compute the input gradient and the slice's
 // weight gradient, reduce-scatter that gradient behind the next slice's
-// compute. Same arguments, collectives and order as osdp/split/_loop.py.
+// compute. Same arguments, collectives and order as osdp/split/_loop.py
+// (with `pairwise`, osdp.comm's reduce-scatter: NCCL's traffic on gloo).
 //
 // Layout: each rank holds rows_per_rank = sum(piece_sizes) rows of the weight
 // (FSDP2's Shard(0) chunk, padded on the tail ranks), cut into pieces; slice i
@@ -51,13 +52,74 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 WorkPtr all_gather(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in) {
   return pg->_allgather_base(out, in);
 }
-WorkPtr reduce_scatter(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in) {
+#pragma GCC diagnostic pop
+
+// osdp.comm's pairwise reduce-scatter (NCCL's traffic on gloo, whose own reduce-scatter moves about an
+// all-reduce's bytes): rank r sends chunk j of its input to rank j, receives chunk r of every peer's input
+// (the nearest peer's straight into the output) and sums them with its own in wait(). CPU tensors only.
+class PairwiseReduceScatter : public c10d::Work {
+ public:
+  PairwiseReduceScatter(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in, int tag)
+      : out_(out.view({-1})), n_(pg->getSize()) {
+    TORCH_CHECK(out.is_cpu() && in.is_contiguous() && out.is_contiguous(),
+                "the pairwise reduce-scatter takes contiguous CPU tensors");
+    int64_t rank = pg->getRank();
+    auto chunks = in.view({n_, -1});
+    own_ = chunks[rank];
+    for (int64_t step = 1; step < n_; ++step) {
+      int64_t to = (rank + step) % n_, from = (rank - step + n_) % n_;
+      at::Tensor buffer = step == 1 ? out_ : at::empty_like(out_);
+      std::vector<at::Tensor> recv{buffer}, send{chunks[to]};
+      works_.push_back(pg->recv(recv, from, tag));
+      works_.push_back(pg->send(send, to, tag));
+      if (step > 1) received_.push_back(buffer);
+    }
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (done_) return true;
+    for (auto& work : works_) work->wait(timeout);
+    if (n_ == 1) {
+      out_.copy_(own_);
+    } else {
+      out_.add_(own_);
+      for (auto& chunk : received_) out_.add_(chunk);
+      out_.div_(n_);  // data-parallel mean, as the native path's AVG
+    }
+    works_.clear();
+    received_.clear();
+    own_.reset();
+    done_ = true;
+    return true;
+  }
+
+  bool isCompleted() override { return done_; }
+
+ private:
+  at::Tensor out_, own_;
+  int64_t n_;
+  std::vector<WorkPtr> works_;
+  std::vector<at::Tensor> received_;
+  bool done_ = false;
+};
+
+// Tags of the op's pairwise reduce-scatters: the same sequence on every rank (every rank runs the same
+// ops in the same order); osdp/comm.py counts its own from 1 << 24, so the two never meet.
+std::atomic<int64_t> pairwise_calls{0};
+
+WorkPtr reduce_scatter(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in, bool pairwise) {
+  if (pairwise) {
+    int tag = static_cast<int>((1 << 25) + pairwise_calls.fetch_add(1) % (1 << 20));
+    return c10::make_intrusive<PairwiseReduceScatter>(pg, out, in, tag);
+  }
   c10d::ReduceScatterOptions opts;
   // Data-parallel mean, like FSDP2 (which also avoids AVG on a single rank).
   opts.reduceOp = pg->getSize() > 1 ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
   return pg->_reduce_scatter_base(out, in, opts);
-}
 #pragma GCC diagnostic pop
+}
 
 // How slice i moves: gathered into `out` (size() * q_i rows) from this rank's `piece`, and
 // its weight gradient `in` (size() * q_i rows, rank-major) reduce-scattered into `out`.
@@ -70,17 +132,19 @@ class Transport {
   virtual WorkPtr reduce_scatter(at::Tensor& out, at::Tensor& in, int64_t i) = 0;
 };
 
+// `pairwise`: osdp.comm's reduce-scatter instead of the group's own (see PairwiseReduceScatter).
 class GroupTransport final : public Transport {
  public:
-  explicit GroupTransport(ProcessGroupPtr pg) : pg_(std::move(pg)) {}
+  GroupTransport(ProcessGroupPtr pg, bool pairwise) : pg_(std::move(pg)), pairwise_(pairwise) {}
   int64_t size() const override { return pg_->getSize(); }
   WorkPtr gather(at::Tensor& out, at::Tensor& piece, int64_t) override { return all_gather(pg_, out, piece); }
   WorkPtr reduce_scatter(at::Tensor& out, at::Tensor& in, int64_t) override {
-    return ::reduce_scatter(pg_, out, in);
+    return ::reduce_scatter(pg_, out, in, pairwise_);
   }
 
  private:
   ProcessGroupPtr pg_;
+  bool pairwise_;
 };
 
 // The stand-in: one rank holding the whole weight; slice i is copied in from pinned host
@@ -358,15 +422,15 @@ Grads backward_loop(const at::Tensor& grad_out_in, const at::Tensor& x, const at
 
 at::Tensor split_linear_forward(const at::Tensor& x, const at::Tensor& w_local, const ProcessGroupPtr& pg,
                                 const std::vector<int64_t>& piece_sizes, int64_t out_features) {
-  GroupTransport transport(pg);
+  GroupTransport transport(pg, false);  // the forward only gathers
   return forward_loop(x, w_local, transport, piece_sizes, out_features);
 }
 
 Grads split_linear_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_local,
                             const ProcessGroupPtr& pg, const std::vector<int64_t>& piece_sizes, int64_t out_features,
                             bool need_input_grad, bool need_weight_grad,
-                            std::optional<at::ScalarType> reduce_dtype) {
-  GroupTransport transport(pg);
+                            std::optional<at::ScalarType> reduce_dtype, bool pairwise) {
+  GroupTransport transport(pg, pairwise);
   return backward_loop(grad_out, x, w_local, transport, piece_sizes, out_features, need_input_grad,
                        need_weight_grad, reduce_dtype);
 }

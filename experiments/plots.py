@@ -1,15 +1,17 @@
 """Figures of a sweep (``sweep.py``): ``python experiments/plots.py experiments/results/sweep-quick``.
 
 - ``throughput_<model>.png``: tokens/s per rank against the memory budget per
-  rank, one line per strategy, one column per link; a baseline is drawn where
-  it fits (its measured and predicted peaks within the budget) and marked with
-  the budget it needs elsewhere; bars are the spread over repeats. Below: the
-  measured peak memory of each point against the budget (the diagonal).
+  rank, one line per strategy (OSDP, the six baselines of ``baselines.py``,
+  OSDP's uniform plans thin and grey), one column per link; a baseline is
+  drawn where its measured peak fits and marked with the budget it needs
+  elsewhere; bars are the spread over repeats. Below: the measured peak
+  memory of each point against the budget (the diagonal).
 - ``memory_<model>.png``: the peak memory of each strategy broken down as
   ``osdp.memory`` does (parameters, gradients, optimizer state, activations,
   gathered parameters, temporaries), rank 0, at the moment of the peak.
 - ``predicted_vs_measured.png``: the cost model's tokens/s and peak against
-  the measured ones, every distinct run of the sweep.
+  the measured ones, every run with a plan (OSDP and its uniform plans; the
+  baselines are no plans and have no prediction).
 """
 
 from __future__ import annotations
@@ -23,10 +25,16 @@ from typing import Any
 from matplotlib.figure import Figure
 
 STYLE = {  # strategy -> (colour, marker, label)
-    "ddp": ("tab:blue", "s", "DDP"),
-    "zero2": ("tab:orange", "^", "ZeRO-2 (zero2 everywhere)"),
-    "fsdp": ("tab:red", "v", "FSDP (zero3 everywhere)"),
+    "torch-ddp": ("tab:blue", "s", "torch DDP"),
+    "torch-ddp+ac": ("tab:cyan", "s", "torch DDP + AC"),
+    "fsdp2": ("tab:red", "v", "FSDP2 per block"),
+    "fsdp2+ac": ("tab:pink", "v", "FSDP2 + AC"),
+    "fsdp2-zero2": ("tab:orange", "^", "FSDP2 ZeRO-2"),
+    "fsdp2-zero2+ac": ("tab:olive", "^", "FSDP2 ZeRO-2 + AC"),
     "fairscale": ("tab:brown", "x", "fairscale FSDP"),
+    "osdp-uniform-ddp": ("0.55", "1", "OSDP units, replicate all (ablation)"),
+    "osdp-uniform-zero2": ("0.55", "2", "OSDP units, zero2 all (ablation)"),
+    "osdp-uniform-fsdp": ("0.55", "3", "OSDP units, zero3 all (ablation)"),
     "osdp": ("tab:green", "o", "OSDP at the budget"),
 }
 BREAKDOWN = [  # (label, osdp.memory categories)
@@ -51,7 +59,7 @@ def load_rows(folder: Path) -> list[dict[str, Any]]:
         rows = list(csv.DictReader(f))
     for r in rows:
         for k in ("budget_bytes", "tokens_per_s", "peak_bytes", "predicted_tokens_per_s", "predicted_peak_bytes",
-                  "needs_bytes", "tokens_per_s_min", "tokens_per_s_max", "replicated_fraction"):
+                  "needs_bytes", "tokens_per_s_min", "tokens_per_s_max", "replicated_fraction", "efficiency"):
             r[k] = _num(r.get(k, ""))
         r["fits"] = r["fits"] == "True"
     return rows
@@ -74,20 +82,21 @@ def plot_throughput(rows: list[dict[str, Any]], model: str, links: list[dict[str
             ys = [r["tokens_per_s"] for r in fit]
             err = [[r["tokens_per_s"] - r["tokens_per_s_min"] for r in fit],
                    [r["tokens_per_s_max"] - r["tokens_per_s"] for r in fit]]
-            style = "-" if strategy == "osdp" else "--"
-            top.errorbar(xs, ys, yerr=err, color=colour, marker=marker, linestyle=style, capsize=3,
-                         label=label, linewidth=2.2 if strategy == "osdp" else 1.4, markersize=6)
+            ablation = strategy.startswith("osdp-uniform")
+            style = "-" if strategy == "osdp" else (":" if ablation else "--")
+            top.errorbar(xs, ys, yerr=err, color=colour, marker=marker, linestyle=style, capsize=3, label=label,
+                         linewidth=2.2 if strategy == "osdp" else (0.8 if ablation else 1.4), markersize=6)
             if strategy == "osdp":
                 for r in fit:
                     top.annotate(f"{r['peak_bytes'] / MiB:.0f}", (r["budget_bytes"] / MiB, r["tokens_per_s"]),
                                  textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7, color=colour)
             needs = next((r["needs_bytes"] for r in pts if not r["fits"] and r["needs_bytes"]), None)
-            if strategy != "osdp" and needs and needs > budgets[0]:
+            if strategy != "osdp" and not ablation and needs and needs > budgets[0]:
                 top.axvline(needs / MiB, color=colour, linestyle=":", linewidth=1)
-                top.text(needs / MiB, 0.02, f" {STYLE[strategy][2].split(' ')[0]} needs {needs / MiB:.0f} MiB",
+                top.text(needs / MiB, 0.02, f" {strategy} needs {needs / MiB:.0f} MiB",
                          rotation=90, transform=top.get_xaxis_transform(), fontsize=7, color=colour, va="bottom")
             peaks = [(r["budget_bytes"] / MiB, r["peak_bytes"] / MiB) for r in fit if r["peak_bytes"]]
-            if peaks:
+            if peaks and not ablation:
                 bottom.plot(*zip(*peaks), color=colour, marker=marker, linestyle=style, label=label)
         lo, hi = budgets[0] / MiB, budgets[-1] / MiB
         bottom.plot([lo, hi], [lo, hi], color="black", linewidth=0.8, label="budget")
@@ -109,17 +118,15 @@ def plot_throughput(rows: list[dict[str, Any]], model: str, links: list[dict[str
 def plot_memory(results: list[dict[str, Any]], model: str, path: Path) -> None:
     result = next(r for r in results if r["model"] == model)  # memory does not depend on the link: the first one
     bars: list[tuple[str, dict[str, int], int | None]] = []
-    seen = set()
     for rec in result["records"]:
         m = rec.get("measured")
-        if not m or rec.get("plan_hash") in seen and rec["strategy"] != "osdp":
+        if not m:
             continue
         bd = m["per_rank"][0]["peak_breakdown"] or {}
         if rec["strategy"] == "osdp":
             label = f"OSDP\n@{rec['budget_bytes'] / MiB:.0f}"
         else:
-            label = STYLE.get(rec["strategy"], (None, None, rec["strategy"]))[2].split(" ")[0]
-        seen.add(rec.get("plan_hash"))
+            label = rec["strategy"].replace("osdp-uniform-", "uniform\n").replace("+", "\n+")
         bars.append((label, bd, rec.get("budget_bytes")))
     fig = Figure(figsize=(max(6.0, 0.8 * len(bars) + 2), 5), layout="constrained")
     ax = fig.subplots()
@@ -131,7 +138,7 @@ def plot_memory(results: list[dict[str, Any]], model: str, path: Path) -> None:
     for i, (_, _, budget) in enumerate(bars):
         if budget:
             ax.plot([i - 0.4, i + 0.4], [budget / MiB] * 2, color="black", linewidth=1.2)
-    ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=8)
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
     ax.set_ylabel("peak memory of rank 0 (MiB)")
     ax.set_title(f"{model}: peak memory by category (osdp.memory, rank 0; black line: OSDP's budget)", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -147,12 +154,10 @@ def plot_predicted(results: list[dict[str, Any]], path: Path) -> None:
         link = result["link"]["name"]
         fill = "full" if link == "loopback" else "none"
         markers[link] = fill
-        seen = set()
         for rec in result["records"]:
             m = rec.get("measured")
-            if not m or rec.get("predicted_tokens_per_s") is None or rec.get("plan_hash") in seen:
+            if not m or rec.get("predicted_tokens_per_s") is None:
                 continue
-            seen.add(rec.get("plan_hash"))
             colour, marker, _ = STYLE.get(rec["strategy"], ("gray", "o", ""))
             kw = dict(color=colour, marker=marker, fillstyle=fill, linestyle="", markersize=7)
             left.plot(rec["predicted_tokens_per_s"], m["tokens_per_s"], **kw)
@@ -166,12 +171,13 @@ def plot_predicted(results: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylabel(f"measured {what}")
         ax.grid(alpha=0.3)
     for strategy, (colour, marker, label) in STYLE.items():
-        left.plot([], [], color=colour, marker=marker, linestyle="", label=label)
+        if strategy == "osdp" or strategy.startswith("osdp-uniform"):
+            left.plot([], [], color=colour, marker=marker, linestyle="", label=label)
     for link, fill in markers.items():
         left.plot([], [], color="gray", marker="o", fillstyle=fill, linestyle="", label=f"link: {link}")
     left.legend(fontsize=7)
-    left.set_title("throughput: cost model vs real runs", fontsize=10)
-    right.set_title("peak memory: cost model vs real runs", fontsize=10)
+    left.set_title("throughput: cost model vs real runs (runs with a plan)", fontsize=10)
+    right.set_title("peak memory: cost model vs real runs (runs with a plan)", fontsize=10)
     fig.savefig(path, dpi=110)
 
 

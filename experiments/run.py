@@ -1,29 +1,40 @@
-"""One experiment run: a reference model on N data-parallel ranks, one strategy or one OSDP budget -> one JSON record.
+"""One experiment part: a reference model on N data-parallel ranks, baselines and OSDP at budgets -> JSON records.
 
-    python experiments/run.py --model gpt2-mini --strategy fsdp --json fsdp.json
+    python experiments/run.py --model gpt2-mini --strategy fsdp2+ac --json fsdp2-ac.json
     python experiments/run.py --model gpt2-mini --budget 60MiB --link gpu-ratio --json osdp.json
+    python experiments/run.py --probe-link gpu-ratio     # the link's fitted collectives; nothing is trained
 
-A record holds: tokens/s per rank, the step time (median over repeats, and its
-spread), peak memory per rank with osdp.memory's breakdown, the plan, the
-cost model's predicted step time and peak against the measured ones, the link
-(loopback, or the shaped veth link of ``netns.py`` with its measured
-bandwidth), the machine and the torch version.
+Strategies (a record's ``strategy``):
 
-Strategies: ``ddp``, ``zero2`` (zero2 everywhere), ``fsdp`` (zero3 everywhere),
-``osdp`` at a budget (what ``osdp.wrap(model, device_mem=B, example_input=...)``
-plans: the same ``describe`` call and ``planner.search``, on the collectives
-measured on this run's process group), and ``fairscale`` (fairscale's FSDP,
-ZeRO-3 with one FSDP instance per OSDP unit; CUDA only: its FSDP uses CUDA
-streams unconditionally and fails on CPU).
+- the baselines of ``baselines.py`` (``BASELINES``): ``torch-ddp``,
+  ``fsdp2``, ``fsdp2-zero2`` and each ``+ac``, built as users write them,
+  without OSDP's planner;
+- ``osdp`` at a budget: what ``osdp.wrap(model, device_mem=B,
+  example_input=...)`` plans (the same ``describe`` call and
+  ``planner.search``, on the collectives measured on this run's process
+  group); every budget is its own run, also where two budgets get one plan;
+- ``osdp-uniform-ddp``, ``osdp-uniform-zero2``, ``osdp-uniform-fsdp``: OSDP's
+  own uniform plans (its units and ``apply_plan``, one mode everywhere), an
+  ablation, not a baseline;
+- ``fairscale``: fairscale's FSDP, ZeRO-3 with one FSDP instance per OSDP
+  unit; CUDA only (its FSDP uses CUDA streams unconditionally).
 
-The sweep (``sweep.py``) runs many of these in one process group per model
-and link (``--spec``): every plan is trained once per round, rounds
-interleaved, so that a shared machine's slow phases spread over all plans; a
-plan chosen at several budgets, or equal to a baseline, runs once. The runner
-is ``osdp.validate.run_jobs``: in each repeat every plan's model is built and
-wrapped, and the plans take one step each in turn (warm-up, timed steps, one
-extra step under ``osdp.memory.PeakMemory``); a repeat's step time is the
-median over its steps of the slowest rank's.
+Measurement. Every run of a part lives in one process group. Each of
+``rounds`` repeats is one ``osdp.validate.run_jobs`` over all runs (every
+model alive, one step of each in turn, so all see the same load; the order
+rotates between repeats): 2 warm-up steps, then at least ``min_steps`` (20)
+timed steps, then one step under ``osdp.memory.PeakMemory``. A step takes as
+long as its slowest rank; a repeat's step time is the median over its steps;
+a run's peak is the largest over ranks and repeats (on CPU, ``osdp.memory``
+counts DDP's gradient buckets from DDP's own record of them). The
+compute-only run, the plain model on every rank with the same micro-batch and
+no communication, takes its turns too: a run's ``efficiency`` is its step time
+over the compute-only one, the median over repeats of the ratio within a
+repeat (the physical limit is 1.0).
+
+Every reduction is a reduce-scatter of ``osdp.comm`` (``reduce_scatter`` in
+the spec, default ``pairwise``: NCCL's traffic on gloo), for every strategy
+alike; the result says which.
 """
 
 from __future__ import annotations
@@ -45,9 +56,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import netns  # noqa: E402
+from baselines import BASELINES  # noqa: E402
 
-STRATEGIES = ("ddp", "zero2", "fsdp")
+# OSDP's uniform plans (an ablation): strategy -> osdp.strategy_plan's name
+ABLATIONS = {"osdp-uniform-ddp": "ddp", "osdp-uniform-zero2": "zero2", "osdp-uniform-fsdp": "fsdp"}
 EXTRA_STRATEGIES = ("fairscale",)
+STRATEGIES = (*BASELINES, *ABLATIONS, *EXTRA_STRATEGIES)
+COMPUTE_ONLY = "compute-only"  # the plain model, no communication: the efficiency reference
+MIN_STEPS = 20  # timed steps per run and repeat, at least
+DEFAULT_REDUCE_SCATTER = "pairwise"  # osdp.comm: NCCL's traffic on gloo, for every strategy alike
 # The GPU node whose compute-to-communication ratio the shaped link reproduces: osdp.device's
 # h100-nvlink preset, achievable bf16 FLOP/s (45% of 989 TFLOP/s) over all-gather busbw (360 GB/s).
 GPU_RATIO_PRESET = "h100-nvlink"
@@ -118,7 +135,7 @@ def _progress(prefix: str) -> Callable[[str], None]:
 
 
 def run_fairscale(build, batch, *, device, time_budget_s: float, measure_memory: bool, unit_paths,
-                  warmup: int = 2, min_steps: int = 3, max_steps: int = 40) -> dict[str, Any]:
+                  warmup: int = 2, min_steps: int = MIN_STEPS, max_steps: int = 200) -> dict[str, Any]:
     """Collective: fairscale's FSDP (ZeRO-3, one instance per OSDP unit): warm-up, timed steps, one peak step."""
     import torch
 
@@ -172,28 +189,6 @@ def param_fraction(description, plan, mode: str) -> float:
     return sum(u.param_bytes for u in description.units if by_path.get(u.path, "zero3") == mode) / total
 
 
-def half_replicated_peak(problem, description) -> int:
-    """An upper bound of the least predicted peak of a plan that replicates at least half of the parameter
-    bytes: the least-memory plan (``min_peak``), then the largest units replicated (with checkpointing where
-    allowed) until half the bytes are, greedily."""
-    from osdp.search import min_peak
-
-    _, choice = min_peak(problem)
-    choice = choice.copy()
-    index = {tuple(o): i for i, o in enumerate(problem.options)}
-    sizes = {u.path: u.param_bytes for u in description.units}
-    total, replicated = sum(sizes.values()) or 1, 0
-    row = {path: i for i, path in enumerate(problem.units)}
-    for path in sorted(sizes, key=lambda p: -sizes[p]):
-        if replicated >= total / 2:
-            break
-        i = row[path]
-        options = [index[o] for o in (("replicate", 1, True), ("replicate", 1, False)) if problem.allowed[i, index[o]]]
-        choice[i] = min(options, key=lambda j: problem.mem[i, j] + problem.transient[i, j])
-        replicated += sizes[path]
-    return problem.peak(choice)
-
-
 def auto_budgets(low: int, high: int, count: int) -> list[int]:
     """``count`` budgets from ``low`` to ``high`` inclusive, evenly spaced, rounded up to KiB."""
     if count <= 1 or high <= low:
@@ -203,12 +198,15 @@ def auto_budgets(low: int, high: int, count: int) -> list[int]:
 
 def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     """Collective (every rank, under torchrun): the runs of ``spec``; rank 0 returns the result."""
-    import torch
-    import torch.distributed as dist
+    import functools
     import warnings
 
+    import torch
+    import torch.distributed as dist
+
     import osdp
-    from osdp import models
+    from baselines import build_baseline
+    from osdp import comm, models
     from osdp.cost import build_problem, predict
     from osdp.data import synthetic_batch
     from osdp.device import measure_device
@@ -222,6 +220,8 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     from osdp.validate import Job, run_jobs
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    reduce_scatter = spec.get("reduce_scatter", DEFAULT_REDUCE_SCATTER)
+    comm.set_reduce_scatter(reduce_scatter)  # before anything measures or wraps
     device = init_from_env(spec.get("device", "auto"))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model_name, b = spec["model"], int(spec["batch_size"])
@@ -240,10 +240,10 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     g = torch.Generator().manual_seed(1000 + rank)
     batch = tuple(t.to(device) for t in synthetic_batch(config, b, generator=g))
 
-    say("measuring collectives and FLOP/s on the live group")
+    say(f"measuring collectives ({reduce_scatter} reduce-scatter) and FLOP/s on the live group")
     device_info = broadcast_object(measure_device("1TiB", time_budget_s=float(spec.get("collective_time_s", 3.0))))
     if spec.get("link_probe"):  # only the link: how fast gloo's collectives are over it
-        return {"device_info": device_info.to_dict()} if rank == 0 else None
+        return {"device_info": device_info.to_dict(), "reduce_scatter": reduce_scatter} if rank == 0 else None
     model = build().to(device)
     say("describing the model (rank 0, as osdp.plan does; cached in OSDP_CACHE_DIR)")
     description = describe(model, batch, precisions=("fp32",)) if rank == 0 else None
@@ -259,74 +259,74 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         return {"predicted_step_s": p.step_s, "predicted_peak_bytes": p.peak_bytes,
                 "predicted_tokens_per_s": tokens / p.step_s}
 
-    # ---- what to run: key -> plan (or "fairscale"); requests -> key
-    plans: dict[str, Any] = {}
+    # ---- what to run: key -> Job (or "fairscale"); requests: one record each
+    runs: dict[str, Any] = {}
     requests: list[dict[str, Any]] = []
     for s in spec.get("strategies", []):
-        if s in EXTRA_STRATEGIES:
+        if s in BASELINES:
+            runs[s] = Job(build, None, batch, parallelize=functools.partial(build_baseline, s, device_type=device.type))
+            requests.append({"strategy": s, "key": s})
+        elif s in ABLATIONS:
+            plan = osdp.strategy_plan(build(), ABLATIONS[s], **settings)
+            runs[s] = Job(build, plan, batch)
+            requests.append({"strategy": s, "key": s, "plan": plan})
+        elif s == "fairscale":
             if device.type != "cuda":
                 requests.append({"strategy": s, "key": None,
                                  "status": "skipped: fairscale FSDP needs CUDA (it uses CUDA streams unconditionally)"})
                 continue
-            plans[s] = "fairscale"
+            runs[s] = "fairscale"
             requests.append({"strategy": s, "key": s})
-            continue
-        plan = osdp.strategy_plan(build(), s, **settings)
-        plans.setdefault(plan.hash, plan)
-        requests.append({"strategy": s, "key": plan.hash, "plan": plan})
+        else:
+            raise ValueError(f"unknown strategy {s!r}; use one of {', '.join(STRATEGIES)}")
+    runs[COMPUTE_ONLY] = Job(build, None, batch)
 
     rounds = int(spec.get("rounds", 3))
     per_run_s = float(spec.get("time_per_run_s", 1.5))
+    min_steps = int(spec.get("min_steps", MIN_STEPS))
+    jobs_at_once = int(spec.get("jobs_at_once") or 0)  # models alive at once in run_jobs (0: all)
     measured: dict[str, dict[str, Any]] = {}
 
-    jobs_at_once = int(spec.get("jobs_at_once") or 0)  # models alive at once in run_jobs (0: all)
+    def note(key: str, step_s: float, steps: int, per_rank: list[dict[str, Any]]) -> None:
+        m = measured.setdefault(key, {"rounds": [], "steps": [], "per_rank_peak": None})
+        m["rounds"].append(step_s)
+        m["steps"].append(steps)
+        peaks = [(x.get("peak_bytes"), x.get("peak_breakdown")) for x in per_rank]
+        if m["per_rank_peak"] is None or max(p or 0 for p, _ in peaks) > max(p or 0 for p, _ in m["per_rank_peak"]):
+            m["per_rank_peak"] = peaks  # the repeat with the highest peak, all its ranks
 
-    def measure(keys: list[str], r: int, *, time_s: float, min_steps: int = 3, timed: bool = True) -> None:
-        """Collective: one repeat of ``keys`` with osdp.validate.run_jobs (every model alive, one step of each
-        in turn, so all see the same load), fairscale (CUDA only) after it."""
-        osdp_keys = [k for k in keys if plans[k] != "fairscale"]
-        groups = [osdp_keys[i:i + jobs_at_once] for i in range(0, len(osdp_keys), jobs_at_once)] \
-            if jobs_at_once else [osdp_keys]
+    def measure(keys: list[str], r: int) -> None:
+        """Collective: repeat ``r`` of ``keys`` with osdp.validate.run_jobs (every model alive, one step of each in
+        turn, so all see the same load), fairscale (CUDA only) after it."""
+        ours = [k for k in keys if runs[k] != "fairscale"]
+        groups = [ours[i:i + jobs_at_once] for i in range(0, len(ours), jobs_at_once)] if jobs_at_once else [ours]
         for group in filter(None, groups):
-            out = run_jobs({k: Job(build, plans[k], batch) for k in group}, device=device, optimizer=optimizer,
-                           time_budget_s=time_s, min_steps=min_steps, rounds=1)
+            out = run_jobs({k: runs[k] for k in group}, device=device, optimizer=optimizer, time_budget_s=per_run_s,
+                           min_steps=min_steps, rounds=1)
             for k in group:
-                m = measured.setdefault(k, {"rounds": [], "per_rank_peak": None})
-                if m["per_rank_peak"] is None:
-                    m["per_rank_peak"] = [(x.get("peak_bytes"), x.get("peak_breakdown")) for x in out[k]["per_rank"]]
-                if timed:
-                    m["rounds"].append(out[k]["measured_step_s"])
-                    m["steps"] = m.get("steps", 0) + out[k]["steps"]
+                note(k, out[k]["measured_step_s"], out[k]["steps"], out[k]["per_rank"])
         for k in keys:
-            if plans[k] == "fairscale":
-                mine = run_fairscale(build, batch, unit_paths=description.paths, device=device, time_budget_s=time_s,
-                                     measure_memory=r == 0)
+            if runs[k] == "fairscale":
+                mine = run_fairscale(build, batch, unit_paths=description.paths, device=device, time_budget_s=per_run_s,
+                                     measure_memory=True, min_steps=min_steps)
                 ranks = all_gather_objects(mine)
-                m = measured.setdefault(k, {"rounds": [], "per_rank_peak": None})
-                if r == 0:
-                    m["per_rank_peak"] = [(x.get("peak_bytes"), x.get("peak_breakdown")) for x in ranks]
-                m["rounds"].append(max(statistics.median(x["step_s"]) for x in ranks))
-        if timed:
-            say(f"repeat {r + 1}/{rounds} ({time.perf_counter() - started:.0f} s): " + ", ".join(
-                f"{labels[k]} {tokens / measured[k]['rounds'][-1]:,.0f}" for k in keys) + " tokens/s per rank")
+                note(k, statistics.median(max(ts) for ts in zip(*(x["step_s"] for x in ranks))), len(mine["step_s"]),
+                     ranks)
+        say(f"repeat {r + 1}/{rounds} ({time.perf_counter() - started:.0f} s): " + ", ".join(
+            f"{k} {tokens / measured[k]['rounds'][-1]:,.0f}" for k in keys) + " tokens/s per rank")
 
-    # ---- the baselines' peaks first (one short untimed pass): DDP's measured peak bounds the budgets
-    labels = {r["key"]: r["strategy"] for r in requests if r.get("key")}
-    say("measuring the baselines' peak memory")
-    measure([k for k in plans if plans[k] != "fairscale"], 0, time_s=0.1, min_steps=1, timed=False)
-
+    # ---- budgets: from the least any plan needs (predicted) to torch-ddp's measured peak (one short untimed pass)
     budgets = [int(x) for x in spec.get("budgets") or []]
     problem = build_problem(description, device_info, b, optimizer=optimizer)
     lowest, _ = min_peak(problem)
-    half_replicated = half_replicated_peak(problem, description)
-    ddp = next((r for r in requests if r["strategy"] == "ddp" and r.get("key")), None)
     ddp_needs = None
-    if ddp is not None:
-        ddp_needs = max(predicted(ddp["plan"])["predicted_peak_bytes"],
-                        max((p or 0) for p, _ in measured[ddp["key"]]["per_rank_peak"]))
     if spec.get("auto_budgets"):
-        if ddp_needs is None:
-            raise ValueError("auto budgets go up to where DDP fits: include ddp in the strategies")
+        if "torch-ddp" not in runs:
+            raise ValueError("auto budgets go up to where torch-ddp fits: include torch-ddp in the strategies")
+        say("measuring torch-ddp's peak memory: the budgets go up to it")
+        out = run_jobs({"torch-ddp": runs["torch-ddp"]}, device=device, optimizer=optimizer, time_budget_s=0.1,
+                       min_steps=1, rounds=1)
+        ddp_needs = out["torch-ddp"]["measured_peak_bytes"]
         budgets = sorted(set(budgets) | set(auto_budgets(lowest, ddp_needs, int(spec["auto_budgets"]))))
     for budget in budgets:
         request: dict[str, Any] = {"strategy": "osdp", "budget_bytes": budget}
@@ -342,28 +342,29 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         kind, payload = broadcast_object(outcome)
         if kind == "plan":
             plan = Plan.from_json(payload)
-            request.update(key=plan.hash, plan=plan)
-            if plan.hash not in plans:
-                plans[plan.hash] = plan
-                labels[plan.hash] = f"osdp@{budget / 2**20:.1f}MiB"
+            key = f"osdp@{budget / 2**20:.2f}MiB"
+            runs[key] = Job(build, plan, batch)  # its own run, even where another budget has the same plan
+            request.update(key=key, plan=plan)
         else:
             request.update(key=None, status="budget too small", needs_bytes=payload)
         requests.append(request)
-    keys = list(plans)
-    say(f"{len(keys)} distinct plans, {rounds} repeats")
+    keys = list(runs)
+    say(f"{len(keys)} runs (compute-only included), {rounds} repeats of at least {min_steps} timed steps each")
     for r in range(rounds):
         shift = r % len(keys)  # rotate the order between repeats
-        measure(keys[shift:] + keys[:shift], r, time_s=per_run_s)
+        measure(keys[shift:] + keys[:shift], r)
 
     if rank != 0:
         return None
+    compute_rounds = measured[COMPUTE_ONLY]["rounds"]
     records = []
     for req in requests:
         key = req.get("key")
         rec: dict[str, Any] = {
             "model": model_name, "world_size": world_size, "batch_size": b, "seq_len": seq_len,
             "tokens_per_step_per_rank": tokens, "link": link.get("name"), "strategy": req["strategy"],
-            "budget_bytes": req.get("budget_bytes"), "status": req.get("status", "ran"),
+            "budget_bytes": req.get("budget_bytes"), "status": req.get("status", "ran"), "run": key,
+            "reduce_scatter": reduce_scatter,
         }
         if "needs_bytes" in req:
             rec["needs_bytes"] = req["needs_bytes"]
@@ -372,26 +373,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
             rec.update(plan=plan.to_dict(), plan_hash=plan.hash, plan_summary=plan.summary(),
                        replicated_fraction=param_fraction(description, plan, "replicate"), **predicted(plan))
         if key is not None and key in measured:
-            m = measured[key]
-            per_round = list(m["rounds"])  # per repeat: median over steps of the slowest rank's step
-            med = statistics.median(per_round)
-            rec["same_run_as"] = labels[key]
-            rec["measured"] = {
-                "step_s_median": med,
-                "step_s_rounds": per_round,
-                "step_s_min": min(per_round),
-                "step_s_max": max(per_round),
-                "tokens_per_s": tokens / med,
-                "tokens_per_s_rounds": [tokens / t for t in per_round],
-                "peak_bytes": max((p or 0) for p, _ in m["per_rank_peak"]),
-                "timed_steps": m.get("steps"),
-                # ranks step together (every step ends in collectives): one step time, this rank's peak
-                "per_rank": [
-                    {"rank": k, "step_s_median": med, "tokens_per_s": tokens / med, "peak_bytes": p,
-                     "peak_breakdown": bd}
-                    for k, (p, bd) in enumerate(m["per_rank_peak"])
-                ],
-            }
+            rec["measured"] = summarize_run(measured[key], compute_rounds, tokens)
         records.append(rec)
     flops = device_info.flops.get("float32")
     busbw = device_info.collectives.bus_bandwidth("all_gather")
@@ -403,16 +385,41 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         "model": model_name,
         "config": dict(vars(config)),
         "link": link,
+        "reduce_scatter": reduce_scatter,
         "lowest_budget_bytes": lowest,
         "ddp_needs_bytes": ddp_needs,
-        "half_replicated_peak_bytes": half_replicated,
+        "compute_only": {"step_s_rounds": compute_rounds, "step_s_median": statistics.median(compute_rounds),
+                         "tokens_per_s": tokens / statistics.median(compute_rounds)},
         "device_info": device_info.to_dict(),
         "description": {"source": description.source, "profile_seconds": description.profile_seconds,
                         "from_cache": getattr(description, "from_cache", False)},
         "rounds": rounds,
+        "min_steps": min_steps,
         "time_per_run_s": per_run_s,
         "machine": machine_info(device),
         "seconds": time.perf_counter() - started,
+    }
+
+
+def summarize_run(m: dict[str, Any], compute_rounds: list[float], tokens: int) -> dict[str, Any]:
+    """A run's record: per repeat the median over its steps of the slowest rank's step; the median over repeats;
+    efficiency = compute-only step / this step, paired by repeat; the highest peak over ranks and repeats."""
+    per_round = list(m["rounds"])
+    med = statistics.median(per_round)
+    efficiency = [c / t for c, t in zip(compute_rounds, per_round)]
+    return {
+        "step_s_median": med,
+        "step_s_rounds": per_round,
+        "step_s_min": min(per_round),
+        "step_s_max": max(per_round),
+        "tokens_per_s": tokens / med,
+        "tokens_per_s_rounds": [tokens / t for t in per_round],
+        "efficiency": statistics.median(efficiency),
+        "efficiency_rounds": efficiency,
+        "peak_bytes": max((p or 0) for p, _ in m["per_rank_peak"]),
+        "timed_steps": m["steps"],
+        # ranks step together (every step ends in collectives): one step time, each rank's peak
+        "per_rank": [{"rank": k, "peak_bytes": p, "peak_breakdown": bd} for k, (p, bd) in enumerate(m["per_rank_peak"])],
     }
 
 
@@ -457,6 +464,7 @@ def launch(spec: dict[str, Any], *, nproc: int = 2, on_line: Callable[[str], Non
     torchrun per namespace, static rendezvous on the veth address); the result of rank 0."""
     link = spec.get("link") or {"kind": "loopback"}
     env = dict(env or os.environ)
+    env["OSDP_REDUCE_SCATTER"] = spec.get("reduce_scatter", DEFAULT_REDUCE_SCATTER)  # osdp.comm, on every rank
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
@@ -488,21 +496,65 @@ def launch(spec: dict[str, Any], *, nproc: int = 2, on_line: Callable[[str], Non
     return result
 
 
+def probe_link(link: dict[str, Any], *, reduce_scatter: str = DEFAULT_REDUCE_SCATTER,
+               env: dict[str, str] | None = None, on_line: Callable[[str], None] = print) -> dict[str, Any]:
+    """The collectives and FLOP/s measured on 2 ranks over ``link`` (``osdp.device.measure_device``), nothing
+    trained: the ``device_info`` dict."""
+    spec = {"model": "gpt2-tiny", "batch_size": 1, "link": link, "link_probe": True, "collective_time_s": 2.0,
+            "reduce_scatter": reduce_scatter}
+    return launch(spec, env=env, on_line=on_line)["device_info"]
+
+
 def calibrate_gpu_ratio(link: dict[str, Any], *, env: dict[str, str] | None = None,
-                        on_line: Callable[[str], None] = print) -> dict[str, Any]:
-    """Adjust a ``gpu-ratio`` link's tbf rate once so that gloo's measured all-gather bus bandwidth over it (not
-    the nominal rate: TCP, tbf and gloo each take a share) gives the target FLOP/s per byte."""
-    want = link["core_flops"] / link["target_flop_per_byte"]  # bytes/s of all-gather busbw
-    probe = {"model": "gpt2-tiny", "batch_size": 1, "link": link, "link_probe": True, "collective_time_s": 2.0}
+                        on_line: Callable[[str], None] = print, tolerance: float = 0.10, max_probes: int = 5,
+                        reduce_scatter: str = DEFAULT_REDUCE_SCATTER) -> dict[str, Any]:
+    """Adjust a ``gpu-ratio`` link's tbf rate until the core's FLOP/s over gloo's measured all-gather bus
+    bandwidth on it is the target FLOP per byte within ``tolerance``.
+
+    Probe, scale the rate by wanted / measured bandwidth, probe again: TCP,
+    tbf and gloo each take a share of the nominal rate, and not in proportion
+    to it. Stops at the first probe within tolerance; otherwise keeps the
+    closest of ``max_probes``. Every probe is in ``calibration``.
+    """
     from osdp.device import CollectiveModel
 
-    got = launch(probe, env=env, on_line=on_line)["device_info"]
-    busbw = CollectiveModel.from_dict(got["collectives"]).bus_bandwidth("all_gather")
-    rate = int(link["rate_bit_per_s"] * want / busbw)
+    target = link["target_flop_per_byte"]
+    want = link["core_flops"] / target  # bytes/s of all-gather busbw
+    rate, probes = link["rate_bit_per_s"], []
+    for _ in range(max_probes):
+        info = probe_link({**link, "rate_bit_per_s": rate}, reduce_scatter=reduce_scatter, env=env, on_line=on_line)
+        busbw = CollectiveModel.from_dict(info["collectives"]).bus_bandwidth("all_gather")
+        probes.append({"rate_bit_per_s": rate, "all_gather_busbw_bytes_per_s": busbw,
+                       "flop_per_byte": link["core_flops"] / busbw, "device_info": info})
+        on_line(f"calibration: tbf {rate / 1e6:.0f} Mbit/s -> all-gather busbw {busbw / 1e6:.1f} MB/s, "
+                f"{link['core_flops'] / busbw:.0f} FLOP/byte (target {target:.0f})")
+        if abs(link["core_flops"] / busbw / target - 1) <= tolerance:
+            break
+        rate = int(rate * want / busbw)
+    best = min(probes, key=lambda p: abs(p["flop_per_byte"] / target - 1))
+    rate = best["rate_bit_per_s"]
     return {**link, "rate_bit_per_s": rate, "nominal_rate_bit_per_s": link["rate_bit_per_s"],
-            "probe_busbw_bytes_per_s": busbw,
-            "label": f"veth + tbf {rate / 1e6:.0f} Mbit/s ({link['target_flop_per_byte']:.0f} FLOP/byte, "
+            "probe_busbw_bytes_per_s": best["all_gather_busbw_bytes_per_s"],
+            "probe_flop_per_byte": best["flop_per_byte"],
+            "calibrated": abs(best["flop_per_byte"] / target - 1) <= tolerance,
+            "calibration": [{k: v for k, v in p.items() if k != "device_info"} for p in probes],
+            "probe_device_info": best["device_info"],
+            "label": f"veth + tbf {rate / 1e6:.0f} Mbit/s ({target:.0f} FLOP/byte, "
                      f"as {link.get('ratio_of', GPU_RATIO_PRESET)})"}
+
+
+def collective_table(device_info: dict[str, Any]) -> str:
+    """The fitted alpha and beta of each collective, its bus bandwidth, and beta against the all-gather's."""
+    from osdp.device import COLLECTIVES, CollectiveModel
+
+    model = CollectiveModel.from_dict(device_info["collectives"])
+    ag = model.costs["all_gather"].beta_s_per_byte
+    lines = [f"{'collective':<15} {'alpha (us)':>10} {'beta (ns/B)':>12} {'busbw (MB/s)':>13} {'beta / AG':>10}"]
+    for c in COLLECTIVES:
+        ab = model.costs[c]
+        lines.append(f"{c:<15} {ab.alpha_s * 1e6:>10.1f} {ab.beta_s_per_byte * 1e9:>12.3f} "
+                     f"{model.bus_bandwidth(c) / 1e6:>13.1f} {ab.beta_s_per_byte / ag if ag else float('nan'):>10.2f}")
+    return "\n".join(lines) + f"\n({model.source})"
 
 
 def _run_local(cmd: list[str], env: dict[str, str], on_line: Callable[[str], None], timeout_s: float | None) -> int:
@@ -532,39 +584,60 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--model", default="gpt2-mini")
     how = ap.add_mutually_exclusive_group()
-    how.add_argument("--strategy", choices=[*STRATEGIES, *EXTRA_STRATEGIES])
+    how.add_argument("--strategy", choices=STRATEGIES)
     how.add_argument("--budget", help="OSDP at this per-rank budget (e.g. 60MiB)")
+    how.add_argument("--probe-link", metavar="LINK",
+                     help="only measure the collectives over LINK (gpu-ratio: after calibrating its rate)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--link", default="loopback", help="loopback, gpu-ratio, or tbf:RATE (e.g. tbf:600mbit)")
     ap.add_argument("--rounds", type=int, default=3, help="repeats (medians are reported)")
     ap.add_argument("--time-per-run", type=float, default=2.0, help="seconds of timed steps per repeat")
+    ap.add_argument("--min-steps", type=int, default=MIN_STEPS, help="timed steps per repeat, at least")
+    ap.add_argument("--reduce-scatter", choices=["native", "pairwise"], default=DEFAULT_REDUCE_SCATTER,
+                    help="osdp.comm's reduce-scatter for every strategy (pairwise: NCCL's traffic on gloo)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--json", type=Path, help="write the record here")
     args = ap.parse_args(argv)
     if args.worker:
         return worker_main(args.worker, args.out)
+    if args.probe_link:
+        link = resolve_link(args.probe_link)
+        if link["name"] == "gpu-ratio":
+            link = calibrate_gpu_ratio(link, reduce_scatter=args.reduce_scatter)
+            info = link.pop("probe_device_info")
+            print(f"{link['label']}: {link['probe_flop_per_byte']:.0f} FLOP/byte measured "
+                  f"({'within' if link['calibrated'] else 'NOT within'} 10% of the target)")
+        else:
+            info = probe_link(link, reduce_scatter=args.reduce_scatter)
+        print(f"{link.get('label', link['name'])}, {args.reduce_scatter} reduce-scatter:\n{collective_table(info)}")
+        if args.json:
+            args.json.write_text(json.dumps({"link": link, "device_info": info, "reduce_scatter": args.reduce_scatter},
+                                            indent=1, default=str))
+        return 0
     from osdp.sizes import parse_size
 
     spec = {
         "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "device": args.device,
-        "strategies": [args.strategy or "fsdp"] if not args.budget else [],
+        "strategies": [args.strategy or "fsdp2"] if not args.budget else [],
         "budgets": [parse_size(args.budget)] if args.budget else [],
-        "rounds": args.rounds, "time_per_run_s": args.time_per_run, "link": resolve_link(args.link),
+        "rounds": args.rounds, "time_per_run_s": args.time_per_run, "min_steps": args.min_steps,
+        "reduce_scatter": args.reduce_scatter, "link": resolve_link(args.link),
     }
     result = launch(spec, nproc=args.nproc)
     record = {**result["records"][0], "link_info": result["link"], "machine": result["machine"],
-              "device_info": result["device_info"]}
+              "device_info": result["device_info"], "compute_only": result["compute_only"]}
     text = json.dumps(record, indent=1, default=str)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(text)
     m = record.get("measured")
     if m:
-        print(f"{record['strategy']}: {m['tokens_per_s']:,.0f} tokens/s per rank (median of {len(m['step_s_rounds'])}), "
-              f"peak {m['peak_bytes'] / 2**20:.1f} MiB; predicted {record['predicted_tokens_per_s']:,.0f} tokens/s, "
-              f"{record['predicted_peak_bytes'] / 2**20:.1f} MiB")
+        predicted = (f"; predicted {record['predicted_tokens_per_s']:,.0f} tokens/s, "
+                     f"{record['predicted_peak_bytes'] / 2**20:.1f} MiB" if record.get("predicted_tokens_per_s") else "")
+        print(f"{record['strategy']}: {m['tokens_per_s']:,.0f} tokens/s per rank (median of {len(m['step_s_rounds'])} "
+              f"repeats), efficiency {m['efficiency']:.2f}, peak {m['peak_bytes'] / 2**20:.1f} MiB{predicted}")
     else:
         print(f"{record['strategy']}: {record['status']}"
               + (f" (needs {record['needs_bytes'] / 2**20:.1f} MiB)" if record.get("needs_bytes") else ""))

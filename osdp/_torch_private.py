@@ -18,6 +18,9 @@ from torch.utils._python_dispatch import (
 
 __all__ = [
     "FSDPMemTracker",
+    "FSDPReduceScatterBase",
+    "checkpoint_wrapper",
+    "fsdp_reduce_scatter_comm",
     "ddp_bucket_bytes",
     "ddp_post_forward",
     "ddp_pre_forward",
@@ -63,9 +66,33 @@ def ddp_post_forward(ddp, output):
     return ddp._post_forward(output)
 
 
+def fsdp_reduce_scatter_comm(module: Any) -> Any:
+    """The reduce-scatter object of a ``fully_shard``-ed module's parameter group (None if it has none)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return None
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return groups[0]._reduce_scatter_comm if groups else None
+
+
+def checkpoint_wrapper(module: Any) -> Any:
+    """Full activation checkpointing of ``module``, non-reentrant, as torchtitan applies it per block
+    (state-dict keys are unchanged: the wrapper strips its own prefix)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrapper
+
+    return wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
 def __getattr__(name: str) -> Any:
     if name == "FSDPMemTracker":
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
         return FSDPMemTracker
+    if name == "FSDPReduceScatterBase":
+        # The interface FSDPModule.set_custom_reduce_scatter takes (public method, private base class).
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+        return ReduceScatter
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from scipy.optimize import nnls
 
+from osdp import comm
 from osdp.sizes import format_bytes, parse_size  # noqa: F401 - part of this module's API
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
@@ -159,12 +160,11 @@ def _group_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
-# torch 2.13 names the c10d ops FSDP2 calls all_gather_single / reduce_scatter_single
-# (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: DefaultAllGather,
-# DefaultReduceScatter); older torch has only the *_into_tensor / *_tensor names,
-# now deprecated aliases of the same ops.
+# torch 2.13 names the c10d op FSDP2 calls all_gather_single
+# (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: DefaultAllGather);
+# older torch has only all_gather_into_tensor, now a deprecated alias of the same op.
+# The reduce-scatter is osdp.comm's: the one every reduction of a run uses.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 DEFAULT_MESSAGE_SIZES = tuple(4 * 2**10 * 8**i for i in range(5))  # 4 KiB .. 16 MiB
 
@@ -180,9 +180,9 @@ def measure_collectives(
     """Measure and fit all-gather, reduce-scatter and all-reduce on the live process group.
 
     Collective call on every rank of ``group``. Uses the calls FSDP2 makes
-    (all_gather_single, reduce_scatter_single with ReduceOp.AVG, all_reduce
-    with ReduceOp.AVG for replicated units), on CUDA for NCCL groups and on CPU
-    otherwise; about ``time_budget_s`` seconds (at least three rounds, at most
+    (all_gather_single, the reduce-scatter of ``osdp.comm``'s setting with
+    ReduceOp.AVG, all_reduce with ReduceOp.AVG for replicated units), on CUDA
+    for NCCL groups and on CPU otherwise; about ``time_budget_s`` seconds (at least three rounds, at most
     ``repeats``). Each timing starts after a barrier and counts the slowest rank
     (a collective is done when every rank is). Sizes and collectives are
     interleaved round by round, so a burst of interference from elsewhere on
@@ -209,7 +209,7 @@ def measure_collectives(
         if collective == "all_gather":
             return lambda: _all_gather(full, shard, group=group)
         if collective == "reduce_scatter":
-            return lambda: _reduce_scatter(shard, full, op=dist.ReduceOp.AVG, group=group)
+            return lambda: comm.reduce_scatter(shard, full, op=dist.ReduceOp.AVG, group=group)
         return lambda: dist.all_reduce(full, op=dist.ReduceOp.AVG, group=group)
 
     def sync() -> None:
@@ -246,7 +246,8 @@ def measure_collectives(
     for i, (c, nbytes, _) in enumerate(cells):
         samples[c].append((nbytes, statistics.median(r[i] for r in rounds)))
     date = time.strftime("%Y-%m-%d", time.gmtime(wall))  # from the reduced clock: the same string on every rank
-    return CollectiveModel.fit(world_size, samples, f"measured {backend} {device.type} {world_size} ranks {date}")
+    source = f"measured {backend} {device.type} {world_size} ranks {date}, {comm.reduce_scatter_impl()} reduce-scatter"
+    return CollectiveModel.fit(world_size, samples, source)
 
 
 # --------------------------------------------------------------------------- compute

@@ -74,17 +74,25 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 @dataclasses.dataclass
 class Job:
-    """A plan to train (None: the plain model): how to build the model, the plan, this rank's batch.
+    """A model to train: how to build it, how to make it data parallel, this rank's batch.
 
-    ``lockstep`` (plain model only): the ranks meet (a one-element all-reduce)
-    where every unit but the root starts its forward and its backward, as they
-    do under any plan.
+    ``plan``: applied with ``osdp.wrap``. ``parallelize``: any other way, a
+    function of the built model returning the module to train (a baseline as
+    users write it, say). Neither: the
+    plain model, no communication; with ``lockstep`` the ranks meet (a
+    one-element all-reduce) where every unit but the root starts its forward
+    and its backward, as they do under any plan.
     """
 
     build: Callable[[], nn.Module]
     plan: Plan | None
     batch: Any
     lockstep: bool = False
+    parallelize: Callable[[nn.Module], nn.Module] | None = None
+
+    @property
+    def parallel(self) -> bool:
+        return self.plan is not None or self.parallelize is not None
 
 
 class _Trainer:
@@ -97,6 +105,8 @@ class _Trainer:
         self.model = job.build().to(device)
         if job.plan is not None:
             osdp.wrap(self.model, plan=job.plan, device=device)
+        elif job.parallelize is not None:
+            self.model = job.parallelize(self.model)
         elif job.lockstep:
             _synchronise_units(self.model)
         self.optimizer = make_optimizer(optimizer, self.model.parameters())
@@ -123,7 +133,8 @@ class _Trainer:
         with PeakMemory(self.device, self.model, self.optimizer, *_tensors(self.job.batch)) as meter:
             self._fwd_bwd_opt()
         stats = meter.stats()
-        return {"peak_bytes": stats.peak_bytes, "peak_breakdown": dict(stats.peak_breakdown)}
+        peak, breakdown = stats.peak_bytes, dict(stats.peak_breakdown)
+        return {"peak_bytes": peak, "peak_breakdown": breakdown}
 
 
 def _synchronise_units(model: nn.Module) -> None:
@@ -184,7 +195,7 @@ def run_jobs(
             progress(f"step {s + 1}/{steps} of every job")
     out = {}
     for name, trainer in trainers.items():
-        peak = trainer.peak() if trainer.job.plan is not None else {"peak_bytes": None, "peak_breakdown": None}
+        peak = trainer.peak() if trainer.job.parallel else {"peak_bytes": None, "peak_breakdown": None}
         ranks = all_gather_objects({"times": times[name], **peak})
         out[name] = {
             # the step of a synchronised job takes as long as its slowest rank's

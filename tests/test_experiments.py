@@ -40,13 +40,15 @@ def tiny():
 def _record(strategy, plan, predicted, measured_peak, tokens_per_s, budget=None, **extra):
     rec = {"model": "gpt2-tiny", "world_size": 2, "batch_size": 8, "seq_len": 64, "link": "loopback",
            "strategy": strategy, "budget_bytes": budget, "status": "ran", "plan_hash": plan.hash if plan else None,
-           "plan_summary": plan.summary() if plan else None, "replicated_fraction": 0.0,
+           "plan_summary": plan.summary() if plan else None, "replicated_fraction": 0.0 if plan else None,
            "predicted_peak_bytes": predicted.peak_bytes if predicted else None,
            "predicted_step_s": predicted.step_s if predicted else None,
-           "predicted_tokens_per_s": 512 / predicted.step_s if predicted else None, **extra}
+           "predicted_tokens_per_s": 512 / predicted.step_s if predicted else None, "reduce_scatter": "pairwise",
+           **extra}
     if tokens_per_s:
         rec["measured"] = {"tokens_per_s": tokens_per_s, "tokens_per_s_rounds": [tokens_per_s * 0.9, tokens_per_s],
                            "step_s_median": 512 / tokens_per_s, "peak_bytes": measured_peak,
+                           "efficiency": tokens_per_s / 2000, "timed_steps": [20, 21],
                            "per_rank": [{"rank": 0, "peak_bytes": measured_peak, "peak_breakdown": {
                                "parameters": measured_peak // 2, "activations": measured_peak - measured_peak // 2}}]}
     return rec
@@ -54,7 +56,9 @@ def _record(strategy, plan, predicted, measured_peak, tokens_per_s, budget=None,
 
 @pytest.fixture(scope="module")
 def result(tiny):
-    """A sweep part for gpt2-tiny as run.work returns it, with the measurements made up."""
+    """A sweep part for gpt2-tiny as run.work returns it, with the measurements made up: the six baselines
+    (torch-ddp fits only at the top budget), the ablation, OSDP at four budgets (the first below any plan,
+    the second measured over its budget)."""
     import dataclasses
 
     import osdp
@@ -65,13 +69,15 @@ def result(tiny):
     model, description, info, problem = tiny
     lowest, _ = min_peak(problem)
     settings = dict(batch_size=8, world_size=2, model_signature=description.signature)
+    ddp_plan = osdp.strategy_plan(model, "ddp", **settings)
+    ddp_needs = predict(description, ddp_plan, info).peak_bytes
     records = []
-    preds = {}
-    for s, tps in (("ddp", 1000.0), ("zero2", 900.0), ("fsdp", 800.0)):
-        plan = osdp.strategy_plan(model, s, **settings)
-        preds[s] = predict(description, plan, info)
-        records.append(_record(s, plan, preds[s], preds[s].peak_bytes - 1000, tps))
-    ddp_needs = preds["ddp"].peak_bytes
+    for i, s in enumerate(run_mod.BASELINES):  # torch-ddp fastest and largest, the others below it
+        records.append(_record(s, None, None, ddp_needs - 50_000 * i, 1000.0 - 10 * i))
+    for s, mode in run_mod.ABLATIONS.items():
+        plan = osdp.strategy_plan(model, mode, **settings)
+        pred = predict(description, plan, info)
+        records.append(_record(s, plan, pred, pred.peak_bytes - 1000, 700.0))
     budgets = run_mod.auto_budgets(lowest - 4096, ddp_needs, 4)
     for i, budget in enumerate(budgets):
         try:
@@ -85,19 +91,13 @@ def result(tiny):
         over = i == 1  # pretend this one measured over its budget
         records.append(_record("osdp", plan, pred, budget + 10 if over else pred.peak_bytes, 1100.0, budget))
     return {"model": "gpt2-tiny", "records": records, "link": {"name": "loopback"}, "lowest_budget_bytes": lowest,
-            "ddp_needs_bytes": ddp_needs, "half_replicated_peak_bytes": run_mod.half_replicated_peak(problem, description)}
+            "ddp_needs_bytes": ddp_needs, "compute_only": {"step_s_median": 0.25, "tokens_per_s": 2048.0}}
 
 
-def test_budgets_span_least_to_ddp(tiny):
-    from osdp.search import min_peak
-
-    _, description, _, problem = tiny
+def test_budgets_span_least_to_ddp():
     budgets = run_mod.auto_budgets(1000 * 1024, 2000 * 1024, 5)
     assert budgets[0] == 1000 * 1024 and budgets[-1] == 2000 * 1024 and len(budgets) == 5
     assert all(b % 1024 == 0 for b in budgets)
-    lowest, _ = min_peak(problem)
-    half = run_mod.half_replicated_peak(problem, description)
-    assert lowest <= half  # replicating half the parameters costs memory
 
 
 def test_csv_schema_and_does_not_fit(result, tmp_path):
@@ -110,18 +110,23 @@ def test_csv_schema_and_does_not_fit(result, tmp_path):
         table = list(reader)
     required = "model,world_size,link,strategy,budget_bytes,fits,tokens_per_s,peak_bytes,predicted_tokens_per_s,predicted_peak_bytes"
     assert header[:10] == required.split(",")
+    assert header == sweep.CSV_COLUMNS and {"efficiency", "compute_step_s", "timed_steps", "reduce_scatter"} <= set(header)
     budgets = sorted({r["budget_bytes"] for r in result["records"] if r["strategy"] == "osdp"})
-    # every baseline at every budget: none dropped
-    for s in ("ddp", "zero2", "fsdp", "osdp"):
-        assert sorted(int(r["budget_bytes"]) for r in table if r["strategy"] == s) == budgets
+    # every baseline and ablation at every budget: none dropped
+    for s in (*run_mod.BASELINES, *run_mod.ABLATIONS, "osdp"):
+        assert sorted(int(r["budget_bytes"]) for r in table if r["strategy"] == s) == budgets, s
     for r in table:
         needs = int(r["needs_bytes"]) if r["needs_bytes"] else None
         if r["fits"] == "True":
             assert needs <= int(r["budget_bytes"]) and r["status"] == "fits"
         else:
             assert r["status"].startswith(f"does not fit (needs {needs / MiB:.1f} MiB)")
-    ddp = [r for r in table if r["strategy"] == "ddp"]
+        if r["tokens_per_s"]:
+            assert float(r["efficiency"]) == pytest.approx(float(r["tokens_per_s"]) / 2000)
+            assert r["timed_steps"] == "20;21" and float(r["compute_step_s"]) == 0.25
+    ddp = [r for r in table if r["strategy"] == "torch-ddp"]
     assert ddp[-1]["fits"] == "True" and ddp[0]["fits"] == "False"  # fits exactly at the top budget
+    assert all(r["predicted_peak_bytes"] == "" for r in ddp)  # a baseline is no plan: nothing predicted
     # the lowest budget is below what any plan needs: OSDP has no plan, and says what it needs
     first = next(r for r in table if r["strategy"] == "osdp" and int(r["budget_bytes"]) == budgets[0])
     assert first["fits"] == "False" and "no plan" in first["status"]
@@ -133,12 +138,58 @@ def test_csv_schema_and_does_not_fit(result, tmp_path):
 
 def test_summary_ratios_and_targets(result):
     rows = sweep.rows_of(result)
-    comparison = sweep.compare(rows, result)
+    comparison = sweep.compare(rows)
     top = comparison[-1]
-    assert top["best"]["strategy"] == "ddp" and top["vs_best"] == pytest.approx(1.1)
+    assert top["best"]["strategy"] == "torch-ddp" and top["vs_best"] == pytest.approx(1.1)
+    assert set(top["ablation"]) == set(run_mod.ABLATIONS)  # shown apart, never the best baseline
     v = sweep.verdicts(comparison)
     assert not v["peak_within_budget_ok"]  # the made-up over-budget point
+    assert v["osdp_gain_ok"] and v["osdp_vs_best_max"] == pytest.approx(1.1)
     assert v["budgets_without_osdp_plan"] == [comparison[0]["budget_bytes"]]
+    # where OSDP measured over its budget and a baseline fits, OSDP misses the every-budget target
+    second = comparison[1]
+    if second["best"] is not None:
+        assert second["vs_best"] is None and not v["osdp_vs_best_ok"]
+    text = sweep.summary_markdown([{**result, "device_info": {"flops": {"float32": 1e9}}}], rows, {
+        "profile": "test", "command": "x", "date": "today", "seconds": 60, "world_size": 2, "rounds": 2,
+        "min_steps": 20, "time_per_run_s": 1.0, "reduce_scatter": "pairwise", "parts": [],
+        "machine": {"cpu": "cpu", "cores": 2, "platform": "linux", "python": "3", "torch": "2"}})
+    assert "| OSDP efficiency |" in text and "torch-ddp+ac" in text and "reduce-scatter (osdp.comm" in text
+
+
+def test_a_sweep_part_end_to_end_on_two_ranks(tmp_path):
+    """run.launch as the sweep calls it, at a tiny size: baselines, the ablation and OSDP at two budgets (each
+    its own run) with the compute-only reference, in interleaved repeats; then the CSV of the real result."""
+    import os
+
+    from osdp import models
+
+    spec = {"model": "gpt2-tiny", "batch_size": 2, "seq_len": 32, "link": run_mod.resolve_link("loopback"),
+            "strategies": ["torch-ddp", "fsdp2+ac", "osdp-uniform-fsdp"], "auto_budgets": 2, "rounds": 2,
+            "time_per_run_s": 0.05, "min_steps": 2, "collective_time_s": 0.5}
+    lines = []
+    result = run_mod.launch(spec, on_line=lines.append, timeout_s=400,
+                            env=dict(os.environ, OSDP_CACHE_DIR=str(tmp_path / "cache")))
+    assert result["reduce_scatter"] == "pairwise"
+    assert "pairwise reduce-scatter" in result["device_info"]["collectives"]["source"]
+    assert len(result["compute_only"]["step_s_rounds"]) == 2
+    records = result["records"]
+    assert {r["strategy"] for r in records} == {"torch-ddp", "fsdp2+ac", "osdp-uniform-fsdp", "osdp"}
+    osdp_runs = [r for r in records if r["strategy"] == "osdp" and r["status"] == "ran"]
+    assert len(osdp_runs) == 2 and len({r["run"] for r in osdp_runs}) == 2  # every budget its own run
+    for r in records:
+        m = r["measured"]
+        assert len(m["step_s_rounds"]) == 2 and all(n >= 2 for n in m["timed_steps"]), r["strategy"]
+        assert m["peak_bytes"] > 0 and 0 < m["efficiency"] and len(m["efficiency_rounds"]) == 2, r["strategy"]
+        assert ("predicted_peak_bytes" in r) == (r["strategy"] != "torch-ddp" and r["strategy"] != "fsdp2+ac")
+    ddp = next(r for r in records if r["strategy"] == "torch-ddp")
+    params = sum(p.numel() * 4 for p in models.build("gpt2-tiny", seq_len=32).parameters())
+    # DDP's buckets (counted by osdp.memory from DDP's record) and the gradients the optimizer steps on
+    assert all(x["peak_breakdown"]["gradients"] >= params for x in ddp["measured"]["per_rank"])
+    assert result["ddp_needs_bytes"] >= params
+    rows = sweep.rows_of(result)
+    sweep.write_csv(rows, tmp_path / "sweep.csv")
+    assert len(rows) == 4 * 2  # three runs placed at both budgets, and OSDP at each
 
 
 def test_plots_from_a_results_folder(result, tmp_path):

@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from osdp import comm
 from osdp.distributed import all_gather_objects, world
 from osdp.plan import ROOT, Plan, PlanError, UnitPlan, display_path
 from osdp.split import apply_split, split_parameters, splittable_linears
@@ -232,6 +233,7 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None =
     if replicated:
         in_order = [p for p in model.parameters() if p in replicated]  # DDP buckets them in reverse
         setattr(model, _REPLICATED_ATTR, ReplicatedParameters(model, in_order, device))
+    comm.install(model)  # the reduce-scatter of osdp.comm's setting on every unit (FSDP2's own by default)
     setattr(model, _PLAN_ATTR, plan)
     return model
 

@@ -15,9 +15,10 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-# all_gather_single / reduce_scatter_single replace the *_tensor names in recent torch.
+from osdp import comm
+
+# all_gather_single replaces all_gather_into_tensor in recent torch.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class MemoryCounter:
@@ -135,6 +136,7 @@ def backward(
     need_input_grad: bool,
     need_weight_grad: bool,
     reduce_dtype: torch.dtype | None,
+    pairwise: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(grad of x, this rank's rows of the data-parallel mean of grad W).
 
@@ -142,7 +144,8 @@ def backward(
     the weight gradient does not, so a layer whose input needs no gradient
     gathers nothing. Each slice's weight gradient is reduce-scattered behind
     the next slice's compute; at most two are in flight, so unreduced slice
-    gradients never exceed 2/k of the weight.
+    gradients never exceed 2/k of the weight. ``pairwise``: reduce-scatter with
+    ``osdp.comm.pairwise_reduce_scatter`` (NCCL's traffic on gloo) instead of the group's own.
     """
     n, c, m = group.size(), sum(piece_sizes), x.shape[0]
     offsets = _offsets(piece_sizes)
@@ -174,7 +177,8 @@ def backward(
                 unreduced = COUNTER.allocate("grad", torch.mm(g_i.t(), x).to(reduce_dtype))  # (n * q, in), rank-major
                 in_place = reduce_dtype == grad_w.dtype
                 dst = grad_w[off : off + q] if in_place else grad_w.new_empty(q, grad_w.shape[1], dtype=reduce_dtype)
-                work = _reduce_scatter(dst, unreduced, op=_avg(group), group=group, async_op=True)
+                reduce = comm.pairwise_reduce_scatter if pairwise else comm.native_reduce_scatter
+                work = reduce(dst, unreduced, op=_avg(group), group=group, async_op=True)
                 pending.append((work, unreduced, None if in_place else dst, off))
                 while len(pending) > 1:
                     finish(*pending.popleft())

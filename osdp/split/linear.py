@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
+from osdp import comm
 from osdp.split import _extension
 
 # Linears smaller than this (weight elements) are not worth k extra collectives;
@@ -52,8 +53,10 @@ class _SplitLinearFunction(torch.autograd.Function):
         module = ctx.module
         need_x, need_w, need_b, _ = ctx.needs_input_grad
         grad_y = grad_y.reshape(-1, module.out_features).contiguous()
+        pairwise = comm.reduce_scatter_impl() == "pairwise"  # NCCL's traffic on gloo (osdp.comm)
         grad_x, grad_w = ctx.impl.backward(
-            grad_y, x2d, w_local, ctx.group, module.piece_sizes, module.out_features, need_x, need_w, module.reduce_dtype
+            grad_y, x2d, w_local, ctx.group, module.piece_sizes, module.out_features, need_x, need_w, module.reduce_dtype,
+            pairwise,
         )
         grad_b = grad_y.sum(0).to(ctx.bias_dtype) if need_b else None
         return None if grad_x is None else grad_x.view(ctx.x_shape), grad_w, grad_b, None

@@ -1,0 +1,87 @@
+"""The experiments' baselines: data parallelism as a PyTorch user writes it, without OSDP's planner.
+
+    from baselines import BASELINES, build_baseline
+    model = build_baseline("fsdp2+ac", model, "cpu")   # train the module it returns
+
+``BASELINES``, each what its name says, built from PyTorch alone (no
+``osdp.wrap``, no ``apply_plan``, no plan):
+
+- ``torch-ddp``: ``torch.nn.parallel.DistributedDataParallel`` with its
+  defaults (25 MiB gradient buckets, all-reduces overlapped with backward);
+- ``fsdp2``: ``fully_shard`` on each transformer block, then on the root,
+  FSDP2's defaults otherwise (blocks reshard after forward, the root does
+  not), as torchtitan applies it;
+- ``fsdp2-zero2``: the same with ``reshard_after_forward=False`` everywhere
+  (ZeRO-2: gathered parameters kept from forward to backward);
+- ``torch-ddp+ac``, ``fsdp2+ac``, ``fsdp2-zero2+ac``: each with full
+  activation checkpointing of every block first (``checkpoint_wrapper``,
+  non-reentrant), torchtitan's "full" AC.
+
+A transformer block is an entry of the model's block list
+(:func:`transformer_blocks`): the reference models' ``model.blocks``, and in
+Hugging Face models ``transformer.h``, ``model.layers``, ``encoder.layer``...
+
+One experiment setting applies to them as to OSDP's runs: the reduce-scatter
+of ``osdp.comm`` (``OSDP_REDUCE_SCATTER``), installed on the ``fully_shard``-ed
+modules, so that every strategy's reductions are charged alike (FSDP2's own
+unless the setting is ``pairwise``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from osdp import comm
+from osdp._torch_private import checkpoint_wrapper
+
+BASELINES = ("torch-ddp", "fsdp2", "fsdp2-zero2", "torch-ddp+ac", "fsdp2+ac", "fsdp2-zero2+ac")
+
+
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's list of transformer blocks: of its ``nn.ModuleList``s whose entries are all of one class
+    and each hold parameters, the one holding the most parameters."""
+    candidates = []
+    for path, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) and len({type(b) for b in m}) == 1 \
+                and all(next(b.parameters(), None) is not None for b in m):
+            candidates.append((sum(p.numel() for p in m.parameters()), path, m))
+    if not candidates:
+        raise ValueError(
+            f"{type(model).__name__} has no list of transformer blocks (an nn.ModuleList of modules of one class "
+            "holding parameters, such as model.blocks or transformer.h): the baselines wrap each block"
+        )
+    return max(candidates, key=lambda c: c[0])[2]
+
+
+def build_baseline(name: str, model: nn.Module, device_type: str = "cpu") -> nn.Module:
+    """Make ``model`` data parallel as baseline ``name`` (one of ``BASELINES``); returns the module to train.
+
+    ``model``: materialized on its device, the same initial weights on every
+    rank. Collective over the default process group: call it on every rank.
+    ``torch-ddp*`` returns a ``DistributedDataParallel`` around ``model``;
+    ``fsdp2*`` returns ``model`` itself, now FSDP2 (in place, like
+    ``fully_shard``). With ``+ac`` the blocks in the model's block list are
+    replaced by their checkpoint wrappers (state-dict keys do not change).
+    """
+    if name not in BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; use one of {', '.join(BASELINES)}")
+    kind, _, ac = name.partition("+")
+    blocks = transformer_blocks(model)
+    if ac:
+        for i, block in enumerate(blocks):
+            blocks[i] = checkpoint_wrapper(block)
+    if kind == "torch-ddp":
+        device_ids = [torch.cuda.current_device()] if device_type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))  # explicit: see DESIGN.md section 4
+    options = {"reshard_after_forward": False} if kind == "fsdp2-zero2" else {}
+    for block in blocks:
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    comm.install(model)
+    return model

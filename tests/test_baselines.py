@@ -1,0 +1,111 @@
+"""experiments/baselines.py: each baseline is what its name says and trains as one process does."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+
+import baselines
+from osdp._torch_private import ddp_bucket_bytes  # noqa: E402
+from dist_harness import run_ranks  # noqa: E402
+from test_wrap import build_reference, reference_batches  # noqa: E402
+from training_check import assert_matches_reference, reference  # noqa: E402
+
+MODEL = "gpt2-tiny"
+
+
+def _structure(model: nn.Module, blocks: nn.ModuleList) -> dict:
+    """What a built baseline is made of, read from the objects themselves."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    from osdp import comm
+    from osdp._torch_private import checkpoint_wrapper
+
+    wrapper_type = type(checkpoint_wrapper(nn.Linear(1, 1)))
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    return {
+        "ddp": isinstance(model, DistributedDataParallel),
+        "fsdp_modules": sum(isinstance(m, FSDPModule) for m in inner.modules()),
+        "sharded_blocks": sum(isinstance(b, FSDPModule) for b in blocks),
+        "root_sharded": isinstance(inner, FSDPModule),
+        "checkpointed_blocks": sum(isinstance(b, wrapper_type) for b in blocks),
+        "pairwise": comm.uses_pairwise(inner),
+        "bucket_bytes": ddp_bucket_bytes(model) if isinstance(model, DistributedDataParallel) else 0,
+    }
+
+
+def _sharded_after_forward(model: nn.Module, blocks: nn.ModuleList, batch) -> list[bool]:
+    """Per block: are its registered parameters sharded DTensors between forward and backward?"""
+    from torch.distributed.tensor import DTensor
+
+    loss = model(*batch)
+    sharded = [all(isinstance(p, DTensor) for p in b.parameters()) for b in blocks]
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sharded
+
+
+def _build_and_train(rank, world_size, batches):
+    from osdp import comm
+    from training_check import full_state, train
+
+    comm.set_reduce_scatter("pairwise")  # the experiments' setting; the native one is FSDP2's default
+    out = {}
+    for name in baselines.BASELINES:
+        model = build_reference(MODEL)
+        blocks = baselines.transformer_blocks(model)
+        built = baselines.build_baseline(name, model, "cpu")
+        info = _structure(built, blocks)
+        info["n_blocks"] = len(blocks)
+        if not info["ddp"]:
+            probe = build_reference(MODEL)
+            probe_blocks = baselines.transformer_blocks(probe)
+            probe = baselines.build_baseline(name, probe, "cpu")
+            n = batches[0][0].shape[0] // world_size
+            info["sharded_after_forward"] = _sharded_after_forward(
+                probe, probe_blocks, [t[rank * n:(rank + 1) * n] for t in batches[0]])
+        losses = train(built, batches, rank, world_size)
+        state = full_state(built)  # collective: every rank takes part
+        out[name] = (losses, state if rank == 0 else None, info)
+    return out
+
+
+def test_each_baseline_is_what_its_name_says_and_trains_like_one_process():
+    batches = reference_batches(MODEL)
+    out = run_ranks(_build_and_train, 2, batches, timeout=300)
+    build = functools.partial(build_reference, MODEL)
+    params = sum(p.numel() * 4 for p in build().parameters())
+    for name in baselines.BASELINES:
+        info = out[0][name][2]
+        n = info["n_blocks"]
+        assert n == 2
+        assert info["checkpointed_blocks"] == (n if name.endswith("+ac") else 0), name
+        if name.startswith("torch-ddp"):
+            assert info["ddp"] and info["fsdp_modules"] == 0, name
+            assert info["bucket_bytes"] == params, name  # DDP's buckets, counted by osdp.memory: all gradients
+        else:
+            # one fully_shard per block, then the root
+            assert not info["ddp"] and info["sharded_blocks"] == n and info["root_sharded"], name
+            assert info["fsdp_modules"] == n + 1 and info["pairwise"], name
+            # FSDP2's defaults reshard blocks after forward; ZeRO-2 keeps them gathered until backward
+            assert info["sharded_after_forward"] == [not name.startswith("fsdp2-zero2")] * n, name
+    per_rank = [[out[r][name][:2] for name in baselines.BASELINES] for r in range(2)]
+    assert_matches_reference(per_rank, reference(build, batches), list(baselines.BASELINES))
+
+
+def test_transformer_blocks_of_a_hugging_face_model_and_a_model_without_blocks():
+    from test_hf_model import build_hf_gpt2
+
+    model = build_hf_gpt2()
+    assert baselines.transformer_blocks(model) is model.lm.transformer.h
+    with pytest.raises(ValueError, match="no list of transformer blocks"):
+        baselines.transformer_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    with pytest.raises(ValueError, match="unknown baseline 'ddp'"):
+        baselines.build_baseline("ddp", build_reference(MODEL))

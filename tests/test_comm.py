@@ -1,0 +1,136 @@
+"""osdp.comm: the pairwise reduce-scatter equals the process group's own; training with it equals one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from osdp import comm
+from dist_harness import run_ranks
+
+SIZES = (1, 3, 64, 1001)  # elements per rank: odd, prime, one
+
+
+def _against_native(rank, world_size):
+    """Every (size, op, dtype): pairwise == reduce_scatter_tensor; two in flight at once; one-rank groups;
+    bad calls raise before any transfer."""
+    torch.manual_seed(rank)
+    checked = 0
+    for m in SIZES:
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            for dtype in (torch.float32, torch.float64):
+                x = torch.randn(world_size * m, dtype=dtype)
+                want, got = torch.empty(m, dtype=dtype), torch.full((m,), float("nan"), dtype=dtype)
+                dist.reduce_scatter_tensor(want, x, op=op)
+                comm.pairwise_reduce_scatter(got, x, op=op)
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, msg=f"m={m} {op} {dtype}")
+                checked += 1
+    # two in flight (as the split loop keeps them), finished in order
+    xs = [torch.randn(world_size * 50) for _ in range(2)]
+    outs = [torch.empty(50) for _ in xs]
+    works = [comm.pairwise_reduce_scatter(o, x, op=dist.ReduceOp.AVG, async_op=True) for o, x in zip(outs, xs)]
+    for w in works:
+        assert w.wait()
+    for o, x in zip(outs, xs):
+        want = torch.empty(50)
+        dist.reduce_scatter_tensor(want, x, op=dist.ReduceOp.AVG)
+        torch.testing.assert_close(o, want, atol=1e-6, rtol=1e-6)
+    # a group of one rank: the output is the input
+    singles = [dist.new_group([r]) for r in range(world_size)]
+    x = torch.randn(7)
+    out = torch.empty(7)
+    comm.pairwise_reduce_scatter(out, x, op=dist.ReduceOp.AVG, group=singles[rank])
+    assert torch.equal(out, x)
+    errors = []
+    for bad in (lambda: comm.pairwise_reduce_scatter(torch.empty(3), torch.randn(world_size * 3), op=dist.ReduceOp.MAX),
+                lambda: comm.pairwise_reduce_scatter(torch.empty(3), torch.randn(world_size * 3 + 1)),
+                lambda: comm.pairwise_reduce_scatter(torch.empty(3, dtype=torch.float64), torch.randn(world_size * 3))):
+        with pytest.raises(ValueError) as e:
+            bad()
+        errors.append(str(e.value))
+    # the transfers agree afterwards: nothing was left half-sent
+    x = torch.randn(world_size * 5)
+    out, want = torch.empty(5), torch.empty(5)
+    comm.pairwise_reduce_scatter(out, x)
+    dist.reduce_scatter_tensor(want, x)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    return checked, errors
+
+
+def test_setting(monkeypatch):
+    monkeypatch.delenv(comm.ENV, raising=False)
+    assert comm.reduce_scatter_impl() == "native"
+    monkeypatch.setenv(comm.ENV, "pairwise")
+    assert comm.reduce_scatter_impl() == "pairwise"
+    comm.set_reduce_scatter("native")
+    try:
+        assert comm.reduce_scatter_impl() == "native"
+    finally:
+        comm.set_reduce_scatter(None)
+    monkeypatch.setenv(comm.ENV, "ring")
+    with pytest.raises(ValueError, match="native, pairwise"):
+        comm.reduce_scatter_impl()
+    with pytest.raises(ValueError, match="native, pairwise"):
+        comm.set_reduce_scatter("nccl")
+
+
+def _train_pairwise(rank, world_size, build, batches, plans_json, backends):
+    """``_against_native``; then under pairwise, for each split backend, every plan trained as in
+    training_check: FSDP2 units use FSDPReduceScatter, and FSDP2's and the Python split loop's reductions
+    went through it."""
+    import osdp
+    import osdp.split as split
+    from training_check import full_state, train
+
+    direct = _against_native(rank, world_size)
+    comm.set_reduce_scatter("pairwise")
+    out = []
+    for backend in backends:
+        split.set_backend(backend)
+        for plan_json in plans_json:
+            model = build()
+            osdp.wrap(model, plan=plan_json)
+            calls = sum(comm._tags.values())
+            losses = train(model, batches, rank, world_size)
+            pairwise_calls = sum(comm._tags.values()) - calls
+            state = full_state(model)
+            out.append((losses, state if rank == 0 else None, comm.uses_pairwise(model), pairwise_calls))
+    split.set_backend("auto")
+    return direct, out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_pairwise_equals_native_and_trains_like_one_process(world_size):
+    """One spawn per world size (each costs seconds): the direct comparison, then training."""
+    import osdp.split as split
+    from test_wrap import build_toy, every_mode_plans, toy_batches
+    from training_check import assert_matches_reference, reference
+
+    try:
+        split.build_extension()
+        backends = ("python", "cpp")
+    except Exception:  # noqa: BLE001 - no compiler here: the Python loop only
+        backends = ("python",)
+    plans = every_mode_plans(build_toy())
+    # on three ranks FSDP2 pads the embedding's and the norms' rows (64 and 32 rows), and the farther peer's
+    # chunk goes through a scratch buffer: FSDP2 units and split slices
+    if world_size == 3:
+        plans = {k: plans[k] for k in ("fsdp", "split")}
+    batches = toy_batches(global_batch=12)
+    results = run_ranks(_train_pairwise, world_size, build_toy, batches, [p.to_json() for p in plans.values()],
+                        backends, timeout=240)
+    (checked, errors), _ = results[0]
+    assert checked == len(SIZES) * 4
+    assert "SUM or AVG" in errors[0] and "world size x the output" in errors[1] and "same dtype" in errors[2]
+    out = [r[1] for r in results]
+    names = [f"{name} ({backend})" for backend in backends for name in plans]
+    assert_matches_reference([[(losses, state) for losses, state, _, _ in r] for r in out],
+                             reference(build_toy, batches), names)
+    for i, name in enumerate(names):
+        _, _, installed, calls = out[0][i]
+        assert installed, name
+        if name.startswith("ddp"):  # replicated units all-reduce: no reduce-scatter at all
+            assert calls == 0, name
+        else:
+            assert calls > 0, f"{name}: no reduction went through the pairwise reduce-scatter"
