@@ -16,6 +16,10 @@ Strategies (a record's ``strategy``):
 - ``osdp-uniform-ddp``, ``osdp-uniform-zero2``, ``osdp-uniform-fsdp``: OSDP's
   own uniform plans (its units and ``apply_plan``, one mode everywhere), an
   ablation, not a baseline;
+- ``osdp-replicate``, ``osdp-zero3``, ``osdp-zero2`` and each ``+ac``: the
+  native twins' OSDP counterparts for ``bench_modes.py`` (``TWINS``): one
+  mode everywhere at the unit granularity the search picks for it, with
+  ``+ac`` the units inside the transformer blocks checkpointed;
 - ``fairscale``: fairscale's FSDP, ZeRO-3 with one FSDP instance per OSDP
   unit; CUDA only (its FSDP uses CUDA streams unconditionally).
 
@@ -60,8 +64,14 @@ from baselines import BASELINES  # noqa: E402
 
 # OSDP's uniform plans (an ablation): strategy -> osdp.strategy_plan's name
 ABLATIONS = {"osdp-uniform-ddp": "ddp", "osdp-uniform-zero2": "zero2", "osdp-uniform-fsdp": "fsdp"}
+# OSDP's uniform plans beside their native twins (bench_modes.py): mode, and checkpointing of the units in
+# the transformer blocks as the "+ac" baselines checkpoint each block; at the unit granularity OSDP's
+# search picks for that mode when memory is no limit
+TWINS = {
+    f"osdp-{mode}{'+ac' if ac else ''}": (mode, ac) for mode in ("replicate", "zero3", "zero2") for ac in (False, True)
+}
 EXTRA_STRATEGIES = ("fairscale",)
-STRATEGIES = (*BASELINES, *ABLATIONS, *EXTRA_STRATEGIES)
+STRATEGIES = (*BASELINES, *ABLATIONS, *TWINS, *EXTRA_STRATEGIES)
 COMPUTE_ONLY = "compute-only"  # the plain model, no communication: the efficiency reference
 MIN_STEPS = 20  # timed steps per run and repeat, at least
 DEFAULT_REDUCE_SCATTER = "pairwise"  # osdp.comm: NCCL's traffic on gloo, for every strategy alike
@@ -182,6 +192,31 @@ def run_fairscale(build, batch, *, device, time_budget_s: float, measure_memory:
     return out
 
 
+def block_list_path(model) -> str:
+    """Module path of the model's transformer block list (``baselines.transformer_blocks``)."""
+    from baselines import transformer_blocks
+
+    blocks = transformer_blocks(model)
+    return next(path for path, m in model.named_modules() if m is blocks)
+
+
+def twin_plan(descriptions, mode: str, ac: bool, blocks: str, device_info, optimizer: str, settings: dict):
+    """OSDP's plan with every unit in ``mode`` (checkpointing the units inside the blocks with ``ac``), at
+    the granularity whose plan the cost model predicts faster: what its search picks when memory is no limit."""
+    from osdp.cost import predict
+    from osdp.plan import Plan, UnitPlan
+
+    best = None
+    for d in descriptions:
+        plan = Plan([UnitPlan(u.path, mode, checkpoint=ac and u.path.startswith(blocks + "."))
+                     for u in d.units], **settings)
+        plan.meta["granularity"] = d.granularity
+        step = predict(d, plan, device_info, optimizer=optimizer).step_s
+        if best is None or step < best[0]:
+            best = (step, plan)
+    return best[1]
+
+
 def param_fraction(description, plan, mode: str) -> float:
     """Share of the parameter bytes that ``plan`` puts in ``mode``."""
     total = sum(u.param_bytes for u in description.units) or 1
@@ -212,7 +247,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     from osdp.device import measure_device
     from osdp.distributed import all_gather_objects, broadcast_object
     from osdp.plan import Plan
-    from osdp.planner import search
+    from osdp.planner import describe_granularities, search
     from osdp.profile import describe
     from osdp.search import BudgetTooSmall, min_peak
     from osdp.train import init_from_env
@@ -246,16 +281,22 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         return {"device_info": device_info.to_dict(), "reduce_scatter": reduce_scatter} if rank == 0 else None
     model = build().to(device)
     say("describing the model (rank 0, as osdp.plan does; cached in OSDP_CACHE_DIR)")
-    description = describe(model, batch, precisions=("fp32",)) if rank == 0 else None
-    description = broadcast_object(description)
+    descriptions = describe_granularities(  # one per unit granularity: the search chooses between them
+        lambda **g: describe(model, batch, precisions=("fp32",), **g)) if rank == 0 else None
+    descriptions = broadcast_object(descriptions)
+    description = descriptions[0]
+    blocks = block_list_path(model)
     signature = structure_signature(model)
     del model
 
     settings = dict(batch_size=b, world_size=world_size, model_signature=signature)
     optimizer = "adamw"
 
+    def described(plan: Plan):
+        return next(d for d in descriptions if set(d.paths) == set(plan.paths) | {""})
+
     def predicted(plan: Plan) -> dict[str, Any]:
-        p = predict(description, plan, device_info, optimizer=optimizer)
+        p = predict(described(plan), plan, device_info, optimizer=optimizer)
         return {"predicted_step_s": p.step_s, "predicted_peak_bytes": p.peak_bytes,
                 "predicted_tokens_per_s": tokens / p.step_s}
 
@@ -268,6 +309,11 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
             requests.append({"strategy": s, "key": s})
         elif s in ABLATIONS:
             plan = osdp.strategy_plan(build(), ABLATIONS[s], **settings)
+            runs[s] = Job(build, plan, batch)
+            requests.append({"strategy": s, "key": s, "plan": plan})
+        elif s in TWINS:
+            mode, ac = TWINS[s]
+            plan = twin_plan(descriptions, mode, ac, blocks, device_info, optimizer, settings)
             runs[s] = Job(build, plan, batch)
             requests.append({"strategy": s, "key": s, "plan": plan})
         elif s == "fairscale":
@@ -317,8 +363,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
 
     # ---- budgets: from the least any plan needs (predicted) to torch-ddp's measured peak (one short untimed pass)
     budgets = [int(x) for x in spec.get("budgets") or []]
-    problem = build_problem(description, device_info, b, optimizer=optimizer)
-    lowest, _ = min_peak(problem)
+    lowest = min(min_peak(build_problem(d, device_info, b, optimizer=optimizer))[0] for d in descriptions)
     ddp_needs = None
     if spec.get("auto_budgets"):
         if "torch-ddp" not in runs:
@@ -332,7 +377,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         request: dict[str, Any] = {"strategy": "osdp", "budget_bytes": budget}
         if rank == 0:
             try:
-                found = search(description, dataclasses.replace(device_info, memory_bytes=budget), [b],
+                found = search(descriptions, dataclasses.replace(device_info, memory_bytes=budget), [b],
                                optimizer=optimizer, model_signature=signature).plan
                 outcome = ("plan", found.to_json())
             except BudgetTooSmall as e:
@@ -371,7 +416,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         plan = req.get("plan")
         if plan is not None:
             rec.update(plan=plan.to_dict(), plan_hash=plan.hash, plan_summary=plan.summary(),
-                       replicated_fraction=param_fraction(description, plan, "replicate"), **predicted(plan))
+                       replicated_fraction=param_fraction(described(plan), plan, "replicate"), **predicted(plan))
         if key is not None and key in measured:
             rec["measured"] = summarize_run(measured[key], compute_rounds, tokens)
         records.append(rec)
@@ -391,8 +436,10 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         "compute_only": {"step_s_rounds": compute_rounds, "step_s_median": statistics.median(compute_rounds),
                          "tokens_per_s": tokens / statistics.median(compute_rounds)},
         "device_info": device_info.to_dict(),
-        "description": {"source": description.source, "profile_seconds": description.profile_seconds,
-                        "from_cache": getattr(description, "from_cache", False)},
+        "description": {"source": description.source,
+                        "profile_seconds": sum(d.profile_seconds for d in descriptions),
+                        "granularities": [d.granularity for d in descriptions],
+                        "from_cache": all(getattr(d, "from_cache", False) for d in descriptions)},
         "rounds": rounds,
         "min_steps": min_steps,
         "time_per_run_s": per_run_s,
