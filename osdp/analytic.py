@@ -34,11 +34,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from osdp.device import DeviceInfo, device_preset
+from osdp.description import PRECISIONS, ModelDescription, UnitWorkload
 from osdp.profile import (
-    PRECISIONS,
-    ModelDescription,
     ProfileError,
-    UnitCosts,
     _Progress,
     batch_size_of,
     fit_costs,
@@ -134,7 +132,7 @@ def describe_analytic(
 
     mode = FakeTensorMode()
     fake_input = _fake_batch(example_input, mode)
-    costs: dict[str, dict[str, UnitCosts]] = {}
+    costs: dict[str, dict[str, UnitWorkload]] = {}
     order: list[str] = []
     with mode:
         fake_model = fake_copy(model, mode)

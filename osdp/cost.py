@@ -7,7 +7,7 @@ and ``build_problem``, so the search is exact under this model:
     peak   = base + sum_u mem[u, o_u] + max_u transient[u, o_u]
 
 Per unit u and option o = (mode, split k, checkpoint), at micro-batch b on N
-ranks, from the unit's description (``osdp.profile``: parameter shapes,
+ranks, from the unit's description (``osdp.description``: parameter shapes,
 per-b compute times, saved activations, working-set peaks) and FSDP2's
 schedule on torch 2.13 (``docs/COST_MODEL.md`` derives each term):
 
@@ -63,7 +63,7 @@ import torch
 
 from osdp.device import DeviceInfo
 from osdp.plan import MODES, ROOT, Plan, PlanError, UnitPlan, display_path
-from osdp.profile import ModelDescription, UnitProfile
+from osdp.description import ModelDescription, UnitProfile
 from osdp.search.problem import OPTIONS, Problem
 
 # fp32 state tensors per parameter (momentum, Adam's two moments)
@@ -137,7 +137,7 @@ class Calibration:
 
 
 @dataclass(frozen=True)
-class UnitCost:
+class OptionCost:
     """One unit under one option: the three numbers the search adds up, and their parts."""
 
     time_s: float
@@ -196,7 +196,7 @@ def _collective(ctx: _Context, kind: str, nbytes: float, messages: int = 1) -> f
     return messages * ctx.device.collectives.time(kind, nbytes / messages)
 
 
-def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: _Context) -> UnitCost:
+def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: _Context) -> OptionCost:
     """Time, additive memory and transient memory of ``unit`` under ``option`` (see the module docstring)."""
     mode, k, ckpt = (option.mode, option.split, option.checkpoint) if isinstance(option, UnitPlan) else option
     where = f"unit '{unit.name}'"
@@ -300,7 +300,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
         "held_bytes": held, "gradient_bytes": grad, "fwd_transient_bytes": fwd, "bwd_transient_bytes": bwd,
         "post_backward_bytes": post, "optimizer_temp_bytes": optimizer_temp,
     }
-    return UnitCost(time_s, int(mem), int(transient), parts)
+    return OptionCost(time_s, int(mem), int(transient), parts)
 
 
 def _context(

@@ -22,7 +22,8 @@ from osdp.cost import build_problem, plan_from_choice
 from osdp.device import DeviceInfo, device_preset, measure_device, parse_size
 from osdp.distributed import broadcast_object, world
 from osdp.plan import Plan
-from osdp.profile import ModelDescription, batch_size_of, describe
+from osdp.description import ModelDescription
+from osdp.profile import batch_size_of, describe
 from osdp.search import BudgetTooSmall, FrontierPoint, Problem, pareto_frontier, sweep_batch_sizes
 from osdp.units import structure_signature
 

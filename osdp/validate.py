@@ -51,7 +51,8 @@ from osdp.device import COLLECTIVES, AlphaBeta, CollectiveModel, DeviceInfo, mea
 from osdp.distributed import all_gather_objects, broadcast_object
 from osdp.memory import PeakMemory
 from osdp.plan import MODES, ROOT, Plan, UnitPlan
-from osdp.profile import ModelDescription, call_model, describe, loss_of
+from osdp.description import ModelDescription
+from osdp.profile import call_model, describe, loss_of
 from osdp.report import format_bytes, format_table
 
 # --------------------------------------------------------------------------- running plans
