@@ -77,7 +77,7 @@ def run_plan_fake(name: str, plan, args, device: torch.device, seq_len: int) -> 
     """Train ``plan`` as rank ``--rank`` of ``--world-size`` (fake group): step times and one step's peak."""
     import osdp
     from osdp import models
-    from osdp.cost import make_optimizer
+    from osdp.optim import make_optimizer
     from osdp.data import synthetic_batch
     from osdp.memory import PeakMemory
 

@@ -122,7 +122,7 @@ def run_fairscale(build, batch, *, device, time_budget_s: float, measure_memory:
     """Collective: fairscale's FSDP (ZeRO-3, one instance per OSDP unit): warm-up, timed steps, one peak step."""
     import torch
 
-    from osdp.cost import make_optimizer
+    from osdp.optim import make_optimizer
     from osdp.distributed import all_gather_objects
     from osdp.memory import PeakMemory
 

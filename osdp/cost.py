@@ -59,7 +59,6 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-import torch
 
 from osdp.device import DeviceInfo
 from osdp.plan import MODES, ROOT, Plan, PlanError, UnitPlan, display_path
@@ -67,22 +66,11 @@ from osdp.description import ModelDescription, UnitProfile
 from osdp.search.problem import OPTIONS, Problem
 
 # fp32 state tensors per parameter (momentum, Adam's two moments)
-OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}
+OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}  # by osdp.optim.OPTIMIZERS
 # bytes of temporaries per byte of parameter shard in a foreach (CUDA) step: Adam's sqrt(v) list
 _FOREACH_TEMPS = {"sgd": 0, "sgd-momentum": 0, "adamw": 1}
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 _REDUCE_BYTES = 4  # gradients are reduced in fp32 (MixedPrecisionPolicy(reduce_dtype=float32) for bf16)
-
-
-def make_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimizer:
-    """The optimizers the cost model knows, with PyTorch's default implementation choice."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}; the cost model knows {sorted(OPTIMIZER_STATES)}")
 
 
 @dataclass(frozen=True)

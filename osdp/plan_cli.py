@@ -18,6 +18,7 @@ from osdp import models
 from osdp.analytic import describe_analytic
 from osdp.cost import predict
 from osdp.device import DEVICE_PRESETS, device_preset, list_presets, parse_size
+from osdp.optim import OPTIMIZERS
 from osdp.plan import display_path
 from osdp.planner import search
 from osdp.report import format_table
@@ -36,7 +37,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, help=f"micro-batch per rank (default: search {DEFAULT_BATCH_CANDIDATES})")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
     p.add_argument("--mixed-precision", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--optimizer", choices=["sgd", "sgd-momentum", "adamw"], default="adamw")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     p.add_argument("--json", type=Path, help="write the Plan JSON here (with search_seconds)")
     p.add_argument("--frontier", type=Path, help="draw the throughput-vs-memory frontier to this PNG")
     p.add_argument("--list-models", action="store_true")

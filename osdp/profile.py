@@ -56,6 +56,7 @@ import torch.nn as nn
 
 from osdp.description import PHASES, PRECISIONS, Affine, ModelDescription, UnitProfile, UnitWorkload
 from osdp.memory import CATEGORIES, LiveBytesTracker, iter_tensors
+from osdp.optim import make_optimizer
 from osdp.plan import ROOT, display_path
 from osdp.units import (
     Unit,
@@ -576,8 +577,6 @@ def _checkpointed(model: nn.Module, units: Sequence[Unit]):
 
 def time_optimizers(params: Sequence[torch.Tensor], names: Iterable[str], repeats: int = 3) -> dict[str, float]:
     """Step seconds per fp32 parameter byte of each optimizer, on fresh tensors shaped like ``params``."""
-    from osdp.cost import make_optimizer
-
     out = {}
     shapes = [tuple(p.shape) for p in params if p.requires_grad]
     device = next(iter(params)).device

@@ -47,6 +47,7 @@ from osdp.data import CorpusLoader, synthetic_batch
 from osdp.distributed import all_gather_objects, collective_timeout_s, peer_failures
 from osdp.fsdp_ext.apply import complete_plan
 from osdp.memory import PeakMemory
+from osdp.optim import make_optimizer
 from osdp.plan import Plan
 from osdp.report import format_bytes, format_table, plan_table
 from osdp.units import build_units
@@ -237,7 +238,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if rank == 0:
         print(plan_table(plan, units), flush=True)
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = make_optimizer("adamw", model.parameters(), lr=args.lr)  # what the planner priced
     # What fixes the data stream: a resumed run that differs here sees other batches than the saved run would.
     run_info = {"model": args.model, "data": args.data, "seed": args.seed, "seq_len": seq_len}
     if args.data == "corpus" and not config.name.startswith("bert"):

@@ -46,7 +46,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from osdp import models
-from osdp.cost import Calibration, OPTIMIZER_STATES, make_optimizer, predict
+from osdp.cost import Calibration, predict
+from osdp.optim import OPTIMIZERS, make_optimizer
 from osdp.device import COLLECTIVES, AlphaBeta, CollectiveModel, DeviceInfo, measure_collectives, measure_device
 from osdp.distributed import all_gather_objects, broadcast_object
 from osdp.memory import PeakMemory
@@ -638,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--plans", nargs="+", default=None, help="names of plans to run (default: all; see --list-plans)")
     p.add_argument("--bf16", action="store_true", help="also validate mixed-precision (bf16) plans")
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     p.add_argument("--time-budget", type=float, default=4.0, help="seconds of timed steps per job (default 4)")
     p.add_argument("--rounds", type=int, default=4, help="times the collectives are re-fitted meanwhile (default 4)")
     p.add_argument("--calibration", type=Path, help="a calibration JSON (from a previous --json) instead of measuring")
