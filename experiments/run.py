@@ -217,7 +217,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     from osdp.planner import search
     from osdp.profile import describe
     from osdp.search import BudgetTooSmall, min_peak
-    from osdp.train import init_from_env
+    from osdp.distributed import init_from_env
     from osdp.units import structure_signature
     from osdp.validate import Job, run_jobs
 

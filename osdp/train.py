@@ -12,7 +12,7 @@ with ``--checkpoint-every K``, every K steps; on start it resumes from the
 newest complete checkpoint in DIR, under whatever plan and world size this run
 has. Batches are a function of the step, so a resumed run sees the batches the
 uninterrupted one would have. Under ``torchrun --max-restarts N`` (with
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see ``warn_shared_store``) or
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see ``osdp.distributed.warn_shared_store``) or
 ``osdp train --max-restarts N``, a rank that dies takes the job back to its
 last checkpoint instead of ending it.
 
@@ -31,7 +31,6 @@ import os
 import platform
 import signal
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -44,7 +43,7 @@ import torch.distributed as dist
 import osdp
 from osdp import checkpoint, models
 from osdp.data import CorpusLoader, synthetic_batch
-from osdp.distributed import all_gather_objects, collective_timeout_s, peer_failures
+from osdp.distributed import all_gather_objects, init_from_env, launch_local, peer_failures, warn_shared_store
 from osdp.fsdp_ext.apply import complete_plan
 from osdp.memory import PeakMemory
 from osdp.optim import make_optimizer
@@ -88,68 +87,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-final", type=Path,
                    help="write the trained model as one plain torch.save state dict (unsharded, from rank 0) "
                         "that load_state_dict of the unwrapped model accepts")
-
-
-def without_option(argv: list[str], option: str) -> list[str]:
-    """``argv`` less ``option VALUE`` / ``option=VALUE`` (torchrun would take ``--nproc`` for its own flag)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == option:
-            skip = True
-        elif not arg.startswith(option + "="):
-            out.append(arg)
-    return out
-
-
-def launch_local(nproc: int, module: str, argv: list[str], max_restarts: int = 0) -> int:
-    """Re-run this command on ``nproc`` local ranks through torchrun."""
-    argv = without_option(without_option(argv, "--nproc"), "--max-restarts")
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    restarts = [f"--max-restarts={max_restarts}", "--monitor-interval=0.5"] if max_restarts else []
-    if max_restarts:
-        env.setdefault(SHARED_STORE_ENV, "1")  # a fresh store for every attempt (see warn_shared_store)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           *restarts, "-m", module, *argv]
-    return subprocess.call(cmd, env=env)
-
-
-SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-
-
-def warn_shared_store(rank: int) -> None:
-    """Say so when torchrun may restart this job on the store of the previous attempt.
-
-    By default torchrun's workers build their process group on the agent's own
-    store, which outlives a restart, so a restarted rank can read the dead
-    attempt's addresses and fail with "Gloo connectFullMesh failed ... Connection
-    refused" (PyTorch issue 135712; seen with torch 2.13 in 3 of 5 restarts here).
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment gives every
-    attempt a fresh store; ``osdp train --max-restarts`` sets it.
-    """
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    if rank == 0 and restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        print(f"warning: torchrun --max-restarts {restarts} shares its store with the workers, so a restarted "
-              "job may fail to connect (Gloo connectFullMesh ... Connection refused, PyTorch issue 135712); "
-              f"run torchrun with {SHARED_STORE_ENV}=1", flush=True)
-
-
-def init_from_env(device_choice: str) -> torch.device:
-    """Join the torchrun process group; pick the device and give each CPU rank one thread."""
-    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        device = torch.device("cpu")
-    import datetime
-
-    # Every collective is bounded: a dead or stuck peer gives an error here, not a hang.
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=collective_timeout_s()))
-    return device
 
 
 def batch_source(config, args, rank: int, world_size: int, seq_len: int,

@@ -49,7 +49,7 @@ from osdp import models
 from osdp.cost import Calibration, predict
 from osdp.optim import OPTIMIZERS, make_optimizer
 from osdp.device import COLLECTIVES, AlphaBeta, CollectiveModel, DeviceInfo, measure_collectives, measure_device
-from osdp.distributed import all_gather_objects, broadcast_object
+from osdp.distributed import all_gather_objects, broadcast_object, init_from_env, launch_local
 from osdp.memory import PeakMemory
 from osdp.plan import MODES, ROOT, Plan, UnitPlan
 from osdp.description import ModelDescription
@@ -652,11 +652,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if "RANK" not in os.environ:
-        from osdp.train import launch_local
-
         return launch_local(args.nproc, "osdp.validate", argv)
-    from osdp.train import init_from_env
-
     device = init_from_env(args.device)
     try:
         calibration = None
