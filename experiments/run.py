@@ -20,7 +20,7 @@ The sweep (``sweep.py``) runs many of these in one process group per model
 and link (``--spec``): every plan is trained once per round, rounds
 interleaved, so that a shared machine's slow phases spread over all plans; a
 plan chosen at several budgets, or equal to a baseline, runs once. The runner
-is ``osdp.validate.run_jobs``: in each repeat every plan's model is built and
+is ``osdp.harness.run_jobs``: in each repeat every plan's model is built and
 wrapped, and the plans take one step each in turn (warm-up, timed steps, one
 extra step under ``osdp.memory.PeakMemory``); a repeat's step time is the
 median over its steps of the slowest rank's.
@@ -219,7 +219,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     from osdp.search import BudgetTooSmall, min_peak
     from osdp.distributed import init_from_env
     from osdp.units import structure_signature
-    from osdp.validate import Job, run_jobs
+    from osdp.harness import Job, run_jobs
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     device = init_from_env(spec.get("device", "auto"))
@@ -282,7 +282,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     jobs_at_once = int(spec.get("jobs_at_once") or 0)  # models alive at once in run_jobs (0: all)
 
     def measure(keys: list[str], r: int, *, time_s: float, min_steps: int = 3, timed: bool = True) -> None:
-        """Collective: one repeat of ``keys`` with osdp.validate.run_jobs (every model alive, one step of each
+        """Collective: one repeat of ``keys`` with osdp.harness.run_jobs (every model alive, one step of each
         in turn, so all see the same load), fairscale (CUDA only) after it."""
         osdp_keys = [k for k in keys if plans[k] != "fairscale"]
         groups = [osdp_keys[i:i + jobs_at_once] for i in range(0, len(osdp_keys), jobs_at_once)] \

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import platform
@@ -47,159 +46,14 @@ import torch.nn as nn
 
 from osdp import models
 from osdp.cost import Calibration, predict
-from osdp.optim import OPTIMIZERS, make_optimizer
+from osdp.optim import OPTIMIZERS
 from osdp.device import COLLECTIVES, AlphaBeta, CollectiveModel, DeviceInfo, measure_collectives, measure_device
-from osdp.distributed import all_gather_objects, broadcast_object, init_from_env, launch_local
-from osdp.memory import PeakMemory
+from osdp.distributed import broadcast_object, init_from_env, launch_local
+from osdp.harness import Job, run_jobs
 from osdp.plan import MODES, ROOT, Plan, UnitPlan
 from osdp.description import ModelDescription
-from osdp.profile import call_model, describe, loss_of
+from osdp.profile import describe
 from osdp.report import format_bytes, format_table
-
-# --------------------------------------------------------------------------- running plans
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for x in obj for t in _tensors(x)]
-    if isinstance(obj, dict):
-        return [t for x in obj.values() for t in _tensors(x)]
-    return []
-
-
-@dataclasses.dataclass
-class Job:
-    """A plan to train (None: the plain model): how to build the model, the plan, this rank's batch.
-
-    ``lockstep`` (plain model only): the ranks meet (a one-element all-reduce)
-    where every unit but the root starts its forward and its backward, as they
-    do under any plan.
-    """
-
-    build: Callable[[], nn.Module]
-    plan: Plan | None
-    batch: Any
-    lockstep: bool = False
-
-
-class _Trainer:
-    """One job's model, wrapped by its plan, and its optimizer: steps on demand."""
-
-    def __init__(self, job: Job, device: torch.device, optimizer: str, loss_fn: Callable | None):
-        import osdp
-
-        self.job, self.device, self.loss_fn = job, device, loss_fn
-        self.model = job.build().to(device)
-        if job.plan is not None:
-            osdp.wrap(self.model, plan=job.plan, device=device)
-        elif job.lockstep:
-            _synchronise_units(self.model)
-        self.optimizer = make_optimizer(optimizer, self.model.parameters())
-
-    def _fwd_bwd_opt(self) -> float:
-        loss = loss_of(call_model(self.model, self.job.batch), self.loss_fn)
-        loss.backward()
-        _sync(self.device)
-        middle = time.perf_counter()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return middle
-
-    def step(self) -> tuple[float, float]:
-        """(step seconds, forward + backward seconds)."""
-        _sync(self.device)
-        start = time.perf_counter()
-        middle = self._fwd_bwd_opt()
-        _sync(self.device)
-        return time.perf_counter() - start, middle - start
-
-    def peak(self) -> dict[str, Any]:
-        """One step under ``PeakMemory`` (slower: not timed)."""
-        with PeakMemory(self.device, self.model, self.optimizer, *_tensors(self.job.batch)) as meter:
-            self._fwd_bwd_opt()
-        stats = meter.stats()
-        return {"peak_bytes": stats.peak_bytes, "peak_breakdown": dict(stats.peak_breakdown)}
-
-
-def _synchronise_units(model: nn.Module) -> None:
-    from osdp.units import discover_units
-
-    token = torch.zeros(1, device=next(model.parameters()).device)
-
-    def meet(*_: Any) -> None:
-        dist.all_reduce(token)
-
-    modules = dict(model.named_modules())
-    for unit in discover_units(model):
-        if unit.path != ROOT:
-            modules[unit.path].register_forward_pre_hook(meet)
-            modules[unit.path].register_full_backward_pre_hook(meet)
-
-
-def run_jobs(
-    jobs: dict[str, Job],
-    *,
-    device: torch.device,
-    optimizer: str = "adamw",
-    time_budget_s: float = 4.0,
-    warmup: int = 2,
-    min_steps: int = 5,
-    max_steps: int = 200,
-    rounds: int = 4,
-    each_round: Callable[[], None] | None = None,
-    progress: Callable[[str], None] | None = None,
-    loss_fn: Callable | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Collective: train every job side by side, one step of each in turn; times and peak memory.
-
-    All jobs' models exist at once and take one step each in turn, so every
-    job sees the same machine: on a shared machine the load changes within
-    seconds, and gloo's blocking collectives suffer from it far more than
-    compute. ``time_budget_s`` is the timed seconds per job (within
-    ``min_steps`` .. ``max_steps`` steps each, agreed by all ranks);
-    ``each_round()`` runs ``rounds`` times spread over them. Per job: the
-    median over steps of the slowest rank's time, and the largest peak over
-    ranks of one tracked step (CPU tracking slows a step, so it is not timed).
-    """
-    trainers = {}
-    for i, (name, job) in enumerate(jobs.items()):
-        if progress:
-            progress(f"setting up {i + 1}/{len(jobs)} {name}")
-        trainers[name] = _Trainer(job, device, optimizer, loss_fn)
-    warm = {name: [t.step()[0] for _ in range(warmup)][-1] for name, t in trainers.items()}
-    wanted = int(time_budget_s * len(jobs) / max(sum(warm.values()), 1e-9))
-    steps = max(min_steps, min(max_steps, max(all_gather_objects(wanted))))
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in jobs}
-    for s in range(steps):
-        if each_round is not None and s % max(1, steps // rounds) == 0:
-            each_round()
-        for name, trainer in trainers.items():
-            times[name].append(trainer.step())
-        if progress and (s + 1) % max(1, steps // 10) == 0:
-            progress(f"step {s + 1}/{steps} of every job")
-    out = {}
-    for name, trainer in trainers.items():
-        peak = trainer.peak() if trainer.job.plan is not None else {"peak_bytes": None, "peak_breakdown": None}
-        ranks = all_gather_objects({"times": times[name], **peak})
-        out[name] = {
-            # the step of a synchronised job takes as long as its slowest rank's
-            "measured_step_s": statistics.median(max(t[0] for t in ts) for ts in zip(*(r["times"] for r in ranks))),
-            "measured_fwd_bwd_s": statistics.median(max(t[1] for t in ts) for ts in zip(*(r["times"] for r in ranks))),
-            "measured_peak_bytes": max((r["peak_bytes"] or 0) for r in ranks),
-            "steps": steps,
-            "per_rank": [{k: v for k, v in r.items() if k != "times"} for r in ranks],
-        }
-    del trainers
-    gc.collect()  # FSDP state holds reference cycles
-    return out
-
 
 # --------------------------------------------------------------------------- calibration
 
