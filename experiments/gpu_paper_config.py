@@ -77,13 +77,10 @@ def run_plan_fake(name: str, plan, args, device: torch.device, seq_len: int) -> 
     """Train ``plan`` as rank ``--rank`` of ``--world-size`` (fake group): step times and one step's peak."""
     import osdp
     from osdp import models
-    from osdp.optim import make_optimizer
     from osdp.data import synthetic_batch
     from osdp.memory import PeakMemory
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    from osdp.optim import make_optimizer
+    from osdp.timing import StepTimer
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -94,14 +91,11 @@ def run_plan_fake(name: str, plan, args, device: torch.device, seq_len: int) -> 
     inputs, targets = (t.to(device) for t in synthetic_batch(config, plan.batch_size, generator=torch.Generator().manual_seed(1)))
 
     def step() -> float:
-        sync()
-        t0 = time.perf_counter()
-        loss = model(inputs, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync()
-        return time.perf_counter() - t0
+        with StepTimer(device) as timer:
+            model(inputs, targets).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return timer.seconds
 
     for _ in range(args.warmup):
         step()

@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -91,8 +90,6 @@ def resolve_link(name: str, *, flops: float | None = None, ratio: float | None =
             "label": f"veth + tbf {rate / 1e6:.0f} Mbit/s ({ratio:.0f} FLOP/byte, as {GPU_RATIO_PRESET})",
         }
     if name.startswith("tbf:"):
-        from osdp.sizes import parse_size  # noqa: F401 (rates are bits: parse ourselves)
-
         text = name[4:].lower()
         for suffix, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1)):
             if text.endswith(suffix):
@@ -107,24 +104,13 @@ def resolve_link(name: str, *, flops: float | None = None, ratio: float | None =
 # --------------------------------------------------------------------------- the worker (every rank)
 
 
-def _progress(prefix: str) -> Callable[[str], None]:
-    import torch.distributed as dist
-
-    def say(message: str) -> None:
-        if dist.get_rank() == 0:
-            print(f"{prefix}{message}", flush=True)
-
-    return say
-
-
 def run_fairscale(build, batch, *, device, time_budget_s: float, measure_memory: bool, unit_paths,
                   warmup: int = 2, min_steps: int = 3, max_steps: int = 40) -> dict[str, Any]:
     """Collective: fairscale's FSDP (ZeRO-3, one instance per OSDP unit): warm-up, timed steps, one peak step."""
-    import torch
-
-    from osdp.optim import make_optimizer
     from osdp.distributed import all_gather_objects
     from osdp.memory import PeakMemory
+    from osdp.optim import make_optimizer
+    from osdp.timing import StepTimer
 
     if device.type != "cuda":
         raise RuntimeError("fairscale FSDP needs CUDA (it uses CUDA streams unconditionally)")
@@ -140,16 +126,12 @@ def run_fairscale(build, batch, *, device, time_budget_s: float, measure_memory:
     inputs, targets = batch
 
     def step() -> tuple[float, float]:
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        loss = model(inputs, targets)
-        loss.backward()
-        torch.cuda.synchronize(device)
-        middle = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device)
-        return time.perf_counter() - start, middle - start
+        with StepTimer(device) as timer:
+            model(inputs, targets).backward()
+            fwd_bwd = timer.lap()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return timer.seconds, fwd_bwd
 
     warm = [step() for _ in range(warmup)]
     wanted = int(time_budget_s / max(warm[-1][0], 1e-6))
@@ -220,6 +202,8 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     from osdp.distributed import init_from_env
     from osdp.units import structure_signature
     from osdp.harness import Job, run_jobs
+    from osdp.log import Progress
+    from osdp.machine import machine_info
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     device = init_from_env(spec.get("device", "auto"))
@@ -230,7 +214,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     seq_len = config.seq_len
     tokens = b * seq_len
     link = dict(spec.get("link") or {"name": "loopback", "kind": "loopback"})
-    say = _progress(f"[{model_name} {link.get('name')}] ")
+    say = Progress(f"run {model_name} {link.get('name')}")
     started = time.perf_counter()
 
     def build():
@@ -416,24 +400,6 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def machine_info(device=None) -> dict[str, Any]:
-    import torch
-
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-        "torch": torch.__version__, "device": str(device) if device is not None else None,
-        "threads_per_rank": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "loadavg_at_end": os.getloadavg(),
-    }
-
-
 def worker_main(spec_path: Path, out_path: Path) -> int:
     import torch.distributed as dist
 
@@ -521,7 +487,7 @@ def _run_local(cmd: list[str], env: dict[str, str], on_line: Callable[[str], Non
     except subprocess.TimeoutExpired:
         pass
     finally:
-        code = netns._stop(p)  # terminates the torchrun session we started if it is still running
+        code = netns.stop(p)  # terminates the torchrun session we started if it is still running
         t.join(timeout=5)
     return code
 

@@ -38,6 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run as run_mod  # noqa: E402
+from osdp.machine import machine_info  # noqa: E402
 
 RESULTS = HERE / "results"
 # model -> (micro-batch per rank, sequence length)
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"sweep: [{n}/{total}] done in {(time.time() - t0) / 60:.1f} min", flush=True)
 
     meta = {"osdp_source": source_state(), "profile": profile_name, "command": command, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-            "seconds": time.time() - start, "machine": results[0]["machine"] if results else run_mod.machine_info(),
+            "seconds": time.time() - start, "machine": results[0]["machine"] if results else machine_info(),
             "world_size": 2, "rounds": rounds, "time_per_run_s": per_run, "budgets": budgets, "parts": parts,
             "links": links}
     (out / "runs.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))

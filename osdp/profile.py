@@ -42,9 +42,7 @@ import hashlib
 import json
 import math
 import os
-import platform
 import statistics
-import sys
 import time
 import warnings
 import weakref
@@ -55,22 +53,14 @@ import torch
 import torch.nn as nn
 
 from osdp.description import PHASES, PRECISIONS, Affine, ModelDescription, UnitProfile, UnitWorkload
-from osdp.memory import CATEGORIES, LiveBytesTracker, iter_tensors
+from osdp.log import Progress
+from osdp.machine import device_name
+from osdp.memory import LiveBytesTracker, iter_tensors, map_tensors
 from osdp.optim import make_optimizer
 from osdp.plan import ROOT, display_path
-from osdp.units import (
-    Unit,
-    _common_ancestor,
-    _is_within,
-    _param_owners,
-    build_units,
-    count_calls,
-    discover_units,
-    structure_signature,
-)
+from osdp.units import Unit, build_units, count_calls, discover_units, param_homes, structure_signature
 
 PROFILE_VERSION = 2  # bump when what is measured changes: old cache entries are ignored
-_GRADIENTS = CATEGORIES.index("gradients")
 
 
 class ProfileError(ValueError):
@@ -104,18 +94,7 @@ def resize_batch(example_input: Any, b: int) -> Any:
         reps = [math.ceil(b / n)] + [1] * (t.dim() - 1)
         return t.repeat(*reps)[:b].contiguous()
 
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return resize(obj)
-        if isinstance(obj, tuple):
-            return tuple(walk(x) for x in obj)
-        if isinstance(obj, list):
-            return [walk(x) for x in obj]
-        if isinstance(obj, Mapping):
-            return {k: walk(v) for k, v in obj.items()}
-        return obj
-
-    return walk(example_input)
+    return map_tensors(resize, example_input)
 
 
 def input_spec(example_input: Any) -> str:
@@ -163,18 +142,6 @@ def loss_of(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch
 # --------------------------------------------------------------------------- attribution
 
 
-def param_homes(model: nn.Module, units: Sequence[Unit]) -> dict[int, str]:
-    """id(parameter) -> path of the unit that owns it (as ``osdp.units.build_units`` assigns them)."""
-    paths = [u.path for u in units]
-    params = {id(p): p for p in model.parameters()}
-    homes = {}
-    for pid, owners in _param_owners(model).items():
-        if pid in params:
-            home = _common_ancestor(owners)
-            homes[pid] = max((u for u in paths if _is_within(home, u)), key=len)
-    return homes
-
-
 class Segments:
     """Cuts a forward and backward into segments, each owned by one unit, and reports them.
 
@@ -188,7 +155,7 @@ class Segments:
         self.model, self.units, self.on_close = model, units, on_close
         self.modules = dict(model.named_modules())
         self.parent = {n: u.path for u in units for n in u.nested}
-        self.homes = param_homes(model, units)
+        self.homes = param_homes(model, [u.path for u in units])
         self.stack: list[str] = []
         self.phase = "fwd"
         self.inputs: dict[str, list[tuple[int, int, Any]]] = {}  # unit -> (storage key, bytes, weakref) of its inputs
@@ -356,24 +323,6 @@ def _working_sets(
 # --------------------------------------------------------------------------- measuring
 
 
-class _Progress:
-    """One stderr line, rewritten in place on a terminal."""
-
-    def __init__(self, enabled: bool, what: str):
-        self.enabled, self.what, self.start = enabled, what, time.perf_counter()
-        self.tty = enabled and sys.stderr.isatty()
-
-    def __call__(self, message: str) -> None:
-        if self.enabled:
-            line = f"osdp describe {self.what}: {message} ({time.perf_counter() - self.start:.1f}s)"
-            print(("\r\033[K" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def done(self, message: str) -> None:
-        self(message)
-        if self.tty:
-            print(file=sys.stderr, flush=True)
-
-
 def _step(model: nn.Module, batch: Any, loss_fn, segments: Segments | None = None, after_forward=None) -> None:
     out = call_model(model, batch)
     loss = loss_of(out, loss_fn)
@@ -489,7 +438,7 @@ def memory_pass(
             # temporaries, as FSDP keeps them unsharded to the end of backward.
             for unit in [w for w in pending if w != owner]:
                 for p in pending.pop(unit):
-                    tracker._note(p.grad, _GRADIENTS)
+                    tracker.mark(p.grad, "gradients")
             peak, now = tracker.peak_breakdown(), tracker.current_breakdown()
             others = saved.total_live - saved.live.get(owner, 0)  # other units' saved bytes do not change here
             working = peak["temporaries"] + peak["activations"] - others
@@ -503,7 +452,7 @@ def memory_pass(
                 also(owner, phase)
 
         segments = Segments(model, units, on_close)
-        saved = _Saved(segments, param_keys, chain=tracker._pack)
+        saved = _Saved(segments, param_keys, chain=lambda t: tracker.mark(t, "activations"))
         enclosing = {u.path for u in units if u.nested or u.path == ROOT}
         grad_hooks = [
             p.register_post_accumulate_grad_hook(lambda p, home=home: pending.setdefault(home, []).append(p))
@@ -602,7 +551,7 @@ def unit_profiles(model: nn.Module, units: Sequence[Unit], costs: Mapping[str, M
     from osdp.split import splittable_linears
 
     modules = dict(model.named_modules())
-    homes = param_homes(model, units)
+    homes = param_homes(model, [u.path for u in units])
     shapes: dict[str, list[tuple[int, ...]]] = {u.path: [] for u in units}
     for p in model.parameters():
         shapes[homes[id(p)]].append(tuple(p.shape))
@@ -707,20 +656,6 @@ def model_fingerprint(model: nn.Module) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"cpu:{cpu}:{torch.get_num_threads()} threads"
-
-
 def _cache_key(parts: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
@@ -769,7 +704,7 @@ def describe(
     if sizes[0] < 1:
         raise ProfileError(f"batch sizes must be >= 1, got {list(sizes)}")
     name = name or getattr(getattr(model, "config", None), "name", None) or type(model).__name__
-    show = _Progress(progress, name)
+    show = Progress(f"describe {name}", progress)
 
     show("checking the forward")
     units = resolve_units(model, resize_batch(example_input, sizes[0]), loss_fn, units)

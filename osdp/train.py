@@ -26,13 +26,13 @@ restarted job runs through.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import signal
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -49,6 +49,7 @@ from osdp.memory import PeakMemory
 from osdp.optim import make_optimizer
 from osdp.plan import Plan
 from osdp.report import format_bytes, format_table, plan_table
+from osdp.timing import StepTimer
 from osdp.units import build_units
 
 
@@ -188,24 +189,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for step in range(first_step, args.steps):
         _test_kill_hook(step, rank, args.checkpoint_dir)
         inputs, targets = batch_at(step)
-        meter = PeakMemory(device, model, optimizer) if step == memory_step else None
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        if meter:
-            meter.__enter__()
-        with peer_failures(f"training step {step}"):
+        meter = PeakMemory(device, model, optimizer) if step == memory_step else contextlib.nullcontext()
+        with StepTimer(device) as timer, meter, peer_failures(f"training step {step}"):
             loss = model(inputs, targets)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             loss_value = loss.item()
-        if meter:
-            meter.__exit__(None, None, None)
+        if step == memory_step:
             peak, breakdown = meter.stats().peak_bytes, dict(meter.stats().peak_breakdown)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - start
+        elapsed = timer.seconds
         losses.append(loss_value)
         if step >= args.warmup and step != memory_step:
             step_times.append(elapsed)

@@ -151,14 +151,10 @@ def build_units(model: nn.Module, paths: Iterable[str]) -> list[Unit]:
     missing = sorted(p for p in paths if p not in modules)
     if missing:
         raise KeyError(missing[0])
-    # A parameter belongs to the deepest unit containing one of its owners' common ancestor.
-    owners = _param_owners(model)
     params = {id(p): p for p in model.parameters()}
     numel: dict[str, int] = {p: 0 for p in paths}
     nbytes: dict[str, int] = {p: 0 for p in paths}
-    for pid, owner_paths in owners.items():
-        home = _common_ancestor(owner_paths)
-        unit = max((u for u in paths if _is_within(home, u)), key=len)
+    for pid, unit in param_homes(model, paths).items():
         numel[unit] += params[pid].numel()
         nbytes[unit] += params[pid].numel() * params[pid].element_size()
     nested = {
@@ -177,6 +173,17 @@ def build_units(model: nn.Module, paths: Iterable[str]) -> list[Unit]:
         )
         for p in ordered
     ]
+
+
+def param_homes(model: nn.Module, paths: Iterable[str]) -> dict[int, str]:
+    """id(parameter) -> the unit (of ``paths``, the root among them) that owns it: the deepest unit
+    containing the common ancestor of every module that registers it (a tied weight: their ancestor)."""
+    paths = list(set(paths) | {ROOT})
+    homes = {}
+    for pid, owners in _param_owners(model).items():
+        home = _common_ancestor(owners)
+        homes[pid] = max((u for u in paths if _is_within(home, u)), key=len)
+    return homes
 
 
 def _nearest_unit(path: str, units: set[str]) -> str:

@@ -50,6 +50,7 @@ from osdp.optim import OPTIMIZERS
 from osdp.device import COLLECTIVES, AlphaBeta, CollectiveModel, DeviceInfo, measure_collectives, measure_device
 from osdp.distributed import broadcast_object, init_from_env, launch_local
 from osdp.harness import Job, run_jobs
+from osdp.log import Progress
 from osdp.plan import MODES, ROOT, Plan, UnitPlan
 from osdp.description import ModelDescription
 from osdp.profile import describe
@@ -355,11 +356,6 @@ def format_report(records: Sequence[dict[str, Any]], summary: dict[str, Any]) ->
 # --------------------------------------------------------------------------- the command
 
 
-def _say(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"osdp validate: {message}", file=sys.stderr, flush=True)
-
-
 def validate(
     model_name: str,
     *,
@@ -392,12 +388,13 @@ def validate(
     g = torch.Generator().manual_seed(1000 + rank)
     batch = tuple(t.to(device) for t in synthetic_batch(config, batch_size, generator=g))
     start = time.perf_counter()
-    _say("measuring collectives and compute")
+    say = Progress(f"validate {model_name}")
+    say("measuring collectives and compute")
     device_info = broadcast_object(measure_device("1TiB", time_budget_s=2.0))
     collectives = [device_info.collectives]
     splits = can_split(device)
     model = build().to(device)
-    _say(f"describing {model_name} (every rank at once, as in training)")
+    say(f"describing {model_name} (every rank at once, as in training)")
     description = describe(model, batch, precisions=precisions, optimizers=(optimizer,), progress=rank == 0)
     description = broadcast_object(description)
     del model
@@ -422,7 +419,7 @@ def validate(
         calibration_part, calibration_descriptions = calibration_jobs(device, optimizer=optimizer, splits=splits)
         jobs = {**calibration_part, **jobs}
     measured = run_jobs(
-        jobs, device=device, optimizer=optimizer, rounds=rounds, time_budget_s=time_budget_s, progress=_say,
+        jobs, device=device, optimizer=optimizer, rounds=rounds, time_budget_s=time_budget_s, progress=say,
         each_round=lambda: collectives.append(measure_collectives(time_budget_s=1.0)),
     )
     device_info = dataclasses.replace(device_info, collectives=median_collectives(collectives))
@@ -432,7 +429,7 @@ def validate(
             overlap=0.0 if device.type == "cpu" else None,
             optimizer=optimizer,
         )
-    _say(f"calibration: {json.dumps(calibration.to_dict())}")
+    say(f"calibration: {json.dumps(calibration.to_dict())}")
     described_s = sum(c.fwd_s(batch_size) + c.bwd_s(batch_size) for c in description.costs("fp32"))
     reference = [measured[k] for k in ("compute", "compute-2")]
     # compute in lockstep (ranks meet at every unit, as they do under any plan), less the meetings themselves
