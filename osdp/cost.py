@@ -77,7 +77,7 @@ _REDUCE_BYTES = 4  # gradients are reduced in fp32 (MixedPrecisionPolicy(reduce_
 class Calibration:
     """Runtime costs of FSDP2 on one machine and world size, measured once (not per model).
 
-    ``osdp.validate.measure_calibration`` measures them on the live process
+    ``osdp.calibration.measure_calibration`` measures them on the live process
     group with a synthetic model; ``Calibration()`` is the ideal runtime (no
     overheads, full overlap on CUDA, none on CPU), for planning offline.
     """
