@@ -66,7 +66,7 @@ def device_info_for(args, device: torch.device):
     """The preset's collectives at ``--world-size``, this device's measured matmul FLOP/s, the budget."""
     from osdp.device import device_preset, measure_flops
 
-    info = device_preset(args.preset, args.world_size, memory=args.budget)
+    info = device_preset(args.preset, args.world_size)
     flops = {"float32": measure_flops(device, torch.float32)}
     if args.mixed_precision == "bf16":
         flops["bfloat16"] = measure_flops(device, torch.bfloat16)
@@ -126,6 +126,7 @@ def experiment(args: argparse.Namespace) -> dict[str, Any]:
     from osdp.plan import Plan
     from osdp.planner import search
     from osdp.search import BudgetTooSmall
+    from osdp.sizes import parse_size
 
     import warnings
 
@@ -149,9 +150,10 @@ def experiment(args: argparse.Namespace) -> dict[str, Any]:
         description = describe_analytic(meta_model, (example, example), info, world_size=args.world_size,
                                         batch_sizes=candidates, precisions=(args.mixed_precision,), progress=False,
                                         name=args.model)
-        record: dict[str, Any] = {"budget_bytes": info.memory_bytes}
+        budget = parse_size(args.budget) if args.budget else info.memory_bytes
+        record: dict[str, Any] = {"budget_bytes": budget}
         try:
-            result = search(description, info, candidates, mixed_precision=args.mixed_precision,
+            result = search(description, info, candidates, budget=budget, mixed_precision=args.mixed_precision,
                             model_signature=description.signature)
             osdp_plan = result.plan
         except BudgetTooSmall as e:
@@ -172,7 +174,7 @@ def experiment(args: argparse.Namespace) -> dict[str, Any]:
             measured.update(predicted_step_s=pred.step_s, predicted_peak_bytes=pred.peak_bytes,
                             predicted_breakdown={k: v for k, v in comm.items()}, plan=plan.to_dict())
             print(f"{name}: measured peak {measured['peak_bytes'] / 2**20:.1f} MiB "
-                  f"({measured['peak_bytes'] / info.memory_bytes:.1%} of the budget), compute step "
+                  f"({measured['peak_bytes'] / budget:.1%} of the budget), compute step "
                   f"{measured['step_s_median'] * 1e3:.1f} ms ({NOTE})", flush=True)
             runs.append(measured)
     finally:

@@ -29,7 +29,6 @@ median over its steps of the slowest rank's.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -225,7 +224,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     batch = tuple(t.to(device) for t in synthetic_batch(config, b, generator=g))
 
     say("measuring collectives and FLOP/s on the live group")
-    device_info = broadcast_object(measure_device("1TiB", time_budget_s=float(spec.get("collective_time_s", 3.0))))
+    device_info = broadcast_object(measure_device(time_budget_s=float(spec.get("collective_time_s", 3.0))))
     if spec.get("link_probe"):  # only the link: how fast gloo's collectives are over it
         return {"device_info": device_info.to_dict()} if rank == 0 else None
     model = build().to(device)
@@ -316,7 +315,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         request: dict[str, Any] = {"strategy": "osdp", "budget_bytes": budget}
         if rank == 0:
             try:
-                found = search(description, dataclasses.replace(device_info, memory_bytes=budget), [b],
+                found = search(description, device_info, [b], budget=budget,
                                optimizer=optimizer, model_signature=signature).plan
                 outcome = ("plan", found.to_json())
             except BudgetTooSmall as e:

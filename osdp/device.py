@@ -295,7 +295,9 @@ class DeviceInfo:
     """What the search needs to know about the machine: per-rank memory, communication, compute."""
 
     name: str
-    memory_bytes: int  # per rank; a size string ("16GiB") is parsed
+    # the device's memory per rank where known (a preset's capacity; a size string is parsed), else None;
+    # the budget a plan must fit is the search's argument, not this
+    memory_bytes: int | None
     world_size: int
     device_type: str  # "cpu" or "cuda"
     collectives: CollectiveModel
@@ -303,7 +305,8 @@ class DeviceInfo:
     notes: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "memory_bytes", parse_size(self.memory_bytes))
+        if self.memory_bytes is not None:
+            object.__setattr__(self, "memory_bytes", parse_size(self.memory_bytes))
         if self.device_type not in ("cpu", "cuda"):
             raise ValueError(f"device_type must be 'cpu' or 'cuda', got {self.device_type!r}")
         if self.collectives.world_size != self.world_size:
@@ -335,7 +338,7 @@ class DeviceInfo:
             raise ValueError(f"device info is missing {missing}")
         return cls(
             name=str(d["name"]),
-            memory_bytes=int(d["memory_bytes"]),
+            memory_bytes=None if d["memory_bytes"] is None else int(d["memory_bytes"]),
             world_size=int(d["world_size"]),
             device_type=str(d["device_type"]),
             collectives=CollectiveModel.from_dict(d["collectives"]),
@@ -345,7 +348,6 @@ class DeviceInfo:
 
 
 def measure_device(
-    memory: int | str,
     group: dist.ProcessGroup | None = None,
     *,
     dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
@@ -367,10 +369,17 @@ def measure_device(
     if name is None:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return DeviceInfo(
-        name=name, memory_bytes=parse_size(memory), world_size=collectives.world_size,
+        name=name, memory_bytes=_device_memory(device), world_size=collectives.world_size,
         device_type=device.type, collectives=collectives, flops=flops,
         notes="measured: collectives on the live process group, FLOP/s of a large matmul",
     )
+
+
+def _device_memory(device: torch.device) -> int | None:
+    """A GPU's memory; None on CPU, where ranks share the host's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return None
 
 
 # --------------------------------------------------------------------------- presets

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"osdp plan: {e}", file=sys.stderr)
         return 2
-    device_info = device_preset(args.device, args.world_size, memory=budget)
+    device_info = device_preset(args.device, args.world_size)
+    budget = budget or device_info.memory_bytes
     seq_len = args.seq_len or config.seq_len
     candidates = (args.batch_size,) if args.batch_size else DEFAULT_BATCH_CANDIDATES
 
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         precisions=(args.mixed_precision,), progress=False, name=args.model,
     )
     try:
-        result = search(description, device_info, candidates, mixed_precision=args.mixed_precision,
+        result = search(description, device_info, candidates, budget=budget, mixed_precision=args.mixed_precision,
                         optimizer=args.optimizer, model_signature=description.signature)
     except BudgetTooSmall as e:
         print(f"osdp plan: {e}", file=sys.stderr)
@@ -97,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan written to {args.json}")
     if args.frontier:
         points = result.frontier()
-        print(format_frontier(points, budget=device_info.memory_bytes, max_rows=15))
-        plot_frontier(points, str(args.frontier), budget=device_info.memory_bytes,
+        print(format_frontier(points, budget=budget, max_rows=15))
+        plot_frontier(points, str(args.frontier), budget=budget,
                       title=f"{args.model}, {args.world_size} x {args.device} (analytic)")
         print(f"frontier drawn to {args.frontier}")
     return 0

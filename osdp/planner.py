@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from osdp.cost import build_problem, plan_from_choice
+from osdp.cost import Calibration, build_problem, plan_from_choice
 from osdp.device import DeviceInfo, device_preset, measure_device, parse_size
 from osdp.distributed import broadcast_object, world
 from osdp.plan import Plan
@@ -44,14 +44,18 @@ def search(
     device_info: DeviceInfo,
     batch_sizes: Sequence[int],
     *,
+    budget: int | str,
+    calibration: Calibration | None = None,
     mixed_precision: str = "fp32",
     optimizer: str = "adamw",
     model_signature: str | None = None,
 ) -> SearchResult:
-    """The best plan for ``description`` on ``device_info`` (its memory is the budget)."""
-    budget = device_info.memory_bytes
+    """The plan with the most samples/s for ``description`` on ``device_info`` whose predicted peak per
+    rank fits ``budget``, priced with ``calibration`` (None: the ideal FSDP2 runtime, ``Calibration()``)."""
+    budget = parse_size(budget)
     problems = [
-        build_problem(description, device_info, b, precision=mixed_precision, optimizer=optimizer)
+        build_problem(description, device_info, b, precision=mixed_precision, optimizer=optimizer,
+                      calibration=calibration)
         for b in batch_sizes
     ]
     start = time.perf_counter()
@@ -71,6 +75,7 @@ def search(
         meta={
             "budget_bytes": budget,
             "device": device_info.name,
+            "calibration": (calibration or Calibration()).source,
             "optimizer": optimizer,
             "slack_bytes": best.slack_bytes,
             "predicted_samples_per_s": best.samples_per_s,
@@ -104,9 +109,9 @@ def plan(
     if isinstance(device, DeviceInfo):
         device_info = device
     elif isinstance(device, str):
-        device_info = device_preset(device, world_size, memory=budget)
+        device_info = device_preset(device, world_size)
     else:
-        device_info = measure_device(budget)  # collective: every rank takes part
+        device_info = measure_device()  # collective: every rank takes part
     rank, _ = world()
     outcome: tuple[str, Any]
     if rank == 0:
@@ -114,7 +119,7 @@ def plan(
             description = describe(model, example_input, loss_fn=loss_fn, precisions=(mixed_precision,))
             candidates = list(batch_sizes or [batch_size_of(example_input)])
             result = search(
-                description, device_info, candidates, mixed_precision=mixed_precision, optimizer=optimizer,
+                description, device_info, candidates, budget=budget, mixed_precision=mixed_precision, optimizer=optimizer,
                 model_signature=structure_signature(model),
             )
             outcome = ("plan", result.plan.to_json())

@@ -204,7 +204,7 @@ def validate(
     start = time.perf_counter()
     say = Progress(f"validate {model_name}")
     say("measuring collectives and compute")
-    device_info = broadcast_object(measure_device("1TiB", time_budget_s=2.0))
+    device_info = broadcast_object(measure_device(time_budget_s=2.0))
     collectives = [device_info.collectives]
     splits = can_split(device)
     model = build().to(device)

@@ -55,7 +55,6 @@ def _record(strategy, plan, predicted, measured_peak, tokens_per_s, budget=None,
 @pytest.fixture(scope="module")
 def result(tiny):
     """A sweep part for gpt2-tiny as run.work returns it, with the measurements made up."""
-    import dataclasses
 
     import osdp
     from osdp.cost import predict
@@ -75,7 +74,7 @@ def result(tiny):
     budgets = run_mod.auto_budgets(lowest - 4096, ddp_needs, 4)
     for i, budget in enumerate(budgets):
         try:
-            plan = search(description, dataclasses.replace(info, memory_bytes=budget), [8],
+            plan = search(description, info, [8], budget=budget,
                           model_signature=description.signature).plan
         except BudgetTooSmall as e:
             records.append({**_record("osdp", None, None, None, None, budget), "status": "budget too small",
