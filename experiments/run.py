@@ -190,19 +190,18 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
 
     import osdp
     from osdp import models
+    from osdp.calibration import calibrate
     from osdp.cost import build_problem, predict
     from osdp.data import synthetic_batch
     from osdp.device import measure_device
-    from osdp.distributed import all_gather_objects, broadcast_object
-    from osdp.plan import Plan
-    from osdp.planner import search
-    from osdp.profile import describe
-    from osdp.search import BudgetTooSmall, min_peak
-    from osdp.distributed import init_from_env
-    from osdp.units import structure_signature
+    from osdp.distributed import all_gather_objects, broadcast_object, init_from_env
     from osdp.harness import Job, run_jobs
     from osdp.log import Progress
     from osdp.machine import machine_info
+    from osdp.plan import Plan
+    from osdp.planner import planning_description, search
+    from osdp.search import BudgetTooSmall, min_peak
+    from osdp.units import structure_signature
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     device = init_from_env(spec.get("device", "auto"))
@@ -223,14 +222,20 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     g = torch.Generator().manual_seed(1000 + rank)
     batch = tuple(t.to(device) for t in synthetic_batch(config, b, generator=g))
 
-    say("measuring collectives and FLOP/s on the live group")
-    device_info = broadcast_object(measure_device(time_budget_s=float(spec.get("collective_time_s", 3.0))))
     if spec.get("link_probe"):  # only the link: how fast gloo's collectives are over it
+        say("measuring collectives and FLOP/s on the live group")
+        device_info = broadcast_object(measure_device(time_budget_s=float(spec.get("collective_time_s", 3.0))))
         return {"device_info": device_info.to_dict()} if rank == 0 else None
+    if spec.get("calibrate"):  # this link's calibration, measured in its own run before the measured ones
+        machine = calibrate(device, force=True)
+        return {"calibration": machine.to_dict(), "summary": machine.summary()} if rank == 0 else None
+    # what osdp.wrap plans with: this job's calibration, measured by an earlier run (spec "calibrate")
+    machine = calibrate(device, measure=False)
+    device_info, calibration = machine.device_info, machine.calibration
+    say(machine.summary())
     model = build().to(device)
-    say("describing the model (rank 0, as osdp.plan does; cached in OSDP_CACHE_DIR)")
-    description = describe(model, batch, precisions=("fp32",)) if rank == 0 else None
-    description = broadcast_object(description)
+    say("describing the model as osdp.plan does (rank 0; cached in OSDP_CACHE_DIR)")
+    description = planning_description(model, batch)
     signature = structure_signature(model)
     del model
 
@@ -238,7 +243,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     optimizer = "adamw"
 
     def predicted(plan: Plan) -> dict[str, Any]:
-        p = predict(description, plan, device_info, optimizer=optimizer)
+        p = predict(description, plan, device_info, optimizer=optimizer, calibration=calibration)
         return {"predicted_step_s": p.step_s, "predicted_peak_bytes": p.peak_bytes,
                 "predicted_tokens_per_s": tokens / p.step_s}
 
@@ -299,7 +304,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     measure([k for k in plans if plans[k] != "fairscale"], 0, time_s=0.1, min_steps=1, timed=False)
 
     budgets = [int(x) for x in spec.get("budgets") or []]
-    problem = build_problem(description, device_info, b, optimizer=optimizer)
+    problem = build_problem(description, device_info, b, optimizer=optimizer, calibration=calibration)
     lowest, _ = min_peak(problem)
     half_replicated = half_replicated_peak(problem, description)
     ddp = next((r for r in requests if r["strategy"] == "ddp" and r.get("key")), None)
@@ -315,7 +320,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         request: dict[str, Any] = {"strategy": "osdp", "budget_bytes": budget}
         if rank == 0:
             try:
-                found = search(description, device_info, [b], budget=budget,
+                found = search(description, device_info, [b], budget=budget, calibration=calibration,
                                optimizer=optimizer, model_signature=signature).plan
                 outcome = ("plan", found.to_json())
             except BudgetTooSmall as e:
@@ -390,6 +395,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         "ddp_needs_bytes": ddp_needs,
         "half_replicated_peak_bytes": half_replicated,
         "device_info": device_info.to_dict(),
+        "calibration": machine.to_dict(),
         "description": {"source": description.source, "profile_seconds": description.profile_seconds,
                         "from_cache": getattr(description, "from_cache", False)},
         "rounds": rounds,

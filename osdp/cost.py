@@ -82,6 +82,11 @@ class Calibration:
     overheads, full overlap on CUDA, none on CPU), for planning offline.
     """
 
+    # how much longer the job's compute (and optimizer step) takes than the description says: a model is
+    # described on one rank with the others idle; in the job every rank computes at once, meeting the
+    # others at every unit
+    compute_scale: float = 1.0
+
     unit_overhead_s: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(MODES, 0.0))
     # per fp32 byte of a unit's FSDP-managed parameters, by mode: what grows with a unit's size beyond the
     # collectives' alpha-beta model (copies into and out of collective buffers, fresh buffers, gloo's
@@ -97,7 +102,7 @@ class Calibration:
     slice_contention: float = 0.0
     overlap: float | None = None  # fraction of a unit's compute that hides its collectives; None: by device
     margin_bytes: int = 0
-    source: str = "ideal (not measured)"
+    source: str = "ideal FSDP2 runtime (not measured: no overheads, compute as described)"
 
     def overlap_for(self, device: DeviceInfo) -> float:
         if self.overlap is not None:
@@ -106,6 +111,7 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "compute_scale": self.compute_scale,
             "unit_overhead_s": dict(self.unit_overhead_s),
             "unit_s_per_byte": dict(self.unit_s_per_byte),
             "param_overhead_s": self.param_overhead_s,
@@ -251,7 +257,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     transient = max(fwd, bwd, post, optimizer_temp)
 
     # -- time --------------------------------------------------------------------
-    compute = costs.fwd_s(b) + costs.bwd_s(b) + (costs.recompute_seconds(b) if ckpt else 0.0)
+    compute = cal.compute_scale * (costs.fwd_s(b) + costs.bwd_s(b) + (costs.recompute_seconds(b) if ckpt else 0.0))
     if mode == "replicate":
         comm = _collective(ctx, "all_reduce", _REDUCE_BYTES * fsdp_full)
     else:
@@ -301,6 +307,7 @@ def _context(
 ) -> _Context:
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; the cost model knows {sorted(OPTIMIZER_STATES)}")
+    calibration = calibration or Calibration()
     description.costs(precision)  # raises, saying how to fix it, if this precision was not described
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -316,8 +323,8 @@ def _context(
     if order:  # the root's backward comes first and prefetches the last unit
         neighbours[ROOT] = (_DTYPE_BYTES[precision] * padded[order[-1]], 0)
     return _Context(
-        n, batch_size, precision, optimizer, device, calibration or Calibration(),
-        description.optimizer_s_per_byte.get(optimizer, 0.0), neighbours,
+        n, batch_size, precision, optimizer, device, calibration,
+        description.optimizer_s_per_byte.get(optimizer, 0.0) * calibration.compute_scale, neighbours,
     )
 
 

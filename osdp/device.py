@@ -353,13 +353,16 @@ def measure_device(
     dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
     time_budget_s: float = 4.0,
     name: str | None = None,
+    collectives: CollectiveModel | None = None,
 ) -> DeviceInfo:
     """DeviceInfo for this machine, measured; collective call when a process group exists.
 
     Every rank measures its matmul rate and the slowest rank's figure is used
-    (it sets the step time), so all ranks hold identical numbers.
+    (it sets the step time), so all ranks hold identical numbers. The
+    collectives are measured too (``time_budget_s``) unless given.
     """
-    collectives = measure_collectives(group, time_budget_s=time_budget_s)
+    if collectives is None:
+        collectives = measure_collectives(group, time_budget_s=time_budget_s)
     device = _group_device(group)
     flops = {_dtype_name(dt): measure_flops(device, dt) for dt in dtypes}
     if collectives.world_size > 1:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import statistics
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -63,7 +64,9 @@ class _Trainer:
         self.optimizer = make_optimizer(optimizer, self.model.parameters())
 
     def _forward_backward(self) -> None:
-        loss_of(call_model(self.model, self.job.batch), self.loss_fn).backward()
+        with warnings.catch_warnings():  # the meetings' backward hooks on units whose inputs need no gradient
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            loss_of(call_model(self.model, self.job.batch), self.loss_fn).backward()
 
     def _optimizer_step(self) -> None:
         self.optimizer.step()

@@ -120,6 +120,8 @@ def plan_report(args, plan, prediction, seq_len: int, describe_s: float, search_
         f"{format_bytes(plan.meta['budget_bytes'])}, micro-batch {plan.batch_size} x {seq_len} tokens, {plan.mixed_precision}",
         f"predicted: step {plan.predicted_step_s * 1e3:.1f} ms, peak {format_bytes(plan.predicted_peak_bytes)} per rank, "
         f"{tokens_per_s:,.0f} tokens/s per rank",
+        f"calibration: {plan.meta.get('calibration')} (a preset is planned offline: no machine was calibrated; "
+        "on the machine itself osdp.wrap and osdp train use its cached calibration, osdp calibrate)",
         f"described in {describe_s:.1f} s (analytic), searched in {search_s * 1e3:.1f} ms",
     ]
     return "\n".join([table, *totals])

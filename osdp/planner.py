@@ -1,12 +1,13 @@
 """From a model and a budget to a Plan: describe, cost, search.
 
 ``osdp.plan(model, device_mem=..., example_input=...)`` measures the model
-(``osdp.profile``) and the machine (``osdp.device``), builds one search
-problem per candidate micro-batch size with the cost model (``osdp.cost``),
-and returns the fastest plan (most samples/s) whose predicted peak fits the
-budget. In a multi-rank job the collectives are measured by every rank, the
-model is described and searched on rank 0 only, and the plan (or rank 0's
-error) is broadcast, so every rank ends with the same plan or the same error.
+(``osdp.profile``), takes the machine's calibration (``osdp.calibration``:
+collectives and FSDP2's runtime costs, cached per machine, backend, world size,
+threads and torch), builds one search problem per candidate micro-batch size
+with the cost model (``osdp.cost``), and returns the fastest plan (most
+samples/s) whose predicted peak fits the budget. In a multi-rank job the model
+is described and searched on rank 0 only, and the plan (or rank 0's error) is
+broadcast, so every rank ends with the same plan or the same error.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import torch
 import torch.nn as nn
 
 from osdp.cost import Calibration, build_problem, plan_from_choice
-from osdp.device import DeviceInfo, device_preset, measure_device, parse_size
+from osdp.device import DeviceInfo, device_preset, parse_size
 from osdp.distributed import broadcast_object, world
 from osdp.plan import Plan
 from osdp.description import ModelDescription
-from osdp.profile import batch_size_of, describe
+from osdp.profile import batch_size_of, describe_once
 from osdp.search import BudgetTooSmall, FrontierPoint, Problem, pareto_frontier, sweep_batch_sizes
 from osdp.units import structure_signature
 
@@ -84,6 +85,16 @@ def search(
     return SearchResult(plan, problems, seconds)
 
 
+def planning_description(
+    model: nn.Module, example_input: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    mixed_precision: str = "fp32",
+) -> ModelDescription:
+    """Collective: the description ``osdp.plan`` searches over: rank 0 describes the model (or reads it
+    from the describe cache) while the others wait, and every rank gets it (or rank 0's error). The
+    validation and the experiments take theirs from here, so that they predict what ``osdp.wrap`` would."""
+    return describe_once(model, example_input, loss_fn=loss_fn, precisions=(mixed_precision,))
+
+
 def plan(
     model: nn.Module,
     *,
@@ -91,6 +102,7 @@ def plan(
     example_input: Any,
     batch_sizes: Sequence[int] | None = None,
     device: str | DeviceInfo | None = None,
+    calibration: Calibration | None = None,
     mixed_precision: str = "fp32",
     optimizer: str = "adamw",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -100,8 +112,12 @@ def plan(
     ``example_input``: one micro-batch as the model takes it (a tensor, a tuple
     of positional arguments or a dict of keyword arguments; batch in dim 0).
     ``batch_sizes``: candidate micro-batch sizes (default: the example's).
-    ``device``: None measures this machine on the live process group; a preset
-    name (``osdp.device.list_presets()``) or a DeviceInfo plans without it.
+    ``device``: None plans for this machine and job with its calibration
+    (``osdp.calibration``: the collectives and FSDP2's runtime costs on this
+    machine at this world size), cached, or measured now (once per machine, about
+    a minute) if there is none; a preset name (``osdp.device.list_presets()``)
+    or a DeviceInfo plans without the hardware, priced with ``calibration``
+    (default: the ideal FSDP2 runtime, ``Calibration()``).
     Collective when a process group exists: call it on every rank.
     """
     budget = parse_size(device_mem)
@@ -111,16 +127,21 @@ def plan(
     elif isinstance(device, str):
         device_info = device_preset(device, world_size)
     else:
-        device_info = measure_device()  # collective: every rank takes part
+        from osdp.calibration import calibrate
+        from osdp.fsdp_ext.apply import ensure_process_group
+
+        ensure_process_group()  # the calibration is for the group the plan runs on (one gloo rank if none)
+        machine = calibrate()  # collective: cached, or measured by every rank now
+        device_info, calibration = machine.device_info, calibration or machine.calibration
+    description = planning_description(model, example_input, loss_fn=loss_fn, mixed_precision=mixed_precision)
     rank, _ = world()
     outcome: tuple[str, Any]
     if rank == 0:
         try:
-            description = describe(model, example_input, loss_fn=loss_fn, precisions=(mixed_precision,))
             candidates = list(batch_sizes or [batch_size_of(example_input)])
             result = search(
-                description, device_info, candidates, budget=budget, mixed_precision=mixed_precision, optimizer=optimizer,
-                model_signature=structure_signature(model),
+                description, device_info, candidates, budget=budget, calibration=calibration,
+                mixed_precision=mixed_precision, optimizer=optimizer, model_signature=structure_signature(model),
             )
             outcome = ("plan", result.plan.to_json())
         except Exception as e:  # noqa: BLE001 - every rank must raise it, not wait forever
@@ -134,4 +155,4 @@ def plan(
     return Plan.from_json(payload)
 
 
-__all__ = ["BudgetTooSmall", "SearchResult", "plan", "search"]
+__all__ = ["BudgetTooSmall", "SearchResult", "plan", "planning_description", "search"]

@@ -781,6 +781,30 @@ def describe(
     return description
 
 
+def describe_once(model: nn.Module, example_input: Any, **settings: Any) -> ModelDescription:
+    """Collective: rank 0 describes ``model`` (``describe(**settings)``) while the other ranks wait, and every
+    rank gets its description, or raises its error.
+
+    This is how the planner describes a model in a job, so the calibration
+    (``osdp.calibration``) describes its synthetic models the same way: a
+    description is timed on one rank with the others idle, and the
+    calibration's compute scale says how much slower the job computes.
+    """
+    from osdp.distributed import broadcast_object, world
+
+    rank, _ = world()
+    outcome: tuple[str, Any] = ("", None)
+    if rank == 0:
+        try:
+            outcome = ("description", describe(model, example_input, **settings))
+        except Exception as e:  # noqa: BLE001 - every rank must raise it, not wait forever
+            outcome = ("error", e)
+    kind, payload = broadcast_object(outcome)
+    if kind == "error":
+        raise payload
+    return payload
+
+
 def _copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy with floating parameters and buffers in ``dtype``: what FSDP's mixed precision computes with."""
     return copy.deepcopy(model).to(dtype)

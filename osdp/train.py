@@ -239,6 +239,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "first_step": first_step,
         "resumed_from": resumed_from,
         "plan": plan.to_dict(),
+        "predicted_step_s": plan.predicted_step_s,
+        "measured_step_s": max(r["median_step_s"] for r in per_rank),  # the job runs at its slowest rank's pace
         "per_rank": per_rank,
         "machine": {"platform": platform.platform(), "device": str(device), "torch": torch.__version__},
     }
@@ -246,6 +248,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows = [[r["rank"], f"{r['median_step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}",
                  "-" if r["peak_bytes"] is None else format_bytes(r["peak_bytes"])] for r in per_rank]
         print(format_table(rows, ["rank", "step ms (median)", "tokens/s", "peak memory"], "rrrr"))
+        if plan.predicted_step_s is not None and step_times:
+            measured = record["measured_step_s"]
+            print(f"step time: predicted {plan.predicted_step_s * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms "
+                  f"(median, slowest rank): {plan.predicted_step_s / measured - 1:+.1%} "
+                  f"(priced with the calibration {plan.meta.get('calibration', 'not recorded')})", flush=True)
         if losses:
             print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {first_step}..{args.steps - 1}", flush=True)
         else:

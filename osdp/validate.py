@@ -1,29 +1,29 @@
-"""Check the cost model against reality: ``osdp validate --model NAME --nproc N``.
+"""Check the cost model against reality, out of sample: ``osdp validate --model NAME --nproc N``.
 
 On N local ranks (gloo on CPU, NCCL on CUDA; launched through torchrun when not
-already under it), every rank:
+already under it):
 
-1. measures the collectives on the live group (``osdp.device``) and describes
-   the model (``osdp.profile.describe``), all ranks at once, so that compute
-   is timed under the same contention as training; rank 0's description is
-   used everywhere;
-2. trains every plan side by side, one step of each in turn, and with them
-   the jobs the prediction needs that involve no plan of this model: FSDP2's
-   runtime overheads on a synthetic model (``calibration_jobs`` /
-   ``fit_calibration``), and the plain model's compute and optimizer step
-   with the ranks meeting at every unit as they do under any plan; the
-   collectives are re-fitted a few times in between. A shared machine's load
-   changes within seconds; taking turns step by step spreads it over all
-   jobs instead of penalising one;
-3. takes each plan's step time as the median over its steps of the slowest
-   rank, and its peak memory per rank from one tracked step
+1. the prediction is exactly what ``osdp.wrap`` would make: the model is
+   described as ``osdp.plan`` describes it (``osdp.planner.planning_description``:
+   rank 0, the describe cache) and every plan is priced with this job's cached
+   calibration (``osdp.calibration``: collectives and FSDP2's runtime costs),
+   which an earlier, separate process measured (``osdp calibrate``). Nothing
+   measured in this run enters a prediction; without a cached calibration it
+   stops and says how to make one;
+2. every plan (``default_plans``: DDP, ZeRO-2, FSDP, checkpointing, splits,
+   mixed) is trained side by side, one step of each in turn
+   (``osdp.harness.run_jobs``), so that a shared machine's changing load hits
+   all alike;
+3. each plan's step time is the median over its steps of the slowest rank, and
+   its peak memory per rank comes from one tracked step
    (``osdp.memory.PeakMemory``: live tensor bytes on CPU,
    ``max_memory_allocated`` on CUDA), the largest over ranks.
 
 Rank 0 prints predicted against measured with the error of each, the median
 and worst errors and the Kendall tau of the step-time ranking, and writes them
 to ``--json``: one record per plan with ``plan``, ``predicted_step_s``,
-``measured_step_s``, ``predicted_peak_bytes``, ``measured_peak_bytes``.
+``measured_step_s``, ``predicted_peak_bytes``, ``measured_peak_bytes``, and the
+calibration used.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -44,16 +43,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from osdp import models
-from osdp.cost import Calibration, predict
-from osdp.optim import OPTIMIZERS
-from osdp.device import measure_collectives, measure_device
-from osdp.distributed import broadcast_object, init_from_env, launch_local
-from osdp.calibration import calibration_jobs, can_split, fit_calibration, median_collectives
+from osdp.calibration import CalibrationKey, MachineCalibration, calibrate, can_split, read_calibration
+from osdp.cost import predict
+from osdp.description import ModelDescription
+from osdp.distributed import init_from_env, launch_local
 from osdp.harness import Job, run_jobs
 from osdp.log import Progress
+from osdp.machine import machine_info
+from osdp.optim import OPTIMIZERS
 from osdp.plan import ROOT, Plan, UnitPlan
-from osdp.description import ModelDescription
-from osdp.profile import describe
+from osdp.planner import planning_description
 from osdp.report import format_bytes, format_table
 
 # --------------------------------------------------------------------------- plans
@@ -179,19 +178,21 @@ def validate(
     plan_names: Sequence[str] | None = None,
     precisions: Sequence[str] = ("fp32",),
     optimizer: str = "adamw",
-    rounds: int = 4,
     time_budget_s: float = 4.0,
-    calibration: Calibration | None = None,
+    calibration: MachineCalibration | None = None,
 ) -> dict[str, Any]:
     """Collective: predicted against measured for a set of plans of a reference model (see the module docstring).
 
-    Without a given ``calibration``, its synthetic jobs run side by side with
-    the plans, so that both see the same machine; ``rounds``: how often the
-    collectives are re-fitted meanwhile.
+    ``calibration``: this job's, by default the cached one (``osdp calibrate``);
+    a CalibrationError says how to make one if there is none.
     """
     from osdp.data import synthetic_batch
 
+    start = time.perf_counter()
+    say = Progress(f"validate {model_name}")
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    machine = calibration or calibrate(device, measure=False)
+    say(machine.summary())
     overrides = {"seq_len": seq_len} if seq_len else {}
     config = models.get_config(model_name, **overrides)
 
@@ -201,63 +202,25 @@ def validate(
 
     g = torch.Generator().manual_seed(1000 + rank)
     batch = tuple(t.to(device) for t in synthetic_batch(config, batch_size, generator=g))
-    start = time.perf_counter()
-    say = Progress(f"validate {model_name}")
-    say("measuring collectives and compute")
-    device_info = broadcast_object(measure_device(time_budget_s=2.0))
-    collectives = [device_info.collectives]
-    splits = can_split(device)
     model = build().to(device)
-    say(f"describing {model_name} (every rank at once, as in training)")
-    description = describe(model, batch, precisions=precisions, optimizers=(optimizer,), progress=rank == 0)
-    description = broadcast_object(description)
+    say(f"describing {model_name} as osdp.plan does (rank 0, the describe cache)")
+    descriptions = {p: planning_description(model, batch, mixed_precision=p) for p in precisions}
     del model
-    plans = default_plans(description, batch_size, world_size, splits=splits)
+    description = descriptions[precisions[0]]
+    if "bf16" in precisions:  # default_plans adds bf16 plans to a description that has both
+        description = dataclasses.replace(description, precisions=tuple(precisions))
+    plans = default_plans(description, batch_size, world_size, splits=can_split(device))
     if plan_names:
         unknown = sorted(set(plan_names) - set(plans))
         if unknown:
             raise ValueError(f"unknown plan(s) {unknown}; known: {', '.join(plans)}")
         plans = {n: plans[n] for n in plan_names}
-    # The plain model's compute and optimizer step, timed twice in every round among the plans: what
-    # describe timed, under the same load as the plans (a shared machine's load changes over minutes).
-    names = list(plans)
-    half = len(names) // 2
-    jobs = {
-        "compute": Job(build, None, batch, lockstep=True),
-        **{name: Job(build, plans[name], batch) for name in names[:half]},
-        "compute-2": Job(build, None, batch, lockstep=True),
-        **{name: Job(build, plans[name], batch) for name in names[half:]},
-    }
-    calibration_descriptions: dict[int, ModelDescription] = {}
-    if calibration is None:
-        calibration_part, calibration_descriptions = calibration_jobs(device, optimizer=optimizer, splits=splits)
-        jobs = {**calibration_part, **jobs}
-    measured = run_jobs(
-        jobs, device=device, optimizer=optimizer, rounds=rounds, time_budget_s=time_budget_s, progress=say,
-        each_round=lambda: collectives.append(measure_collectives(time_budget_s=1.0)),
-    )
-    device_info = dataclasses.replace(device_info, collectives=median_collectives(collectives))
-    if calibration is None:
-        calibration = fit_calibration(
-            calibration_descriptions, calibration_part, measured, device_info,
-            overlap=0.0 if device.type == "cpu" else None,
-            optimizer=optimizer,
-        )
-    say(f"calibration: {json.dumps(calibration.to_dict())}")
-    described_s = sum(c.fwd_s(batch_size) + c.bwd_s(batch_size) for c in description.costs("fp32"))
-    reference = [measured[k] for k in ("compute", "compute-2")]
-    # compute in lockstep (ranks meet at every unit, as they do under any plan), less the meetings themselves
-    meetings = 2 * sum(1 for u in description.units if u.path != ROOT) * device_info.collectives.time("all_reduce", 4)
-    compute_scale = (statistics.fmean(m["measured_fwd_bwd_s"] for m in reference) - meetings) / described_s
-    optimizer_s = statistics.fmean(m["measured_step_s"] - m["measured_fwd_bwd_s"] for m in reference)
-    param_bytes = sum(u.param_bytes for u in description.units)
-    description = dataclasses.replace(
-        description.with_compute_scale(compute_scale),
-        optimizer_s_per_byte={**description.optimizer_s_per_byte, optimizer: optimizer_s / param_bytes},
-    )
+    measured = run_jobs({name: Job(build, plan, batch) for name, plan in plans.items()}, device=device,
+                        optimizer=optimizer, time_budget_s=time_budget_s, progress=say)
     records = []
     for name, plan in plans.items():
-        pred = predict(description, plan, device_info, optimizer=optimizer, calibration=calibration)
+        pred = predict(descriptions[plan.mixed_precision], plan, machine.device_info, optimizer=optimizer,
+                       calibration=machine.calibration)
         m = measured[name]
         records.append({
             "plan": name,
@@ -281,15 +244,11 @@ def validate(
         "world_size": world_size,
         "batch_size": batch_size,
         "optimizer": optimizer,
-        "machine": {
-            "platform": platform.platform(), "processor": description.device, "device": str(device),
-            "torch": torch.__version__, "threads_per_rank": torch.get_num_threads(),
-        },
-        "device_info": device_info.to_dict(),
-        "calibration": calibration.to_dict(),
+        "machine": {**machine_info(device), "processor": description.device},
+        "calibration": machine.to_dict(),
+        "description": {p: {"source": d.source, "profile_seconds": d.profile_seconds, "from_cache": d.from_cache,
+                            "checks": d.checks} for p, d in descriptions.items()},
         "profile_seconds": description.profile_seconds,
-        "compute_scale": compute_scale,
-        "profile_checks": description.checks,
         "summary": summarize(records),
         "records": records,
         "seconds": time.perf_counter() - start,
@@ -305,9 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plans", nargs="+", default=None, help="names of plans to run (default: all; see --list-plans)")
     p.add_argument("--bf16", action="store_true", help="also validate mixed-precision (bf16) plans")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    p.add_argument("--time-budget", type=float, default=4.0, help="seconds of timed steps per job (default 4)")
-    p.add_argument("--rounds", type=int, default=4, help="times the collectives are re-fitted meanwhile (default 4)")
-    p.add_argument("--calibration", type=Path, help="a calibration JSON (from a previous --json) instead of measuring")
+    p.add_argument("--time-budget", type=float, default=4.0, help="seconds of timed steps per plan (default 4)")
+    p.add_argument("--calibration", type=Path,
+                   help="a calibration JSON (osdp calibrate --json) made for this job; default: the cached one")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--json", type=Path, help="write the records and summary here")
     return p
@@ -322,12 +281,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         calibration = None
         if args.calibration is not None:
-            data = json.loads(args.calibration.read_text())
-            calibration = Calibration.from_dict(data.get("calibration", data))
+            calibration = read_calibration(args.calibration, CalibrationKey.current(device))
         result = validate(
             args.model, device=device, batch_size=args.batch_size, seq_len=args.seq_len, plan_names=args.plans,
             precisions=("fp32", "bf16") if args.bf16 else ("fp32",), optimizer=args.optimizer,
-            rounds=args.rounds, time_budget_s=args.time_budget, calibration=calibration,
+            time_budget_s=args.time_budget, calibration=calibration,
         )
         if dist.get_rank() == 0:
             print(f"{args.model}, {result['world_size']} ranks, micro-batch {args.batch_size}, {args.optimizer}, "
