@@ -184,23 +184,21 @@ def profile_from_env() -> CalibrationProfile:
     return PROFILES[name]
 
 
-def calibration_jobs(
-    device: torch.device, profile: CalibrationProfile, *, optimizer: str = "adamw", splits: bool = True
-) -> tuple[dict[str, Job], dict[str, ModelDescription]]:
-    """Collective: the synthetic-model jobs ``fit_calibration`` needs (``calibration-NET-KIND``), and the
-    nets' descriptions (made as the planner makes them: ``osdp.profile.describe_once``)."""
+def _net_and_batch(spec: NetSpec, device: torch.device) -> tuple[Callable[[], nn.Module], tuple[torch.Tensor]]:
+    build = lambda: CalibrationNet(d=spec.width, linears=spec.linears)  # noqa: E731
+    g = torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+    return build, (torch.randn(spec.batch, spec.width, generator=g).to(device),)
+
+
+def calibration_jobs(device: torch.device, profile: CalibrationProfile, *, splits: bool = True) -> dict[str, Job]:
+    """The synthetic-model jobs ``fit_calibration`` needs: ``calibration-NET-KIND`` (KIND a mode, ``ckpt``
+    or ``split``)."""
+    import osdp
+
     jobs: dict[str, Job] = {}
-    descriptions: dict[str, ModelDescription] = {}
     for spec in profile.nets:
-        build = lambda spec=spec: CalibrationNet(d=spec.width, linears=spec.linears)  # noqa: E731
-        g = torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0)
-        batch = (torch.randn(spec.batch, spec.width, generator=g).to(device),)
-        torch.manual_seed(0)
-        descriptions[spec.name] = describe_once(
-            build().to(device), batch, cache=False, progress=False, optimizers=(optimizer,),
-            repeats=profile.describe_repeats,
-        )
-        paths = descriptions[spec.name].paths
+        build, batch = _net_and_batch(spec, device)
+        paths = [u.path for u in osdp.discover_units(build())]
 
         def plan(mode: str, split: int = 1, ckpt: bool = False, b: int = spec.batch) -> Plan:
             return Plan([UnitPlan(p, mode, 1 if p == ROOT else split, ckpt and p != ROOT) for p in paths],
@@ -212,7 +210,21 @@ def calibration_jobs(
             jobs[f"calibration-{spec.name}-ckpt"] = Job(build, plan("zero3", ckpt=True), batch)
         if spec.split and splits:
             jobs[f"calibration-{spec.name}-split"] = Job(build, plan("zero3", split=2), batch)
-    return jobs, descriptions
+    return jobs
+
+
+def describe_nets(device: torch.device, profile: CalibrationProfile, *, optimizer: str = "adamw") -> dict[str, ModelDescription]:
+    """Collective: the calibration nets' descriptions, made as the planner makes them
+    (``osdp.profile.describe_once``: rank 0 alone)."""
+    descriptions = {}
+    for spec in profile.nets:
+        build, batch = _net_and_batch(spec, device)
+        torch.manual_seed(0)
+        descriptions[spec.name] = describe_once(
+            build().to(device), batch, cache=False, progress=False, optimizers=(optimizer,),
+            repeats=profile.describe_repeats,
+        )
+    return descriptions
 
 
 def _described_compute_s(description: ModelDescription, b: int) -> float:
@@ -511,7 +523,8 @@ def measure_calibration(
     compute = measure_compute_scale(device, compute_net, profile.compute_rounds)
     if progress:
         progress("describing the calibration nets")
-    jobs, descriptions = calibration_jobs(device, profile, optimizer=optimizer, splits=splits)
+    descriptions = describe_nets(device, profile, optimizer=optimizer)
+    jobs = calibration_jobs(device, profile, splits=splits)
     measured = run_jobs(
         jobs, device=device, optimizer=optimizer, time_budget_s=profile.run_s, warmup=profile.warmup,
         min_steps=profile.min_steps, rounds=profile.refits, progress=progress,

@@ -22,6 +22,8 @@ def test_plan_cli_writes_a_loadable_plan_within_budget(tmp_path, capsys):
     assert plan.predicted_peak_bytes <= 64 * 2**20
     assert len(plan.units) == 4 * 2 + 2  # attn + mlp per layer, wpe, root
     assert "blocks.0.mlp" in text and "tokens/s per rank" in text and "searched in" in text
+    # a preset is planned offline: it says which calibration that assumes
+    assert "calibration: ideal FSDP2 runtime (not measured" in text and plan.meta["calibration"].startswith("ideal")
     assert png.stat().st_size > 1000
 
 
