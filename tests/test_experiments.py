@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -135,9 +136,42 @@ def test_summary_ratios_and_targets(result):
     comparison = sweep.compare(rows, result)
     top = comparison[-1]
     assert top["best"]["strategy"] == "ddp" and top["vs_best"] == pytest.approx(1.1)
-    v = sweep.verdicts(comparison)
+    v = sweep.verdicts(comparison, rows)
     assert not v["peak_within_budget_ok"]  # the made-up over-budget point
     assert v["budgets_without_osdp_plan"] == [comparison[0]["budget_bytes"]]
+    # predicted against measured tokens/s: one point per distinct plan that ran
+    ran = {}
+    for r in rows:  # a plan run once however many rows show it (in a real sweep they show the same numbers)
+        if r["tokens_per_s"]:
+            ran.setdefault(r["plan_hash"], r)
+    errors = [r["predicted_tokens_per_s"] / r["tokens_per_s"] - 1 for r in ran.values()]
+    assert sorted(sweep.prediction_errors(rows)) == pytest.approx(sorted(errors))
+    assert v["prediction_error_median"] == pytest.approx(statistics.median(abs(e) for e in errors))
+    assert v["prediction_ok"] == (statistics.median(abs(e) for e in errors) <= 0.10)
+
+
+def test_validation_spread_over_runs(tmp_path):
+    import validate_cost_model as vcm
+
+    def run(step_median, under):
+        records = [{"measured_peak_bytes": 100 + under, "predicted_peak_bytes": 100}]
+        summary = {"step_error_median": step_median, "step_error_worst": 0.15, "kendall_tau_step": 0.9,
+                   "peak_error_median": 0.01, "peak_error_worst": 0.03}
+        return {"seconds": 900, "calibration": {"calibration": {"compute_scale": 1.1}},
+                "results": {"gpt2-tiny": {"summary": summary, "records": records}},
+                "train": {"step_error": 0.05}}
+
+    paths = []
+    for i, (median, under) in enumerate([(0.05, 0), (0.12, 1), (0.08, 3)]):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run(median, under)))
+    text = vcm.spread(paths)
+    rows = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| gpt2-tiny")}
+    # met in two runs of three is not met
+    assert rows["time err median"].endswith("| 5.0% | 12.0% | 8.0% | NO |")
+    assert rows["time err worst"].endswith("| yes |") and rows["Kendall tau"].endswith("| 0.90 | 0.90 | 0.90 | yes |")
+    assert rows["peak under measured, worst"].endswith("| +0.0% | +1.0% | +3.0% | NO |")
+    assert "| default `osdp train` | predicted vs measured step | within 15% | +5.0% | +5.0% | +5.0% | yes |" in text
 
 
 def test_plots_from_a_results_folder(result, tmp_path):
