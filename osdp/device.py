@@ -21,6 +21,7 @@ import torch.distributed as dist
 from scipy.optimize import nnls
 
 from osdp.sizes import format_bytes, parse_size  # noqa: F401 - part of this module's API
+from osdp.timing import StepTimer
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -212,10 +213,6 @@ def measure_collectives(
             return lambda: _reduce_scatter(shard, full, op=dist.ReduceOp.AVG, group=group)
         return lambda: dist.all_reduce(full, op=dist.ReduceOp.AVG, group=group)
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     cells = [(c, nbytes, make_op(c, nbytes)) for c in COLLECTIVES for nbytes in sizes]
 
     def timed_round(since: float) -> tuple[list[float], float, float]:
@@ -223,11 +220,9 @@ def measure_collectives(
         out = torch.empty(len(cells) + 2, dtype=torch.float64)
         for i, (_, _, op) in enumerate(cells):
             dist.barrier(group)
-            sync()
-            t0 = time.perf_counter()
-            op()
-            sync()
-            out[i] = time.perf_counter() - t0
+            with StepTimer(device) as timer:
+                op()
+            out[i] = timer.seconds
         out[-2] = time.perf_counter() - since
         out[-1] = time.time()
         out = out.to(device)
@@ -269,18 +264,12 @@ def measure_flops(
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     torch.mm(a, b)  # warm-up: kernel selection, lazy init
-    sync()
     times: list[float] = []
     while len(times) < 3 or sum(times) < time_budget_s:
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        sync()
-        times.append(time.perf_counter() - t0)
+        with StepTimer(device) as timer:
+            torch.mm(a, b)
+        times.append(timer.seconds)
     return 2 * n**3 / statistics.median(times)
 
 

@@ -58,6 +58,7 @@ from osdp.machine import device_name
 from osdp.memory import LiveBytesTracker, iter_tensors, map_tensors
 from osdp.optim import make_optimizer
 from osdp.plan import ROOT, display_path
+from osdp.timing import StepTimer
 from osdp.units import Unit, build_units, count_calls, discover_units, param_homes, structure_signature
 
 PROFILE_VERSION = 2  # bump when what is measured changes: old cache entries are ignored
@@ -488,9 +489,9 @@ def _time_at(model: nn.Module, units: Sequence[Unit], batch: Any, loss_fn, repea
             _step(model, batch, loss_fn, segments)
         timed.append(timer.seconds)
         model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        _step(model, batch, loss_fn)
-        plain.append(time.perf_counter() - start)
+        with StepTimer(_device_of(model)) as step:
+            _step(model, batch, loss_fn)
+        plain.append(step.seconds)
     model.zero_grad(set_to_none=True)
     step_s = statistics.median(plain)
     medians = _median_by_key(timed)
@@ -538,9 +539,9 @@ def time_optimizers(params: Sequence[torch.Tensor], names: Iterable[str], repeat
         optimizer.step()  # creates the state
         times = []
         for _ in range(repeats):
-            start = time.perf_counter()
-            optimizer.step()
-            times.append(time.perf_counter() - start)
+            with StepTimer(device) as step:
+                optimizer.step()
+            times.append(step.seconds)
         out[name] = statistics.median(times) / nbytes
         del optimizer, tensors
     return out
@@ -814,8 +815,11 @@ def _warm_up(model: nn.Module, batch: Any, loss_fn) -> float:
     """Two steps (first-call costs, allocator warm-up); returns the second's seconds."""
     for _ in range(2):
         model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        _step(model, batch, loss_fn)
-        elapsed = time.perf_counter() - start
+        with StepTimer(_device_of(model)) as step:
+            _step(model, batch, loss_fn)
     model.zero_grad(set_to_none=True)
-    return elapsed
+    return step.seconds
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
