@@ -11,8 +11,9 @@ bandwidth), the machine and the torch version.
 
 Strategies: ``ddp``, ``zero2`` (zero2 everywhere), ``fsdp`` (zero3 everywhere),
 ``osdp`` at a budget (what ``osdp.wrap(model, device_mem=B, example_input=...)``
-plans: the same ``describe`` call and ``planner.search``, on the collectives
-measured on this run's process group), and ``fairscale`` (fairscale's FSDP,
+plans: the same description (``planner.planning_description``) and
+``planner.search`` with this machine's cached calibration, which a run of its
+own measures first if there is none), and ``fairscale`` (fairscale's FSDP,
 ZeRO-3 with one FSDP instance per OSDP unit; CUDA only: its FSDP uses CUDA
 streams unconditionally and fails on CPU).
 
@@ -226,8 +227,8 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         say("measuring collectives and FLOP/s on the live group")
         device_info = broadcast_object(measure_device(time_budget_s=float(spec.get("collective_time_s", 3.0))))
         return {"device_info": device_info.to_dict()} if rank == 0 else None
-    if spec.get("calibrate"):  # this link's calibration, measured in its own run before the measured ones
-        machine = calibrate(device, force=True)
+    if spec.get("calibrate"):  # this link's calibration, in its own run before the measured ones
+        machine = calibrate(device, force=spec["calibrate"] == "force")
         return {"calibration": machine.to_dict(), "summary": machine.summary()} if rank == 0 else None
     # what osdp.wrap plans with: this job's calibration, measured by an earlier run (spec "calibrate")
     machine = calibrate(device, measure=False)
@@ -524,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         "budgets": [parse_size(args.budget)] if args.budget else [],
         "rounds": args.rounds, "time_per_run_s": args.time_per_run, "link": resolve_link(args.link),
     }
+    # what osdp.wrap would do on this machine: its cached calibration, measured first if there is none
+    launch({**spec, "calibrate": "if missing"}, nproc=args.nproc)
     result = launch(spec, nproc=args.nproc)
     record = {**result["records"][0], "link_info": result["link"], "machine": result["machine"],
               "device_info": result["device_info"]}

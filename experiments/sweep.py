@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         for link in links:
             wait_for_quiet(args.wait_quiet)
             print(f"sweep: calibrating over {link['name']}", flush=True)
-            got = run_mod.launch({"model": "gpt2-tiny", "batch_size": 1, "link": link, "calibrate": True}, env=env,
+            got = run_mod.launch({"model": "gpt2-tiny", "batch_size": 1, "link": link, "calibrate": "force"}, env=env,
                                  on_line=lambda line: print(f"  {line}", flush=True))
             calibrations[link["name"]] = got["calibration"]
             print(f"sweep: {got['summary']}", flush=True)
