@@ -5,10 +5,12 @@ One run, one command (about 15 minutes on a quiet 2-core machine):
     python experiments/validate_cost_model.py --out experiments/results/validate_cost_model-1.json
 
 1. ``osdp calibrate --force`` in its own processes, into a cache of this run's own (``OSDP_CACHE_DIR``):
-   the calibration ``osdp.wrap`` would measure on first use;
+   the calibration ``osdp.wrap`` would measure on first use; then each model described as ``osdp.plan``
+   describes it (``osdp validate --describe-only``), into the same cache, in processes of their own;
 2. for each model, ``osdp validate``: every default plan (DDP, ZeRO-2, FSDP, checkpointing, splits, mixed;
-   ten) predicted exactly as ``osdp.wrap`` predicts (the model described as ``osdp.plan`` describes it, the
-   cached calibration; nothing measured in the validating run enters a prediction), then trained for real;
+   ten) predicted exactly as ``osdp.wrap`` predicts, from the cached calibration and description (nothing
+   measured in the validating run enters a prediction; the run checks that the description came from the
+   cache), then trained for real;
 3. the default ``osdp train`` run (gpt2-tiny, OSDP at 6 MiB): its plan's predicted step against its measured
    median.
 
@@ -72,10 +74,20 @@ def calibrate(nproc: int, env: dict[str, str], out: Path) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
+def describe(model: str, batch: int, seq: int, nproc: int, env: dict[str, str]) -> None:
+    """The model described as osdp.plan describes it, into the run's cache, in processes of its own."""
+    _run([sys.executable, "-m", "osdp.cli", "validate", "--model", model, "--nproc", str(nproc), "--batch-size",
+          str(batch), "--seq-len", str(seq), "--describe-only"], env)
+
+
 def validate(model: str, batch: int, seq: int, budget: float, nproc: int, env: dict[str, str], out: Path) -> dict:
     _run([sys.executable, "-m", "osdp.cli", "validate", "--model", model, "--nproc", str(nproc), "--batch-size",
           str(batch), "--seq-len", str(seq), "--time-budget", str(budget), "--json", str(out)], env)
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    if not all(d["from_cache"] for d in result["description"].values()):
+        raise RuntimeError(f"{model}: the validating run described the model itself; it must find the earlier "
+                           "process's description in the cache")
+    return result
 
 
 def train(nproc: int, env: dict[str, str], out: Path) -> dict[str, Any]:
@@ -116,6 +128,8 @@ def run(args: argparse.Namespace) -> None:
         before = wait_for_quiet(args.quiet_load, args.quiet_timeout)
         calibration = calibrate(args.nproc, env, Path(tmp) / "calibration.json")
         loads["calibration"] = (before, os.getloadavg()[0])
+        for m in args.models:
+            describe(m, *MODELS[m][:2], args.nproc, env)
         for m in args.models:
             before = wait_for_quiet(args.quiet_load, args.quiet_timeout)
             results[m] = validate(m, *MODELS[m], args.nproc, env, Path(tmp) / f"{m}.json")

@@ -180,11 +180,15 @@ def validate(
     optimizer: str = "adamw",
     time_budget_s: float = 4.0,
     calibration: MachineCalibration | None = None,
+    describe_only: bool = False,
 ) -> dict[str, Any]:
     """Collective: predicted against measured for a set of plans of a reference model (see the module docstring).
 
     ``calibration``: this job's, by default the cached one (``osdp calibrate``);
-    a CalibrationError says how to make one if there is none.
+    a CalibrationError says how to make one if there is none. ``describe_only``:
+    describe the model into the describe cache and stop, so that a later
+    validating run finds it there (then nothing it predicts with is measured in
+    that run).
     """
     from osdp.data import synthetic_batch
 
@@ -206,6 +210,10 @@ def validate(
     say(f"describing {model_name} as osdp.plan does (rank 0, the describe cache)")
     descriptions = {p: planning_description(model, batch, mixed_precision=p) for p in precisions}
     del model
+    described = {p: {"source": d.source, "profile_seconds": d.profile_seconds, "from_cache": d.from_cache,
+                     "cache_key": d.cache_key, "checks": d.checks} for p, d in descriptions.items()}
+    if describe_only:
+        return {"model": model_name, "description": described, "seconds": time.perf_counter() - start}
     description = descriptions[precisions[0]]
     if "bf16" in precisions:  # default_plans adds bf16 plans to a description that has both
         description = dataclasses.replace(description, precisions=tuple(precisions))
@@ -246,8 +254,7 @@ def validate(
         "optimizer": optimizer,
         "machine": {**machine_info(device), "processor": description.device},
         "calibration": machine.to_dict(),
-        "description": {p: {"source": d.source, "profile_seconds": d.profile_seconds, "from_cache": d.from_cache,
-                            "checks": d.checks} for p, d in descriptions.items()},
+        "description": described,
         "profile_seconds": description.profile_seconds,
         "summary": summarize(records),
         "records": records,
@@ -268,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", type=Path,
                    help="a calibration JSON (osdp calibrate --json) made for this job; default: the cached one")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--describe-only", action="store_true",
+                   help="describe the model into the describe cache (as osdp.plan does) and stop")
     p.add_argument("--json", type=Path, help="write the records and summary here")
     return p
 
@@ -285,9 +294,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = validate(
             args.model, device=device, batch_size=args.batch_size, seq_len=args.seq_len, plan_names=args.plans,
             precisions=("fp32", "bf16") if args.bf16 else ("fp32",), optimizer=args.optimizer,
-            time_budget_s=args.time_budget, calibration=calibration,
+            time_budget_s=args.time_budget, calibration=calibration, describe_only=args.describe_only,
         )
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and args.describe_only:
+            for precision, d in result["description"].items():
+                print(f"{args.model} ({precision}): {'from the cache' if d['from_cache'] else 'described'} "
+                      f"({d['profile_seconds']:.1f} s), cache key {d['cache_key']}", flush=True)
+        elif dist.get_rank() == 0:
             print(f"{args.model}, {result['world_size']} ranks, micro-batch {args.batch_size}, {args.optimizer}, "
                   f"{result['machine']['processor']}")
             print(format_report(result["records"], result["summary"]), flush=True)
