@@ -5,6 +5,7 @@ lives in the ``osdp.plan`` module and is exported here as ``osdp.Plan``.
 """
 
 from osdp.api import plan_of, strategy_plan, wrap
+from osdp.calibration import calibrate
 from osdp.device import DeviceInfo, device_preset, list_presets, parse_size
 from osdp.plan import MODES, Plan, PlanError, UnitPlan
 from osdp.search import BudgetTooSmall
@@ -12,7 +13,7 @@ from osdp.units import Unit, discover_units
 from osdp.planner import plan  # noqa: E402 - after the osdp.plan module is loaded, the name is the function
 
 __all__ = [
-    "MODES", "BudgetTooSmall", "DeviceInfo", "Plan", "PlanError", "Unit", "UnitPlan", "device_preset",
+    "MODES", "BudgetTooSmall", "DeviceInfo", "Plan", "PlanError", "Unit", "UnitPlan", "calibrate", "device_preset",
     "discover_units", "list_presets", "parse_size", "plan", "plan_of", "strategy_plan", "wrap",
 ]
 __version__ = "0.1.0"
