@@ -385,7 +385,7 @@ class CalibrationKey:
         """Collective: this job's key (every rank's host, rank 0's view of the rest); ``profile`` defaults
         to ``OSDP_CALIBRATION_PROFILE`` (``full`` when unset)."""
         profile = profile or profile_from_env().name
-        rank, world_size = world()
+        _, world_size = world()
         hosts = tuple(sorted(set(all_gather_objects(host()))))
         backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else "none"
         interface = os.environ.get("NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME", "")
@@ -403,7 +403,7 @@ class CalibrationKey:
                 + f", torch {self.torch}" + (f", {self.profile} profile" if self.profile != "full" else ""))
 
     def differences(self, other: "CalibrationKey") -> list[str]:
-        """What differs, as 'field: ours vs theirs'."""
+        """What differs, each as "field OTHER'S (this job: THIS ONE'S)"."""
         mine, theirs = dataclasses.asdict(self), dataclasses.asdict(other)
         return [f"{k} {theirs[k]!r} (this job: {mine[k]!r})" for k in mine if mine[k] != theirs[k]]
 
@@ -421,7 +421,7 @@ class MachineCalibration:
     calibration: Calibration  # the cost model's terms
     seconds: float = 0.0  # how long measuring it took
     measured_at: str = ""
-    details: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # per job: measured vs modelled
+    details: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # what was measured, for the record
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -83,8 +83,7 @@ class Calibration:
     """
 
     # how much longer the job's compute (and optimizer step) takes than the description says: a model is
-    # described on one rank with the others idle; in the job every rank computes at once, meeting the
-    # others at every unit
+    # described on one rank with the others idle; in the job every rank computes at once
     compute_scale: float = 1.0
 
     unit_overhead_s: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(MODES, 0.0))
