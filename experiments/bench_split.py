@@ -37,9 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -48,11 +46,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 import osdp.split as split
+from osdp._torch_private import TorchDispatchMode
 from osdp.distributed import free_port, init_process_group
+from osdp.machine import machine_info
+from osdp.timing import StepTimer
 
 MODELS = {  # (in, out) of each Linear, GELU between
     "linear_4096x16384": [(4096, 16384)],
@@ -88,28 +88,6 @@ class GatheredBytes(TorchDispatchMode):
         self.storages[t.untyped_storage()] = None
 
 
-class Timer:
-    """Seconds between start() and stop(): CUDA events on a GPU, wall clock otherwise."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def start(self) -> None:
-        if self.cuda:
-            self.begin = torch.cuda.Event(enable_timing=True)
-            self.end = torch.cuda.Event(enable_timing=True)
-            self.begin.record()
-        else:
-            self.t0 = time.perf_counter()
-
-    def stop(self) -> float:
-        if self.cuda:
-            self.end.record()
-            self.end.synchronize()
-            return self.begin.elapsed_time(self.end) / 1e3
-        return time.perf_counter() - self.t0
-
-
 def slowest(seconds: float, device: torch.device) -> float:
     t = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -133,13 +111,13 @@ def build(model_name: str, strategy: str, k: int, mesh) -> nn.Module:
 def interleaved(fns: dict, args, device) -> dict[str, list[float]]:
     """Each function once per round, in turn, so that other load on the machine slows all alike;
     per function, the slowest rank's time in every round after warm-up."""
-    timer, times = Timer(device), {name: [] for name in fns}
+    times = {name: [] for name in fns}
     for i in range(args.warmup + args.steps):
         for name, fn in fns.items():
             dist.barrier()
-            timer.start()
-            fn()
-            elapsed = slowest(timer.stop(), device)
+            with StepTimer(device) as timer:
+                fn()
+            elapsed = slowest(timer.seconds, device)
             if i >= args.warmup:
                 times[name].append(elapsed)
     return times
@@ -381,16 +359,8 @@ def run(rank: int, world_size: int, args) -> list[dict] | None:
 
 
 def machine(args, world_size: int) -> dict:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    info = dict(platform=platform.platform(), cpu=cpu, cpu_count=os.cpu_count(), python=platform.python_version(),
-                torch=torch.__version__, world_size=world_size, device=args.device, split_backend=split.backend(),
-                threads_per_rank=torch.get_num_threads(), load_average=os.getloadavg())
-    if args.device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
+    info = {**machine_info(args.device), "world_size": world_size, "split_backend": split.backend()}
+    info["gpu"] = info.pop("cuda")
     return info
 
 

@@ -85,7 +85,7 @@ def device_info_for(args, device: torch.device):
     """The preset's collectives at ``--world-size``, this device's measured matmul FLOP/s, the budget."""
     from osdp.device import device_preset, measure_flops
 
-    info = device_preset(args.preset, args.world_size, memory=args.budget)
+    info = device_preset(args.preset, args.world_size)
     flops = {"float32": measure_flops(device, torch.float32)}
     if args.mixed_precision == "bf16":
         flops["bfloat16"] = measure_flops(device, torch.bfloat16)
@@ -112,13 +112,13 @@ def plans_to_run(args, description, info) -> tuple[dict[str, tuple[Any, int | No
     from osdp.validate import default_plans
 
     candidates = sorted(set(args.batch_sizes))
-    budgets = {"osdp": info.memory_bytes} if "osdp" in args.plans else {}
+    budgets = {"osdp": parse_size(args.budget)} if "osdp" in args.plans else {}
     budgets.update({f"osdp@{b}": parse_size(b) for b in args.extra_budgets})
     plans, not_fitting = {}, []
     for name, budget in budgets.items():
         try:
-            result = search(description, dataclasses.replace(info, memory_bytes=budget), candidates,
-                            mixed_precision=args.mixed_precision, model_signature=description.signature)
+            result = search(description, info, candidates, budget=budget, mixed_precision=args.mixed_precision,
+                            model_signature=description.signature)
             plans[name] = result.plan, budget
         except BudgetTooSmall as e:
             not_fitting.append({"name": name, "budget_bytes": budget, "needs_bytes": e.min_peak_bytes, "error": str(e)})
@@ -165,13 +165,10 @@ def run_plan_fake(name: str, plan, args, device: torch.device, seq_len: int) -> 
     """Train ``plan`` as rank ``--rank`` of ``--world-size`` (fake group): step times and one step's peak."""
     import osdp
     from osdp import models
-    from osdp.cost import make_optimizer
     from osdp.data import synthetic_batch
     from osdp.memory import PeakMemory
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    from osdp.optim import make_optimizer
+    from osdp.timing import StepTimer
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -182,14 +179,11 @@ def run_plan_fake(name: str, plan, args, device: torch.device, seq_len: int) -> 
     inputs, targets = (t.to(device) for t in synthetic_batch(config, plan.batch_size, generator=torch.Generator().manual_seed(1)))
 
     def step() -> float:
-        sync()
-        t0 = time.perf_counter()
-        loss = model(inputs, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync()
-        return time.perf_counter() - t0
+        with StepTimer(device) as timer:
+            model(inputs, targets).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return timer.seconds
 
     for _ in range(args.warmup):
         step()
@@ -240,7 +234,7 @@ def experiment(args: argparse.Namespace) -> dict[str, Any]:
         description = describe_analytic(meta_model, (example, example), info, world_size=args.world_size,
                                         batch_sizes=candidates, precisions=(args.mixed_precision,), progress=False,
                                         name=args.model)
-        record: dict[str, Any] = {"budget_bytes": info.memory_bytes}
+        record: dict[str, Any] = {"budget_bytes": parse_size(args.budget)}
         plans, not_fitting = plans_to_run(args, description, info)
         record["not_fitting"] = not_fitting
         if any(x["name"] == "osdp" for x in not_fitting):
@@ -267,7 +261,7 @@ def experiment(args: argparse.Namespace) -> dict[str, Any]:
             if measured_description is not None:
                 measured["predicted_compute_s"] = predict(measured_description, plan, free).step_s
             print(f"{name}: measured peak {measured['peak_bytes'] / 2**20:.1f} MiB "
-                  f"({measured['peak_bytes'] / info.memory_bytes:.1%} of the budget), compute step "
+                  f"({measured['peak_bytes'] / budget:.1%} of the budget), compute step "
                   f"{measured['step_s_median'] * 1e3:.1f} ms ({NOTE})", flush=True)
             runs.append(measured)
     finally:

@@ -125,7 +125,7 @@ def _cleanup_all() -> None:
         children = list(_children.values())
         links = list(_live.values())
     for p in children:
-        _stop(p)
+        stop(p)
     for link in links:
         link.close()
 
@@ -256,7 +256,7 @@ def run_in_namespaces(link: VethLink, commands: list[list[str]], env: dict[str, 
         return _wait_all(procs, timeout_s)
     finally:
         for p in procs:
-            _stop(p)
+            stop(p)
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout_s: float | None) -> list[int]:
@@ -273,13 +273,13 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float | None) -> list[in
                     p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-            return [_stop(p) for p in procs]
+            return [stop(p) for p in procs]
         if deadline is not None and time.monotonic() > deadline:
-            return [_stop(p) for p in procs]
+            return [stop(p) for p in procs]
         time.sleep(0.2)
 
 
-def _stop(p: subprocess.Popen) -> int:
+def stop(p: subprocess.Popen) -> int:
     """Terminate one process we started (and its session), then kill it; its exit code."""
     if p.poll() is None:
         try:

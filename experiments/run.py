@@ -24,7 +24,7 @@ Strategies (a record's ``strategy``):
   unit; CUDA only (its FSDP uses CUDA streams unconditionally).
 
 Measurement. Every run of a part lives in one process group. Each of
-``rounds`` repeats is one ``osdp.validate.run_jobs`` over all runs (every
+``rounds`` repeats is one ``osdp.harness.run_jobs`` over all runs (every
 model alive, one step of each in turn, so all see the same load; the order
 rotates between repeats): 2 warm-up steps, then at least ``min_steps`` (20)
 timed steps, then one step under ``osdp.memory.PeakMemory``. A step takes as
@@ -44,10 +44,8 @@ alike; the result says which.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -118,8 +116,6 @@ def resolve_link(name: str, *, flops: float | None = None, ratio: float | None =
             "label": f"veth + tbf {rate / 1e6:.0f} Mbit/s ({ratio:.0f} FLOP/byte, as {GPU_RATIO_PRESET})",
         }
     if name.startswith("tbf:"):
-        from osdp.sizes import parse_size  # noqa: F401 (rates are bits: parse ourselves)
-
         text = name[4:].lower()
         for suffix, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1)):
             if text.endswith(suffix):
@@ -134,24 +130,13 @@ def resolve_link(name: str, *, flops: float | None = None, ratio: float | None =
 # --------------------------------------------------------------------------- the worker (every rank)
 
 
-def _progress(prefix: str) -> Callable[[str], None]:
-    import torch.distributed as dist
-
-    def say(message: str) -> None:
-        if dist.get_rank() == 0:
-            print(f"{prefix}{message}", flush=True)
-
-    return say
-
-
 def run_fairscale(build, batch, *, device, time_budget_s: float, measure_memory: bool, unit_paths,
                   warmup: int = 2, min_steps: int = MIN_STEPS, max_steps: int = 200) -> dict[str, Any]:
     """Collective: fairscale's FSDP (ZeRO-3, one instance per OSDP unit): warm-up, timed steps, one peak step."""
-    import torch
-
-    from osdp.cost import make_optimizer
     from osdp.distributed import all_gather_objects
     from osdp.memory import PeakMemory
+    from osdp.optim import make_optimizer
+    from osdp.timing import StepTimer
 
     if device.type != "cuda":
         raise RuntimeError("fairscale FSDP needs CUDA (it uses CUDA streams unconditionally)")
@@ -167,16 +152,12 @@ def run_fairscale(build, batch, *, device, time_budget_s: float, measure_memory:
     inputs, targets = batch
 
     def step() -> tuple[float, float]:
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        loss = model(inputs, targets)
-        loss.backward()
-        torch.cuda.synchronize(device)
-        middle = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device)
-        return time.perf_counter() - start, middle - start
+        with StepTimer(device) as timer:
+            model(inputs, targets).backward()
+            fwd_bwd = timer.lap()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return timer.seconds, fwd_bwd
 
     warm = [step() for _ in range(warmup)]
     wanted = int(time_budget_s / max(warm[-1][0], 1e-6))
@@ -200,7 +181,8 @@ def block_list_path(model) -> str:
     return next(path for path, m in model.named_modules() if m is blocks)
 
 
-def twin_plan(descriptions, mode: str, ac: bool, blocks: str, device_info, optimizer: str, settings: dict):
+def twin_plan(descriptions, mode: str, ac: bool, blocks: str, device_info, calibration, optimizer: str,
+              settings: dict):
     """OSDP's plan with every unit in ``mode`` (checkpointing the units inside the blocks with ``ac``), at
     the granularity whose plan the cost model predicts faster: what its search picks when memory is no limit."""
     from osdp.cost import predict
@@ -211,7 +193,7 @@ def twin_plan(descriptions, mode: str, ac: bool, blocks: str, device_info, optim
         plan = Plan([UnitPlan(u.path, mode, checkpoint=ac and u.path.startswith(blocks + "."))
                      for u in d.units], **settings)
         plan.meta["granularity"] = d.granularity
-        step = predict(d, plan, device_info, optimizer=optimizer).step_s
+        step = predict(d, plan, device_info, optimizer=optimizer, calibration=calibration).step_s
         if best is None or step < best[0]:
             best = (step, plan)
     return best[1]
@@ -242,17 +224,18 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     import osdp
     from baselines import build_baseline
     from osdp import comm, models
+    from osdp.calibration import calibrate
     from osdp.cost import build_problem, predict
     from osdp.data import synthetic_batch
     from osdp.device import measure_device
-    from osdp.distributed import all_gather_objects, broadcast_object
+    from osdp.distributed import all_gather_objects, broadcast_object, init_from_env
+    from osdp.harness import Job, run_jobs
+    from osdp.log import Progress
+    from osdp.machine import machine_info
     from osdp.plan import Plan
-    from osdp.planner import describe_granularities, search
-    from osdp.profile import describe
+    from osdp.planner import planning_descriptions, search
     from osdp.search import BudgetTooSmall, min_peak
-    from osdp.train import init_from_env
     from osdp.units import structure_signature
-    from osdp.validate import Job, run_jobs
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     reduce_scatter = spec.get("reduce_scatter", DEFAULT_REDUCE_SCATTER)
@@ -265,7 +248,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     seq_len = config.seq_len
     tokens = b * seq_len
     link = dict(spec.get("link") or {"name": "loopback", "kind": "loopback"})
-    say = _progress(f"[{model_name} {link.get('name')}] ")
+    say = Progress(f"run {model_name} {link.get('name')}")
     started = time.perf_counter()
 
     def build():
@@ -275,15 +258,20 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     g = torch.Generator().manual_seed(1000 + rank)
     batch = tuple(t.to(device) for t in synthetic_batch(config, b, generator=g))
 
-    say(f"measuring collectives ({reduce_scatter} reduce-scatter) and FLOP/s on the live group")
-    device_info = broadcast_object(measure_device("1TiB", time_budget_s=float(spec.get("collective_time_s", 3.0))))
     if spec.get("link_probe"):  # only the link: how fast gloo's collectives are over it
+        say(f"measuring collectives ({reduce_scatter} reduce-scatter) and FLOP/s on the live group")
+        device_info = broadcast_object(measure_device(time_budget_s=float(spec.get("collective_time_s", 3.0))))
         return {"device_info": device_info.to_dict(), "reduce_scatter": reduce_scatter} if rank == 0 else None
+    if spec.get("calibrate"):  # this link's calibration, in its own run before the measured ones
+        machine = calibrate(device, force=spec["calibrate"] == "force")
+        return {"calibration": machine.to_dict(), "summary": machine.summary()} if rank == 0 else None
+    # what osdp.wrap plans with: this job's calibration, measured by an earlier run (spec "calibrate")
+    machine = calibrate(device, measure=False)
+    device_info, calibration = machine.device_info, machine.calibration
+    say(machine.summary())
     model = build().to(device)
-    say("describing the model (rank 0, as osdp.plan does; cached in OSDP_CACHE_DIR)")
-    descriptions = describe_granularities(  # one per unit granularity: the search chooses between them
-        lambda **g: describe(model, batch, precisions=("fp32",), **g)) if rank == 0 else None
-    descriptions = broadcast_object(descriptions)
+    say("describing the model as osdp.plan does (rank 0; cached in OSDP_CACHE_DIR), at each unit granularity")
+    descriptions = planning_descriptions(model, batch)  # the search chooses between them
     description = descriptions[0]
     blocks = block_list_path(model)
     signature = structure_signature(model)
@@ -296,7 +284,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         return next(d for d in descriptions if set(d.paths) == set(plan.paths) | {""})
 
     def predicted(plan: Plan) -> dict[str, Any]:
-        p = predict(described(plan), plan, device_info, optimizer=optimizer)
+        p = predict(described(plan), plan, device_info, optimizer=optimizer, calibration=calibration)
         return {"predicted_step_s": p.step_s, "predicted_peak_bytes": p.peak_bytes,
                 "predicted_tokens_per_s": tokens / p.step_s}
 
@@ -313,7 +301,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
             requests.append({"strategy": s, "key": s, "plan": plan})
         elif s in TWINS:
             mode, ac = TWINS[s]
-            plan = twin_plan(descriptions, mode, ac, blocks, device_info, optimizer, settings)
+            plan = twin_plan(descriptions, mode, ac, blocks, device_info, calibration, optimizer, settings)
             runs[s] = Job(build, plan, batch)
             requests.append({"strategy": s, "key": s, "plan": plan})
         elif s == "fairscale":
@@ -342,7 +330,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
             m["per_rank_peak"] = peaks  # the repeat with the highest peak, all its ranks
 
     def measure(keys: list[str], r: int) -> None:
-        """Collective: repeat ``r`` of ``keys`` with osdp.validate.run_jobs (every model alive, one step of each in
+        """Collective: repeat ``r`` of ``keys`` with osdp.harness.run_jobs (every model alive, one step of each in
         turn, so all see the same load), fairscale (CUDA only) after it."""
         ours = [k for k in keys if runs[k] != "fairscale"]
         groups = [ours[i:i + jobs_at_once] for i in range(0, len(ours), jobs_at_once)] if jobs_at_once else [ours]
@@ -363,7 +351,8 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
 
     # ---- budgets: from the least any plan needs (predicted) to torch-ddp's measured peak (one short untimed pass)
     budgets = [int(x) for x in spec.get("budgets") or []]
-    lowest = min(min_peak(build_problem(d, device_info, b, optimizer=optimizer))[0] for d in descriptions)
+    lowest = min(min_peak(build_problem(d, device_info, b, optimizer=optimizer, calibration=calibration))[0]
+                 for d in descriptions)
     ddp_needs = None
     if spec.get("auto_budgets"):
         if "torch-ddp" not in runs:
@@ -377,7 +366,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         request: dict[str, Any] = {"strategy": "osdp", "budget_bytes": budget}
         if rank == 0:
             try:
-                found = search(descriptions, dataclasses.replace(device_info, memory_bytes=budget), [b],
+                found = search(descriptions, device_info, [b], budget=budget, calibration=calibration,
                                optimizer=optimizer, model_signature=signature).plan
                 outcome = ("plan", found.to_json())
             except BudgetTooSmall as e:
@@ -436,6 +425,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         "compute_only": {"step_s_rounds": compute_rounds, "step_s_median": statistics.median(compute_rounds),
                          "tokens_per_s": tokens / statistics.median(compute_rounds)},
         "device_info": device_info.to_dict(),
+        "calibration": machine.to_dict(),
         "description": {"source": description.source,
                         "profile_seconds": sum(d.profile_seconds for d in descriptions),
                         "granularities": [d.granularity for d in descriptions],
@@ -620,7 +610,7 @@ def _run_local(cmd: list[str], env: dict[str, str], on_line: Callable[[str], Non
     except subprocess.TimeoutExpired:
         pass
     finally:
-        code = netns._stop(p)  # terminates the torchrun session we started if it is still running
+        code = netns.stop(p)  # terminates the torchrun session we started if it is still running
         t.join(timeout=5)
     return code
 
@@ -672,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds, "time_per_run_s": args.time_per_run, "min_steps": args.min_steps,
         "reduce_scatter": args.reduce_scatter, "link": resolve_link(args.link),
     }
+    # what osdp.wrap would do on this machine: its cached calibration, measured first if there is none
+    launch({**spec, "calibrate": "if missing"}, nproc=args.nproc)
     result = launch(spec, nproc=args.nproc)
     record = {**result["records"][0], "link_info": result["link"], "machine": result["machine"],
               "device_info": result["device_info"], "compute_only": result["compute_only"]}

@@ -64,6 +64,7 @@ sys.path.insert(0, str(HERE))
 
 import run as run_mod  # noqa: E402
 from baselines import BASELINES  # noqa: E402
+from osdp.machine import machine_info  # noqa: E402
 
 RESULTS = HERE / "results"
 # model -> (micro-batch per rank, sequence length)
@@ -187,9 +188,23 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def verdicts(comparison: list[dict[str, Any]]) -> dict[str, Any]:
+def prediction_errors(rows: list[dict[str, Any]]) -> list[float]:
+    """Predicted over measured tokens/s, less one, of every distinct plan that ran (one point per plan)."""
+    seen, out = set(), []
+    for r in rows:
+        key = r.get("plan_hash") or r["strategy"]
+        if key in seen or not r.get("tokens_per_s") or not r.get("predicted_tokens_per_s"):
+            continue
+        seen.add(key)
+        out.append(r["predicted_tokens_per_s"] / r["tokens_per_s"] - 1)
+    return out
+
+
+def verdicts(comparison: list[dict[str, Any]], rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The targets over one (model, link): OSDP >= 0.98x the best fitting baseline at every budget where one
-    fits, >= 1.10x at some budget, measured peak within the budget everywhere."""
+    fits, >= 1.10x at some budget, measured peak within the budget everywhere; predicted tokens/s within 10%
+    of measured (median over the plans that ran)."""
+    errors = [abs(e) for e in prediction_errors(rows or [])]
     vs_best = [c["vs_best"] for c in comparison if c["vs_best"] is not None]
     missing = [c["budget_bytes"] for c in comparison if c["best"] is not None and c["vs_best"] is None]
     return {
@@ -200,6 +215,9 @@ def verdicts(comparison: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_within_budget_ok": all(c["peak_within_budget"] for c in comparison),
         "budgets_without_osdp_plan": [c["budget_bytes"] for c in comparison if c["osdp"]["tokens_per_s"] is None],
         "budgets_where_no_baseline_fits": [c["budget_bytes"] for c in comparison if c["best"] is None],
+        "prediction_error_median": statistics.median(errors) if errors else None,
+        "prediction_error_worst": max(errors, default=None),
+        "prediction_ok": bool(errors) and statistics.median(errors) <= 0.10,
     }
 
 
@@ -240,7 +258,7 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
         link = result["link"]
         mine = [r for r in rows if r["model"] == result["model"] and r["link"] == link["name"]]
         comparison = compare(mine)
-        v = verdicts(comparison)
+        v = verdicts(comparison, mine)
         ratio = link.get("measured_flop_per_byte")
         lines += [f"## {result['model']}, {link['name']}: {link.get('label', '')}", ""]
         bw = link.get("measured_busbw_bytes_per_s", {})
@@ -287,6 +305,21 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
                   f"{'met' if v['peak_within_budget_ok'] else 'MISSED'}."
                   + (f" No baseline fits at {', '.join(mib(x) for x in v['budgets_where_no_baseline_fits'])}."
                      if v["budgets_where_no_baseline_fits"] else ""), ""]
+        lines += ["", "Baselines measured: " + "; ".join(
+            f"{r['strategy']} {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_min']:,.0f}..{r['tokens_per_s_max']:,.0f}), "
+            f"peak {mib(r['peak_bytes'])} (predicted {mib(r['predicted_peak_bytes'])})"
+            for r in {r["strategy"]: r for r in mine if r["strategy"] in BASELINES and r["tokens_per_s"]}.values()), ""]
+        fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        pct = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
+        lines += [f"Targets: OSDP / best fitting baseline >= 0.98 at every budget: "
+                  f"{'met' if v['osdp_vs_best_ok'] else 'MISSED'} (min {fmt(v['osdp_vs_best_min'])}); "
+                  f"OSDP / FSDP >= 1.15 where half the model can be replicated: "
+                  f"{'met' if v['osdp_vs_fsdp_ok'] else 'MISSED'} (min {fmt(v['osdp_vs_fsdp_min_half_replicable'])}); "
+                  f"OSDP's measured peak within the budget: {'met' if v['peak_within_budget_ok'] else 'MISSED'}; "
+                  f"predicted tokens/s within 10% of measured (median over the {len(prediction_errors(mine))} plans "
+                  f"that ran): {'met' if v['prediction_ok'] else 'MISSED'} (median {pct(v['prediction_error_median'])}, "
+                  f"worst {pct(v['prediction_error_worst'])}; the calibration: "
+                  f"{result.get('calibration', {}).get('measured_at', 'not recorded')}).", ""]
     return "\n".join(lines)
 
 
@@ -380,10 +413,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sweep: link {link['name']}: {link['label']}"
               + (f" (this core: {link['core_flops'] / 1e9:.0f} GFLOP/s fp32)" if "core_flops" in link else ""), flush=True)
 
-    results, parts = [], []
-    # One describe cache per sweep: each model is measured once, in this sweep, and shared by both links.
+    results, parts, calibrations = [], [], {}
+    # One cache per sweep: each model is described once, in this sweep, and shared by both links; each link
+    # is calibrated once, in its own run before the measured ones (what osdp.wrap plans with on that link).
     with tempfile.TemporaryDirectory(prefix="osdp-sweep-cache-") as cache:
         env = dict(os.environ, OSDP_CACHE_DIR=cache, OMP_NUM_THREADS="1")
+        for link in links:
+            wait_for_quiet(args.wait_quiet)
+            print(f"sweep: calibrating over {link['name']}", flush=True)
+            got = run_mod.launch({"model": "gpt2-tiny", "batch_size": 1, "link": link, "calibrate": "force",
+                                  "reduce_scatter": args.reduce_scatter}, env=env,
+                                 on_line=lambda line: print(f"  {line}", flush=True))
+            calibrations[link["name"]] = got["calibration"]
+            print(f"sweep: {got['summary']}", flush=True)
         total = len(models) * len(links)
         for model, (batch, seq) in models.items():
             for link in links:
@@ -409,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"osdp_source": source_state(), "profile": profile_name, "command": command, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
             "seconds": time.time() - start, "machine": results[0]["machine"] if results else run_mod.machine_info(),
             "world_size": 2, "rounds": rounds, "time_per_run_s": per_run, "min_steps": args.min_steps,
-            "reduce_scatter": args.reduce_scatter, "budgets": budgets, "parts": parts, "links": links}
+            "reduce_scatter": args.reduce_scatter, "budgets": budgets, "parts": parts, "links": links,
+            "calibrations": calibrations}
     (out / "runs.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
     report(out, plots=not args.no_plots)
     print(f"sweep: wrote {out} in {(time.time() - start) / 60:.1f} min")

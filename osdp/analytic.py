@@ -34,12 +34,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from osdp.device import DeviceInfo, device_preset
+from osdp.log import Progress
+from osdp.memory import map_tensors
+from osdp.description import PRECISIONS, ModelDescription, UnitWorkload
 from osdp.profile import (
-    PRECISIONS,
-    ModelDescription,
     ProfileError,
-    UnitCosts,
-    _Progress,
     batch_size_of,
     fit_costs,
     input_spec,
@@ -68,19 +67,11 @@ def fake_copy(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None 
 
 
 def _fake_batch(example_input: Any, mode: FakeTensorMode) -> Any:
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            with mode:
-                return torch.empty(obj.shape, dtype=obj.dtype, device="cpu")
-        if isinstance(obj, tuple):
-            return tuple(walk(x) for x in obj)
-        if isinstance(obj, list):
-            return [walk(x) for x in obj]
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        return obj
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        with mode:
+            return torch.empty(t.shape, dtype=t.dtype, device="cpu")
 
-    return walk(example_input)
+    return map_tensors(fake, example_input)
 
 
 class _Flops:
@@ -132,11 +123,11 @@ def describe_analytic(
     n = batch_size_of(example_input)
     sizes = tuple(sorted(set(batch_sizes or (max(1, n // 2), n))))
     name = name or getattr(getattr(model, "config", None), "name", None) or type(model).__name__
-    show = _Progress(progress, f"{name} (analytic)")
+    show = Progress(f"describe {name} (analytic)", progress)
 
     mode = FakeTensorMode()
     fake_input = _fake_batch(example_input, mode)
-    costs: dict[str, dict[str, UnitCosts]] = {}
+    costs: dict[str, dict[str, UnitWorkload]] = {}
     order: list[str] = []
     with mode:
         fake_model = fake_copy(model, mode)

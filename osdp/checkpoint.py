@@ -148,10 +148,11 @@ def complete_checkpoints(directory: str | os.PathLike) -> list[Path]:
 
 
 def _plan_record(model: nn.Module) -> tuple[str | None, dict | None]:
-    from osdp.fsdp_ext.apply import _PLAN_ATTR
+    from osdp.api import plan_of
 
-    plan = getattr(model, _PLAN_ATTR, None)
-    if plan is None:
+    try:
+        plan = plan_of(model)
+    except ValueError:  # not wrapped by osdp: a checkpoint without a plan
         return None, None
     return plan.hash, plan.to_dict()
 

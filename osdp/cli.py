@@ -1,10 +1,14 @@
-"""The ``osdp`` command: ``osdp train``, ``osdp plan``, ``osdp validate``, ``osdp build-ext``, ``osdp --version``."""
+"""The ``osdp`` command: ``osdp train``, ``osdp plan``, ``osdp calibrate``, ``osdp validate``, ``osdp build-ext``,
+``osdp --version``."""
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = {"train": "osdp.train", "plan": "osdp.plan_cli", "validate": "osdp.validate", "build-ext": "osdp.split._build"}
+COMMANDS = {
+    "train": "osdp.train", "plan": "osdp.plan_cli", "calibrate": "osdp.calibration", "validate": "osdp.validate",
+    "build-ext": "osdp.split._build",
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ and ``build_problem``, so the search is exact under this model:
     peak   = base + sum_u mem[u, o_u] + max_u transient[u, o_u]
 
 Per unit u and option o = (mode, split k, checkpoint), at micro-batch b on N
-ranks, from the unit's description (``osdp.profile``: parameter shapes,
+ranks, from the unit's description (``osdp.description``: parameter shapes,
 per-b compute times, saved activations, working-set peaks) and FSDP2's
 schedule on torch 2.13 (``docs/COST_MODEL.md`` derives each term):
 
@@ -59,16 +59,15 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-import torch
 
 from osdp.device import DeviceInfo
 from osdp.fsdp_ext.replicate import replicates_with_ddp
 from osdp.plan import MODES, ROOT, Plan, PlanError, UnitPlan, display_path
-from osdp.profile import ModelDescription, UnitProfile
+from osdp.description import ModelDescription, UnitProfile
 from osdp.search.problem import OPTIONS, Problem
 
 # fp32 state tensors per parameter (momentum, Adam's two moments)
-OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}
+OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}  # by osdp.optim.OPTIMIZERS
 # bytes of temporaries per byte of parameter shard in a foreach (CUDA) step: Adam's sqrt(v) list
 _FOREACH_TEMPS = {"sgd": 0, "sgd-momentum": 0, "adamw": 1}
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -76,25 +75,18 @@ DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 _REDUCE_BYTES = 4  # gradients are reduced in fp32 (MixedPrecisionPolicy(reduce_dtype=float32) for bf16)
 
 
-def make_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimizer:
-    """The optimizers the cost model knows, with PyTorch's default implementation choice."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}; the cost model knows {sorted(OPTIMIZER_STATES)}")
-
-
 @dataclass(frozen=True)
 class Calibration:
     """Runtime costs of FSDP2 on one machine and world size, measured once (not per model).
 
-    ``osdp.validate.measure_calibration`` measures them on the live process
+    ``osdp.calibration.measure_calibration`` measures them on the live process
     group with a synthetic model; ``Calibration()`` is the ideal runtime (no
     overheads, full overlap on CUDA, none on CPU), for planning offline.
     """
+
+    # how much longer the job's compute (and optimizer step) takes than the description says: a model is
+    # described on one rank with the others idle; in the job every rank computes at once
+    compute_scale: float = 1.0
 
     unit_overhead_s: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(MODES, 0.0))
     # per fp32 byte of a unit's FSDP-managed parameters, by mode: what grows with a unit's size beyond the
@@ -111,7 +103,7 @@ class Calibration:
     slice_contention: float = 0.0
     overlap: float | None = None  # fraction of a unit's compute that hides its collectives; None: by device
     margin_bytes: int = 0
-    source: str = "ideal (not measured)"
+    source: str = "ideal FSDP2 runtime (not measured: no overheads, compute as described)"
 
     def overlap_for(self, device: DeviceInfo) -> float:
         if self.overlap is not None:
@@ -120,6 +112,7 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "compute_scale": self.compute_scale,
             "unit_overhead_s": dict(self.unit_overhead_s),
             "unit_s_per_byte": dict(self.unit_s_per_byte),
             "param_overhead_s": self.param_overhead_s,
@@ -139,7 +132,7 @@ class Calibration:
 
 
 @dataclass(frozen=True)
-class UnitCost:
+class OptionCost:
     """One unit under one option: the three numbers the search adds up, and their parts."""
 
     time_s: float
@@ -198,7 +191,7 @@ def _collective(ctx: _Context, kind: str, nbytes: float, messages: int = 1) -> f
     return messages * ctx.device.collectives.time(kind, nbytes / messages)
 
 
-def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: _Context) -> UnitCost:
+def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: _Context) -> OptionCost:
     """Time, additive memory and transient memory of ``unit`` under ``option`` (see the module docstring)."""
     mode, k, ckpt = (option.mode, option.split, option.checkpoint) if isinstance(option, UnitPlan) else option
     where = f"unit '{unit.name}'"
@@ -271,7 +264,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     transient = max(fwd, bwd, post, optimizer_temp)
 
     # -- time --------------------------------------------------------------------
-    compute = costs.fwd_s(b) + costs.bwd_s(b) + (costs.recompute_seconds(b) if ckpt else 0.0)
+    compute = cal.compute_scale * (costs.fwd_s(b) + costs.bwd_s(b) + (costs.recompute_seconds(b) if ckpt else 0.0))
     if mode == "replicate" and replicates_with_ddp(ctx.precision):
         # DDP all-reduces 25 MiB buckets across units: each unit pays its bytes and its share of an alpha
         reduced = _REDUCE_BYTES * fsdp_full
@@ -312,7 +305,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
         "held_bytes": held, "gradient_bytes": grad, "fwd_transient_bytes": fwd, "bwd_transient_bytes": bwd,
         "post_backward_bytes": post, "optimizer_temp_bytes": optimizer_temp,
     }
-    return UnitCost(time_s, int(mem), int(transient), parts)
+    return OptionCost(time_s, int(mem), int(transient), parts)
 
 
 def _context(
@@ -325,6 +318,7 @@ def _context(
 ) -> _Context:
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; the cost model knows {sorted(OPTIMIZER_STATES)}")
+    calibration = calibration or Calibration()
     description.costs(precision)  # raises, saying how to fix it, if this precision was not described
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -340,8 +334,8 @@ def _context(
     if order:  # the root's backward comes first and prefetches the last unit
         neighbours[ROOT] = (_DTYPE_BYTES[precision] * padded[order[-1]], 0)
     return _Context(
-        n, batch_size, precision, optimizer, device, calibration or Calibration(),
-        description.optimizer_s_per_byte.get(optimizer, 0.0), neighbours,
+        n, batch_size, precision, optimizer, device, calibration,
+        description.optimizer_s_per_byte.get(optimizer, 0.0) * calibration.compute_scale, neighbours,
     )
 
 

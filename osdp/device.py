@@ -22,6 +22,7 @@ from scipy.optimize import nnls
 
 from osdp import comm
 from osdp.sizes import format_bytes, parse_size  # noqa: F401 - part of this module's API
+from osdp.timing import StepTimer
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -212,10 +213,6 @@ def measure_collectives(
             return lambda: comm.reduce_scatter(shard, full, op=dist.ReduceOp.AVG, group=group)
         return lambda: dist.all_reduce(full, op=dist.ReduceOp.AVG, group=group)
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     cells = [(c, nbytes, make_op(c, nbytes)) for c in COLLECTIVES for nbytes in sizes]
 
     def timed_round(since: float) -> tuple[list[float], float, float]:
@@ -223,11 +220,9 @@ def measure_collectives(
         out = torch.empty(len(cells) + 2, dtype=torch.float64)
         for i, (_, _, op) in enumerate(cells):
             dist.barrier(group)
-            sync()
-            t0 = time.perf_counter()
-            op()
-            sync()
-            out[i] = time.perf_counter() - t0
+            with StepTimer(device) as timer:
+                op()
+            out[i] = timer.seconds
         out[-2] = time.perf_counter() - since
         out[-1] = time.time()
         out = out.to(device)
@@ -270,18 +265,12 @@ def measure_flops(
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     torch.mm(a, b)  # warm-up: kernel selection, lazy init
-    sync()
     times: list[float] = []
     while len(times) < 3 or sum(times) < time_budget_s:
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        sync()
-        times.append(time.perf_counter() - t0)
+        with StepTimer(device) as timer:
+            torch.mm(a, b)
+        times.append(timer.seconds)
     return 2 * n**3 / statistics.median(times)
 
 
@@ -296,7 +285,9 @@ class DeviceInfo:
     """What the search needs to know about the machine: per-rank memory, communication, compute."""
 
     name: str
-    memory_bytes: int  # per rank; a size string ("16GiB") is parsed
+    # the device's memory per rank where known (a preset's capacity; a size string is parsed), else None;
+    # the budget a plan must fit is the search's argument, not this
+    memory_bytes: int | None
     world_size: int
     device_type: str  # "cpu" or "cuda"
     collectives: CollectiveModel
@@ -304,7 +295,8 @@ class DeviceInfo:
     notes: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "memory_bytes", parse_size(self.memory_bytes))
+        if self.memory_bytes is not None:
+            object.__setattr__(self, "memory_bytes", parse_size(self.memory_bytes))
         if self.device_type not in ("cpu", "cuda"):
             raise ValueError(f"device_type must be 'cpu' or 'cuda', got {self.device_type!r}")
         if self.collectives.world_size != self.world_size:
@@ -336,7 +328,7 @@ class DeviceInfo:
             raise ValueError(f"device info is missing {missing}")
         return cls(
             name=str(d["name"]),
-            memory_bytes=int(d["memory_bytes"]),
+            memory_bytes=None if d["memory_bytes"] is None else int(d["memory_bytes"]),
             world_size=int(d["world_size"]),
             device_type=str(d["device_type"]),
             collectives=CollectiveModel.from_dict(d["collectives"]),
@@ -346,19 +338,21 @@ class DeviceInfo:
 
 
 def measure_device(
-    memory: int | str,
     group: dist.ProcessGroup | None = None,
     *,
     dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
     time_budget_s: float = 4.0,
     name: str | None = None,
+    collectives: CollectiveModel | None = None,
 ) -> DeviceInfo:
     """DeviceInfo for this machine, measured; collective call when a process group exists.
 
     Every rank measures its matmul rate and the slowest rank's figure is used
-    (it sets the step time), so all ranks hold identical numbers.
+    (it sets the step time), so all ranks hold identical numbers. The
+    collectives are measured too (``time_budget_s``) unless given.
     """
-    collectives = measure_collectives(group, time_budget_s=time_budget_s)
+    if collectives is None:
+        collectives = measure_collectives(group, time_budget_s=time_budget_s)
     device = _group_device(group)
     flops = {_dtype_name(dt): measure_flops(device, dt) for dt in dtypes}
     if collectives.world_size > 1:
@@ -368,10 +362,17 @@ def measure_device(
     if name is None:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return DeviceInfo(
-        name=name, memory_bytes=parse_size(memory), world_size=collectives.world_size,
+        name=name, memory_bytes=_device_memory(device), world_size=collectives.world_size,
         device_type=device.type, collectives=collectives, flops=flops,
         notes="measured: collectives on the live process group, FLOP/s of a large matmul",
     )
+
+
+def _device_memory(device: torch.device) -> int | None:
+    """A GPU's memory; None on CPU, where ranks share the host's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return None
 
 
 # --------------------------------------------------------------------------- presets

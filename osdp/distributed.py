@@ -1,7 +1,10 @@
-"""Process-group helpers: local rank launch, timeouts, and agreement checks.
+"""Process-group setup and helpers: local launch, joining the group, timeouts, agreement checks.
 
-Everything here runs before any model collective, so that a rank which cannot
-proceed says why on every rank instead of leaving the others hanging.
+``launch_local`` re-runs a command on N local ranks through torchrun (so
+``osdp train`` needs no launcher knowledge); ``init_from_env`` is how every
+rank of an osdp command joins the group. The agreement helpers run before any
+model collective, so that a rank which cannot proceed says why on every rank
+instead of leaving the others hanging.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import contextlib
 import datetime
 import os
 import socket
+import subprocess
 import sys
 from typing import Any, Iterator
 
@@ -57,6 +61,66 @@ def init_process_group(
         backend, store=store, rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def without_option(argv: list[str], option: str) -> list[str]:
+    """``argv`` less ``option VALUE`` / ``option=VALUE`` (torchrun would take ``--nproc`` for its own flag)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
+
+
+def launch_local(nproc: int, module: str, argv: list[str], max_restarts: int = 0) -> int:
+    """Re-run this command on ``nproc`` local ranks through torchrun."""
+    argv = without_option(without_option(argv, "--nproc"), "--max-restarts")
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    restarts = [f"--max-restarts={max_restarts}", "--monitor-interval=0.5"] if max_restarts else []
+    if max_restarts:
+        env.setdefault(SHARED_STORE_ENV, "1")  # a fresh store for every attempt (see warn_shared_store)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           *restarts, "-m", module, *argv]
+    return subprocess.call(cmd, env=env)
+
+
+SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def warn_shared_store(rank: int) -> None:
+    """Say so when torchrun may restart this job on the store of the previous attempt.
+
+    By default torchrun's workers build their process group on the agent's own
+    store, which outlives a restart, so a restarted rank can read the dead
+    attempt's addresses and fail with "Gloo connectFullMesh failed ... Connection
+    refused" (PyTorch issue 135712; seen with torch 2.13 in 3 of 5 restarts here).
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment gives every
+    attempt a fresh store; ``osdp train --max-restarts`` sets it.
+    """
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if rank == 0 and restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        print(f"warning: torchrun --max-restarts {restarts} shares its store with the workers, so a restarted "
+              "job may fail to connect (Gloo connectFullMesh ... Connection refused, PyTorch issue 135712); "
+              f"run torchrun with {SHARED_STORE_ENV}=1", flush=True)
+
+
+def init_from_env(device_choice: str) -> torch.device:
+    """Join the torchrun process group; pick the device and give each CPU rank one thread."""
+    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        device = torch.device("cpu")
+    # Every collective is bounded: a dead or stuck peer gives an error here, not a hang.
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=collective_timeout_s()))
+    return device
 
 
 def world() -> tuple[int, int]:

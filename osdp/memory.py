@@ -15,7 +15,7 @@ import threading
 import weakref
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -77,6 +77,19 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, Mapping):
         for x in obj.values():
             yield from iter_tensors(x)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """``obj`` with every tensor ``t`` in it (nested tuples, lists, dicts) replaced by ``fn(t)``."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        return tuple(map_tensors(fn, x) for x in obj)
+    if isinstance(obj, list):
+        return [map_tensors(fn, x) for x in obj]
+    if isinstance(obj, Mapping):
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
+    return obj
 
 
 def _flat_tensors(args: Any) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ from osdp import models
 from osdp.analytic import describe_analytic
 from osdp.cost import predict
 from osdp.device import DEVICE_PRESETS, device_preset, list_presets, parse_size
+from osdp.optim import OPTIMIZERS
 from osdp.plan import display_path
 from osdp.planner import describe_granularities, search
 from osdp.report import format_table
@@ -36,7 +37,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, help=f"micro-batch per rank (default: search {DEFAULT_BATCH_CANDIDATES})")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
     p.add_argument("--mixed-precision", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--optimizer", choices=["sgd", "sgd-momentum", "adamw"], default="adamw")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     p.add_argument("--json", type=Path, help="write the Plan JSON here (with search_seconds)")
     p.add_argument("--frontier", type=Path, help="draw the throughput-vs-memory frontier to this PNG")
     p.add_argument("--list-models", action="store_true")
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"osdp plan: {e}", file=sys.stderr)
         return 2
-    device_info = device_preset(args.device, args.world_size, memory=budget)
+    device_info = device_preset(args.device, args.world_size)
+    budget = budget or device_info.memory_bytes
     seq_len = args.seq_len or config.seq_len
     candidates = (args.batch_size,) if args.batch_size else DEFAULT_BATCH_CANDIDATES
 
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         precisions=(args.mixed_precision,), progress=False, name=args.model, **g,
     ))
     try:
-        result = search(descriptions, device_info, candidates, mixed_precision=args.mixed_precision,
+        result = search(descriptions, device_info, candidates, budget=budget, mixed_precision=args.mixed_precision,
                         optimizer=args.optimizer, model_signature=descriptions[0].signature)
     except BudgetTooSmall as e:
         print(f"osdp plan: {e}", file=sys.stderr)
@@ -97,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan written to {args.json}")
     if args.frontier:
         points = result.frontier()
-        print(format_frontier(points, budget=device_info.memory_bytes, max_rows=15))
-        plot_frontier(points, str(args.frontier), budget=device_info.memory_bytes,
+        print(format_frontier(points, budget=budget, max_rows=15))
+        plot_frontier(points, str(args.frontier), budget=budget,
                       title=f"{args.model}, {args.world_size} x {args.device} (analytic)")
         print(f"frontier drawn to {args.frontier}")
     return 0
@@ -120,6 +122,8 @@ def plan_report(args, plan, prediction, seq_len: int, describe_s: float, search_
         f"{plan.mixed_precision}, {plan.meta['granularity']} units",
         f"predicted: step {plan.predicted_step_s * 1e3:.1f} ms, peak {format_bytes(plan.predicted_peak_bytes)} per rank, "
         f"{tokens_per_s:,.0f} tokens/s per rank",
+        f"calibration: {plan.meta.get('calibration')} (a preset is planned offline: no machine was calibrated; "
+        "on the machine itself osdp.wrap and osdp train use its cached calibration, osdp calibrate)",
         f"described in {describe_s:.1f} s (analytic), searched in {search_s * 1e3:.1f} ms",
     ]
     return "\n".join([table, *totals])

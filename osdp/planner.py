@@ -1,12 +1,13 @@
 """From a model and a budget to a Plan: describe, cost, search.
 
 ``osdp.plan(model, device_mem=..., example_input=...)`` measures the model
-(``osdp.profile``) and the machine (``osdp.device``), builds one search
-problem per candidate micro-batch size with the cost model (``osdp.cost``),
-and returns the fastest plan (most samples/s) whose predicted peak fits the
-budget. In a multi-rank job the collectives are measured by every rank, the
-model is described and searched on rank 0 only, and the plan (or rank 0's
-error) is broadcast, so every rank ends with the same plan or the same error.
+(``osdp.profile``), takes the machine's calibration (``osdp.calibration``:
+collectives and FSDP2's runtime costs, cached per machine, backend, world size,
+threads and torch), builds one search problem per candidate micro-batch size
+with the cost model (``osdp.cost``), and returns the fastest plan (most
+samples/s) whose predicted peak fits the budget. In a multi-rank job the model
+is described and searched on rank 0 only, and the plan (or rank 0's error) is
+broadcast, so every rank ends with the same plan or the same error.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from osdp.cost import build_problem, plan_from_choice
-from osdp.device import DeviceInfo, device_preset, measure_device, parse_size
+from osdp.cost import Calibration, build_problem, plan_from_choice
+from osdp.device import DeviceInfo, device_preset, parse_size
 from osdp.distributed import broadcast_object, world
 from osdp.plan import Plan
-from osdp.profile import ModelDescription, batch_size_of, describe
+from osdp.description import ModelDescription
+from osdp.profile import batch_size_of, describe_once
 from osdp.search import BudgetTooSmall, FrontierPoint, Problem, pareto_frontier, sweep_batch_sizes
 from osdp.units import GRANULARITIES, structure_signature
 
@@ -44,39 +46,40 @@ def search(
     device_info: DeviceInfo,
     batch_sizes: Sequence[int],
     *,
+    budget: int | str,
+    calibration: Calibration | None = None,
     mixed_precision: str = "fp32",
     optimizer: str = "adamw",
     model_signature: str | None = None,
 ) -> SearchResult:
-    """The best plan on ``device_info`` (its memory is the budget) over one or more descriptions.
+    """The plan with the most samples/s on ``device_info`` whose predicted peak per rank fits ``budget``,
+    priced with ``calibration`` (None: the ideal FSDP2 runtime, ``Calibration()``).
 
     Several descriptions of one model, one per unit granularity
-    (``describe_granularities``), let the search choose the unit size too: the
-    plan with the most samples/s over all of them wins. BudgetTooSmall only if
-    none fits, naming the smallest minimum.
+    (``planning_descriptions``), let the search choose the unit size too: the
+    fastest plan over all of them wins. BudgetTooSmall only if none fits,
+    naming the smallest minimum.
     """
     if isinstance(descriptions, ModelDescription):
         descriptions = [descriptions]
-    budget = device_info.memory_bytes
+    budget = parse_size(budget)
     found: list[tuple[Any, ModelDescription, list[Problem]]] = []
     too_small: list[BudgetTooSmall] = []
     all_problems: list[Problem] = []
     seconds = 0.0
     for description in descriptions:
         problems = [
-            build_problem(description, device_info, b, precision=mixed_precision, optimizer=optimizer)
+            build_problem(description, device_info, b, precision=mixed_precision, optimizer=optimizer,
+                          calibration=calibration)
             for b in batch_sizes
         ]
         all_problems += problems
         start = time.perf_counter()
         try:
-            sweep = sweep_batch_sizes(problems, budget)  # raises BudgetTooSmall naming the minimum
-        except BudgetTooSmall as e:
+            found.append((sweep_batch_sizes(problems, budget).best, description, problems))
+        except BudgetTooSmall as e:  # names the minimum and its batch size
             too_small.append(e)
-            continue
-        finally:
-            seconds += time.perf_counter() - start
-        found.append((sweep.best, description, problems))
+        seconds += time.perf_counter() - start
     if not found:
         raise min(too_small, key=lambda e: e.min_peak_bytes)
     best, description, problems = max(found, key=lambda f: f[0].samples_per_s)
@@ -93,6 +96,7 @@ def search(
         meta={
             "budget_bytes": budget,
             "device": device_info.name,
+            "calibration": (calibration or Calibration()).source,
             "optimizer": optimizer,
             "slack_bytes": best.slack_bytes,
             "predicted_samples_per_s": best.samples_per_s,
@@ -100,6 +104,24 @@ def search(
         },
     )
     return SearchResult(plan, description, all_problems, seconds)
+
+
+def planning_description(
+    model: nn.Module, example_input: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    mixed_precision: str = "fp32", granularity: str = "sub-block",
+) -> ModelDescription:
+    """Collective: a description ``osdp.plan`` searches over: rank 0 describes the model (or reads it
+    from the describe cache) while the others wait, and every rank gets it (or rank 0's error). The
+    validation and the experiments take theirs from here, so that they predict what ``osdp.wrap`` would."""
+    return describe_once(model, example_input, loss_fn=loss_fn, precisions=(mixed_precision,),
+                         granularity=granularity)
+
+
+def planning_descriptions(model: nn.Module, example_input: Any, **settings: Any) -> list[ModelDescription]:
+    """Collective: ``planning_description`` at every unit granularity that gives other units than the finer."""
+    return describe_granularities(
+        lambda granularity: planning_description(model, example_input, granularity=granularity, **settings)
+    )
 
 
 def describe_granularities(describe_one: Callable[..., ModelDescription]) -> list[ModelDescription]:
@@ -119,6 +141,7 @@ def plan(
     example_input: Any,
     batch_sizes: Sequence[int] | None = None,
     device: str | DeviceInfo | None = None,
+    calibration: Calibration | None = None,
     mixed_precision: str = "fp32",
     optimizer: str = "adamw",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -128,8 +151,12 @@ def plan(
     ``example_input``: one micro-batch as the model takes it (a tensor, a tuple
     of positional arguments or a dict of keyword arguments; batch in dim 0).
     ``batch_sizes``: candidate micro-batch sizes (default: the example's).
-    ``device``: None measures this machine on the live process group; a preset
-    name (``osdp.device.list_presets()``) or a DeviceInfo plans without it.
+    ``device``: None plans for this machine and job with its calibration
+    (``osdp.calibration``: the collectives and FSDP2's runtime costs on this
+    machine at this world size), cached, or measured now (once per machine, about
+    a minute) if there is none; a preset name (``osdp.device.list_presets()``)
+    or a DeviceInfo plans without the hardware, priced with ``calibration``
+    (default: the ideal FSDP2 runtime, ``Calibration()``).
     Collective when a process group exists: call it on every rank.
     """
     budget = parse_size(device_mem)
@@ -137,20 +164,23 @@ def plan(
     if isinstance(device, DeviceInfo):
         device_info = device
     elif isinstance(device, str):
-        device_info = device_preset(device, world_size, memory=budget)
+        device_info = device_preset(device, world_size)
     else:
-        device_info = measure_device(budget)  # collective: every rank takes part
+        from osdp.calibration import calibrate
+        from osdp.fsdp_ext.apply import ensure_process_group
+
+        ensure_process_group()  # the calibration is for the group the plan runs on (one gloo rank if none)
+        machine = calibrate()  # collective: cached, or measured by every rank now
+        device_info, calibration = machine.device_info, calibration or machine.calibration
+    descriptions = planning_descriptions(model, example_input, loss_fn=loss_fn, mixed_precision=mixed_precision)
     rank, _ = world()
     outcome: tuple[str, Any]
     if rank == 0:
         try:
-            descriptions = describe_granularities(
-                lambda **g: describe(model, example_input, loss_fn=loss_fn, precisions=(mixed_precision,), **g)
-            )
             candidates = list(batch_sizes or [batch_size_of(example_input)])
             result = search(
-                descriptions, device_info, candidates, mixed_precision=mixed_precision, optimizer=optimizer,
-                model_signature=structure_signature(model),
+                descriptions, device_info, candidates, budget=budget, calibration=calibration,
+                mixed_precision=mixed_precision, optimizer=optimizer, model_signature=structure_signature(model),
             )
             outcome = ("plan", result.plan.to_json())
         except Exception as e:  # noqa: BLE001 - every rank must raise it, not wait forever
@@ -164,4 +194,7 @@ def plan(
     return Plan.from_json(payload)
 
 
-__all__ = ["BudgetTooSmall", "SearchResult", "describe_granularities", "plan", "search"]
+__all__ = [
+    "BudgetTooSmall", "SearchResult", "describe_granularities", "plan", "planning_description",
+    "planning_descriptions", "search",
+]

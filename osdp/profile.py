@@ -37,217 +37,35 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import hashlib
 import json
 import math
 import os
-import platform
 import statistics
-import sys
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import numpy as np
 import torch
 import torch.nn as nn
 
-from osdp.memory import CATEGORIES, LiveBytesTracker, iter_tensors
+from osdp.description import PHASES, PRECISIONS, Affine, ModelDescription, UnitProfile, UnitWorkload
+from osdp.log import Progress
+from osdp.machine import device_name
+from osdp.memory import LiveBytesTracker, iter_tensors, map_tensors
+from osdp.optim import make_optimizer
 from osdp.plan import ROOT, display_path
-from osdp.units import (
-    Unit,
-    _common_ancestor,
-    _is_within,
-    _param_owners,
-    build_units,
-    count_calls,
-    discover_units,
-    structure_signature,
-)
+from osdp.timing import StepTimer
+from osdp.units import Unit, build_units, count_calls, discover_units, param_homes, structure_signature
 
 PROFILE_VERSION = 2  # bump when what is measured changes: old cache entries are ignored
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-PHASES = ("fwd", "bwd")
-_GRADIENTS = CATEGORIES.index("gradients")
 
 
 class ProfileError(ValueError):
     """The model cannot be described as given (the message names the unit)."""
-
-
-# --------------------------------------------------------------------------- data
-
-
-@dataclass(frozen=True)
-class Affine:
-    """``intercept + slope * b``: a cost as a function of the micro-batch size b."""
-
-    intercept: float
-    slope: float
-
-    def __call__(self, b: float) -> float:
-        return self.intercept + self.slope * b
-
-    def bytes(self, b: float) -> int:
-        """As whole bytes, rounded up and never negative."""
-        return max(0, self.signed_bytes(b))
-
-    def signed_bytes(self, b: float) -> int:
-        """As whole bytes, rounded up (for net amounts, which may be negative)."""
-        return math.ceil(self(b) - 1e-6)
-
-    @classmethod
-    def fit(cls, xs: Sequence[float], ys: Sequence[float]) -> "Affine":
-        """Least squares over the measured sizes; one size gives a line through the origin."""
-        xs, ys = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
-        if len(set(xs.tolist())) < 2:
-            return cls(0.0, float(ys.mean() / xs.mean()))
-        dx = xs - xs.mean()  # centred: exact for points on a line (byte counts are)
-        slope = float((dx * (ys - ys.mean())).sum() / (dx * dx).sum())
-        return cls(float(ys.mean() - slope * xs.mean()), slope)
-
-    def scaled(self, factor: float) -> "Affine":
-        return Affine(self.intercept * factor, self.slope * factor)
-
-
-@dataclass(frozen=True)
-class UnitCosts:
-    """One unit's compute and activation costs at one precision, per micro-batch size."""
-
-    fwd_s: Affine
-    bwd_s: Affine
-    act_bytes: Affine  # saved for backward by this unit
-    ckpt_bytes: Affine  # kept instead when the unit is checkpointed: its inputs nobody else saves
-    # Peak working set (its own live saved bytes + all temporaries) while the unit's forward,
-    # backward, or recomputed forward and backward (when checkpointed) run; for units other than
-    # the root, net of the root's activations that do not exist at that moment (see _working_sets).
-    fwd_peak_bytes: Affine
-    bwd_peak_bytes: Affine
-    recompute_peak_bytes: Affine
-    bwd_end_bytes: Affine  # the working set (likewise net) when its backward ends
-    fwd_flops: Affine | None = None  # analytic descriptions only
-    bwd_flops: Affine | None = None
-    # What checkpointing adds to the unit's backward: its forward redone, measured (the recompute
-    # stops once the last tensor backward needs is rebuilt, so it is cheaper than the forward);
-    # None (analytic descriptions, units that cannot be checkpointed): the forward time.
-    recompute_s: Affine | None = None
-
-    def recompute_seconds(self, b: float) -> float:
-        return (self.recompute_s or self.fwd_s)(b)
-
-
-@dataclass(frozen=True)
-class UnitProfile:
-    """A unit (``osdp.units.Unit``) with its parameter shapes and its costs per precision."""
-
-    path: str
-    module_type: str
-    signature: str
-    numel: int
-    param_bytes: int
-    param_shapes: tuple[tuple[int, ...], ...]  # own parameters
-    split_shapes: tuple[tuple[int, int], ...]  # weights a split plan turns into SplitLinear
-    nested: tuple[str, ...]
-    costs: Mapping[str, UnitCosts]  # precision -> costs
-
-    @property
-    def name(self) -> str:
-        return display_path(self.path)
-
-
-@dataclass
-class ModelDescription:
-    """What the cost model knows about a model: its units, bottom-up with the root last."""
-
-    model: str
-    signature: str  # osdp.units.structure_signature of the model
-    units: list[UnitProfile]
-    batch_sizes: tuple[int, ...]  # the micro-batch sizes measured
-    precisions: tuple[str, ...]
-    optimizer_s_per_byte: Mapping[str, float]  # optimizer -> step seconds per fp32 parameter byte
-    source: str  # "measured on ..." or "analytic: ..."
-    device: str
-    torch_version: str = torch.__version__
-    input_spec: str = ""
-    forward_order: tuple[str, ...] = ()  # units in the order their forward ends (FSDP2 prefetches backward by it)
-    checks: Mapping[str, Any] = field(default_factory=dict)  # whole step vs sum of units, per precision and size
-    profile_seconds: float = 0.0
-    cache_key: str | None = None
-    granularity: str = "sub-block"  # of the default units (osdp.units.GRANULARITIES), or "given"
-    from_cache: bool = False
-
-    def unit(self, path: str) -> UnitProfile:
-        for u in self.units:
-            if u.path == path:
-                return u
-        raise KeyError(f"no unit '{display_path(path)}' in the description of {self.model}")
-
-    @property
-    def paths(self) -> list[str]:
-        return [u.path for u in self.units]
-
-    def with_compute_scale(self, factor: float) -> "ModelDescription":
-        """The same description with every compute time multiplied by ``factor``: for compute re-timed
-        under the conditions of a run (``osdp validate`` times the plain model alongside the plans)."""
-        def scaled(c: UnitCosts) -> UnitCosts:
-            recompute = c.recompute_s.scaled(factor) if c.recompute_s is not None else None
-            return dataclasses.replace(c, fwd_s=c.fwd_s.scaled(factor), bwd_s=c.bwd_s.scaled(factor), recompute_s=recompute)
-
-        units = [dataclasses.replace(u, costs={p: scaled(c) for p, c in u.costs.items()}) for u in self.units]
-        return dataclasses.replace(self, units=units)
-
-    def costs(self, precision: str) -> list[UnitCosts]:
-        if precision not in self.precisions:
-            raise KeyError(
-                f"the description of {self.model} was made for {list(self.precisions)}, not {precision}; "
-                f"describe it with precisions=(..., '{precision}')"
-            )
-        return [u.costs[precision] for u in self.units]
-
-    # -- JSON ---------------------------------------------------------------------
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d.pop("from_cache")
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ModelDescription":
-        def affine(x: Any) -> Affine | None:
-            return None if x is None else Affine(**x)
-
-        def costs(c: Mapping[str, Any]) -> UnitCosts:
-            return UnitCosts(**{k: affine(v) for k, v in c.items()})
-
-        units = [
-            UnitProfile(
-                **{
-                    **u,
-                    "param_shapes": tuple(tuple(s) for s in u["param_shapes"]),
-                    "split_shapes": tuple(tuple(s) for s in u["split_shapes"]),
-                    "nested": tuple(u["nested"]),
-                    "costs": {p: costs(c) for p, c in u["costs"].items()},
-                }
-            )
-            for u in d["units"]
-        ]
-        rest = {k: v for k, v in d.items() if k != "units"}
-        rest["batch_sizes"] = tuple(rest["batch_sizes"])
-        rest["precisions"] = tuple(rest["precisions"])
-        rest["forward_order"] = tuple(rest.get("forward_order", ()))
-        return cls(units=units, **rest)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> "ModelDescription":
-        return cls.from_dict(json.loads(text))
 
 
 # --------------------------------------------------------------------------- batches
@@ -277,18 +95,7 @@ def resize_batch(example_input: Any, b: int) -> Any:
         reps = [math.ceil(b / n)] + [1] * (t.dim() - 1)
         return t.repeat(*reps)[:b].contiguous()
 
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return resize(obj)
-        if isinstance(obj, tuple):
-            return tuple(walk(x) for x in obj)
-        if isinstance(obj, list):
-            return [walk(x) for x in obj]
-        if isinstance(obj, Mapping):
-            return {k: walk(v) for k, v in obj.items()}
-        return obj
-
-    return walk(example_input)
+    return map_tensors(resize, example_input)
 
 
 def input_spec(example_input: Any) -> str:
@@ -336,18 +143,6 @@ def loss_of(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch
 # --------------------------------------------------------------------------- attribution
 
 
-def param_homes(model: nn.Module, units: Sequence[Unit]) -> dict[int, str]:
-    """id(parameter) -> path of the unit that owns it (as ``osdp.units.build_units`` assigns them)."""
-    paths = [u.path for u in units]
-    params = {id(p): p for p in model.parameters()}
-    homes = {}
-    for pid, owners in _param_owners(model).items():
-        if pid in params:
-            home = _common_ancestor(owners)
-            homes[pid] = max((u for u in paths if _is_within(home, u)), key=len)
-    return homes
-
-
 class Segments:
     """Cuts a forward and backward into segments, each owned by one unit, and reports them.
 
@@ -361,7 +156,7 @@ class Segments:
         self.model, self.units, self.on_close = model, units, on_close
         self.modules = dict(model.named_modules())
         self.parent = {n: u.path for u in units for n in u.nested}
-        self.homes = param_homes(model, units)
+        self.homes = param_homes(model, [u.path for u in units])
         self.stack: list[str] = []
         self.phase = "fwd"
         self.inputs: dict[str, list[tuple[int, int, Any]]] = {}  # unit -> (storage key, bytes, weakref) of its inputs
@@ -482,7 +277,7 @@ class _Saved:
         self.total_live -= nbytes
 
     def per_unit(self, paths: Iterable[str]) -> dict[str, dict[str, int]]:
-        """act and ckpt bytes per unit (see UnitCosts). Call it between forward and backward.
+        """act and ckpt bytes per unit (see UnitWorkload). Call it between forward and backward.
 
         A checkpointed unit keeps its inputs alive: those it saves itself, and
         those nobody saves (dead by now); inputs saved by another unit or kept
@@ -536,24 +331,6 @@ def _working_sets(
 
 
 # --------------------------------------------------------------------------- measuring
-
-
-class _Progress:
-    """One stderr line, rewritten in place on a terminal."""
-
-    def __init__(self, enabled: bool, what: str):
-        self.enabled, self.what, self.start = enabled, what, time.perf_counter()
-        self.tty = enabled and sys.stderr.isatty()
-
-    def __call__(self, message: str) -> None:
-        if self.enabled:
-            line = f"osdp describe {self.what}: {message} ({time.perf_counter() - self.start:.1f}s)"
-            print(("\r\033[K" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def done(self, message: str) -> None:
-        self(message)
-        if self.tty:
-            print(file=sys.stderr, flush=True)
 
 
 def _step(model: nn.Module, batch: Any, loss_fn, segments: Segments | None = None, after_forward=None) -> None:
@@ -673,7 +450,7 @@ def memory_pass(
             # temporaries, as FSDP keeps them unsharded to the end of backward.
             for unit in [w for w in pending if w != owner]:
                 for p in pending.pop(unit):
-                    tracker._note(p.grad, _GRADIENTS)
+                    tracker.mark(p.grad, "gradients")
             peak, now = tracker.peak_breakdown(), tracker.current_breakdown()
             others = saved.total_live - saved.live.get(owner, 0)  # other units' saved bytes do not change here
             working = peak["temporaries"] + peak["activations"] - others
@@ -687,7 +464,7 @@ def memory_pass(
                 also(owner, phase)
 
         segments = Segments(model, units, on_close)
-        saved = _Saved(segments, param_keys, chain=tracker._pack)
+        saved = _Saved(segments, param_keys, chain=lambda t: tracker.mark(t, "activations"))
         enclosing = {u.path for u in units if u.nested or u.path == ROOT}
         grad_hooks = [
             p.register_post_accumulate_grad_hook(lambda p, home=home: pending.setdefault(home, []).append(p))
@@ -727,11 +504,9 @@ def _time_at(
             _step(model, batch, loss_fn, segments)
         timed.append(timer.seconds)
         model.zero_grad(set_to_none=True)
-        sync()
-        start = time.perf_counter()
-        _step(model, batch, loss_fn)
-        sync()
-        plain.append(time.perf_counter() - start)
+        with StepTimer(_device_of(model)) as step:
+            _step(model, batch, loss_fn)
+        plain.append(step.seconds)
     model.zero_grad(set_to_none=True)
     step_s = statistics.median(plain)
     medians = _median_by_key(timed)
@@ -767,12 +542,9 @@ def _checkpointed(model: nn.Module, units: Sequence[Unit]):
 
 def time_optimizers(params: Sequence[torch.Tensor], names: Iterable[str], repeats: int = 3) -> dict[str, float]:
     """Step seconds per fp32 parameter byte of each optimizer, on fresh tensors shaped like ``params``."""
-    from osdp.cost import make_optimizer
-
     out = {}
     shapes = [tuple(p.shape) for p in params if p.requires_grad]
     device = next(iter(params)).device
-    sync = synchronizer(device)
     nbytes = 4 * sum(math.prod(s) for s in shapes)
     for name in names:
         tensors = [nn.Parameter(torch.zeros(s, device=device)) for s in shapes]
@@ -782,22 +554,20 @@ def time_optimizers(params: Sequence[torch.Tensor], names: Iterable[str], repeat
         optimizer.step()  # creates the state
         times = []
         for _ in range(repeats):
-            sync()
-            start = time.perf_counter()
-            optimizer.step()
-            sync()
-            times.append(time.perf_counter() - start)
+            with StepTimer(device) as step:
+                optimizer.step()
+            times.append(step.seconds)
         out[name] = statistics.median(times) / nbytes
         del optimizer, tensors
     return out
 
 
-def unit_profiles(model: nn.Module, units: Sequence[Unit], costs: Mapping[str, Mapping[str, UnitCosts]]) -> list[UnitProfile]:
+def unit_profiles(model: nn.Module, units: Sequence[Unit], costs: Mapping[str, Mapping[str, UnitWorkload]]) -> list[UnitProfile]:
     """UnitProfiles from measured or analytic costs (precision -> path -> costs)."""
     from osdp.split import splittable_linears
 
     modules = dict(model.named_modules())
-    homes = param_homes(model, units)
+    homes = param_homes(model, [u.path for u in units])
     shapes: dict[str, list[tuple[int, ...]]] = {u.path: [] for u in units}
     for p in model.parameters():
         shapes[homes[id(p)]].append(tuple(p.shape))
@@ -841,8 +611,8 @@ def fit_costs(
     seconds: Mapping[int, Mapping[tuple[str, str], float]],
     flops: Mapping[int, Mapping[tuple[str, str], float]] | None = None,
     checkpointed_seconds: Mapping[int, Mapping[tuple[str, str], float]] | None = None,
-) -> dict[str, UnitCosts]:
-    """UnitCosts per unit from measurements at each size: times averaged over identical units,
+) -> dict[str, UnitWorkload]:
+    """UnitWorkload per unit from measurements at each size: times averaged over identical units,
     memory exact per unit (a unit's place in the schedule matters), all fitted linear in b.
     ``checkpointed_seconds``: the same timing with every checkpointable unit checkpointed; a
     unit's recompute time is how much longer its backward took."""
@@ -864,7 +634,7 @@ def fit_costs(
         return Affine.fit(sizes, [table[b][path].get(key, 0) for b in sizes])
 
     return {
-        p: UnitCosts(
+        p: UnitWorkload(
             fwd_s=fit(times, p, "fwd"),
             bwd_s=fit(times, p, "bwd"),
             act_bytes=fit(memory, p, "act"),
@@ -900,20 +670,6 @@ def model_fingerprint(model: nn.Module) -> str:
     for name, p in model.named_parameters():
         parts.append(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"cpu:{cpu}:{torch.get_num_threads()} threads"
 
 
 def _cache_key(parts: Mapping[str, Any]) -> str:
@@ -965,7 +721,7 @@ def describe(
     if sizes[0] < 1:
         raise ProfileError(f"batch sizes must be >= 1, got {list(sizes)}")
     name = name or getattr(getattr(model, "config", None), "name", None) or type(model).__name__
-    show = _Progress(progress, name)
+    show = Progress(f"describe {name}", progress)
 
     show("checking the forward")
     given_units = units
@@ -989,8 +745,7 @@ def describe(
             pass  # unreadable entry (older format): measure again
 
     saved_grads = {p: p.grad for p in params}
-    sync = synchronizer(device)
-    costs: dict[str, dict[str, UnitCosts]] = {}
+    costs: dict[str, dict[str, UnitWorkload]] = {}
     checks: dict[str, Any] = {}
     order: list[str] = []
     try:
@@ -1045,6 +800,30 @@ def describe(
     return description
 
 
+def describe_once(model: nn.Module, example_input: Any, **settings: Any) -> ModelDescription:
+    """Collective: rank 0 describes ``model`` (``describe(**settings)``) while the other ranks wait, and every
+    rank gets its description, or raises its error.
+
+    This is how the planner describes a model in a job, so the calibration
+    (``osdp.calibration``) describes its synthetic models the same way: a
+    description is timed on one rank with the others idle, and the
+    calibration's compute scale says how much slower the job computes.
+    """
+    from osdp.distributed import broadcast_object, world
+
+    rank, _ = world()
+    outcome: tuple[str, Any] = ("", None)
+    if rank == 0:
+        try:
+            outcome = ("description", describe(model, example_input, **settings))
+        except Exception as e:  # noqa: BLE001 - every rank must raise it, not wait forever
+            outcome = ("error", e)
+    kind, payload = broadcast_object(outcome)
+    if kind == "error":
+        raise payload
+    return payload
+
+
 def _copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy with floating parameters and buffers in ``dtype``: what FSDP's mixed precision computes with."""
     return copy.deepcopy(model).to(dtype)
@@ -1054,10 +833,11 @@ def _warm_up(model: nn.Module, batch: Any, loss_fn, sync: Callable[[], None]) ->
     """Two steps (first-call costs, allocator warm-up); returns the second's seconds."""
     for _ in range(2):
         model.zero_grad(set_to_none=True)
-        sync()
-        start = time.perf_counter()
-        _step(model, batch, loss_fn)
-        sync()
-        elapsed = time.perf_counter() - start
+        with StepTimer(_device_of(model)) as step:
+            _step(model, batch, loss_fn)
     model.zero_grad(set_to_none=True)
-    return elapsed
+    return step.seconds
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device

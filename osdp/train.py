@@ -12,7 +12,7 @@ with ``--checkpoint-every K``, every K steps; on start it resumes from the
 newest complete checkpoint in DIR, under whatever plan and world size this run
 has. Batches are a function of the step, so a resumed run sees the batches the
 uninterrupted one would have. Under ``torchrun --max-restarts N`` (with
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see ``warn_shared_store``) or
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see ``osdp.distributed.warn_shared_store``) or
 ``osdp train --max-restarts N``, a rank that dies takes the job back to its
 last checkpoint instead of ending it.
 
@@ -26,14 +26,13 @@ restarted job runs through.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import signal
 import statistics
-import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -44,11 +43,13 @@ import torch.distributed as dist
 import osdp
 from osdp import checkpoint, models
 from osdp.data import CorpusLoader, synthetic_batch
-from osdp.distributed import all_gather_objects, collective_timeout_s, peer_failures
+from osdp.distributed import all_gather_objects, init_from_env, launch_local, peer_failures, warn_shared_store
 from osdp.fsdp_ext.apply import complete_plan
 from osdp.memory import PeakMemory
+from osdp.optim import make_optimizer
 from osdp.plan import Plan
 from osdp.report import format_bytes, format_table, plan_table
+from osdp.timing import StepTimer
 from osdp.units import build_units
 
 
@@ -87,68 +88,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-final", type=Path,
                    help="write the trained model as one plain torch.save state dict (unsharded, from rank 0) "
                         "that load_state_dict of the unwrapped model accepts")
-
-
-def without_option(argv: list[str], option: str) -> list[str]:
-    """``argv`` less ``option VALUE`` / ``option=VALUE`` (torchrun would take ``--nproc`` for its own flag)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == option:
-            skip = True
-        elif not arg.startswith(option + "="):
-            out.append(arg)
-    return out
-
-
-def launch_local(nproc: int, module: str, argv: list[str], max_restarts: int = 0) -> int:
-    """Re-run this command on ``nproc`` local ranks through torchrun."""
-    argv = without_option(without_option(argv, "--nproc"), "--max-restarts")
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    restarts = [f"--max-restarts={max_restarts}", "--monitor-interval=0.5"] if max_restarts else []
-    if max_restarts:
-        env.setdefault(SHARED_STORE_ENV, "1")  # a fresh store for every attempt (see warn_shared_store)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           *restarts, "-m", module, *argv]
-    return subprocess.call(cmd, env=env)
-
-
-SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-
-
-def warn_shared_store(rank: int) -> None:
-    """Say so when torchrun may restart this job on the store of the previous attempt.
-
-    By default torchrun's workers build their process group on the agent's own
-    store, which outlives a restart, so a restarted rank can read the dead
-    attempt's addresses and fail with "Gloo connectFullMesh failed ... Connection
-    refused" (PyTorch issue 135712; seen with torch 2.13 in 3 of 5 restarts here).
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment gives every
-    attempt a fresh store; ``osdp train --max-restarts`` sets it.
-    """
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    if rank == 0 and restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        print(f"warning: torchrun --max-restarts {restarts} shares its store with the workers, so a restarted "
-              "job may fail to connect (Gloo connectFullMesh ... Connection refused, PyTorch issue 135712); "
-              f"run torchrun with {SHARED_STORE_ENV}=1", flush=True)
-
-
-def init_from_env(device_choice: str) -> torch.device:
-    """Join the torchrun process group; pick the device and give each CPU rank one thread."""
-    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        device = torch.device("cpu")
-    import datetime
-
-    # Every collective is bounded: a dead or stuck peer gives an error here, not a hang.
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=collective_timeout_s()))
-    return device
 
 
 def batch_source(config, args, rank: int, world_size: int, seq_len: int,
@@ -237,7 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if rank == 0:
         print(plan_table(plan, units), flush=True)
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = make_optimizer("adamw", model.parameters(), lr=args.lr)  # what the planner priced
     # What fixes the data stream: a resumed run that differs here sees other batches than the saved run would.
     run_info = {"model": args.model, "data": args.data, "seed": args.seed, "seq_len": seq_len}
     if args.data == "corpus" and not config.name.startswith("bert"):
@@ -250,24 +189,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for step in range(first_step, args.steps):
         _test_kill_hook(step, rank, args.checkpoint_dir)
         inputs, targets = batch_at(step)
-        meter = PeakMemory(device, model, optimizer) if step == memory_step else None
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        if meter:
-            meter.__enter__()
-        with peer_failures(f"training step {step}"):
+        meter = PeakMemory(device, model, optimizer) if step == memory_step else contextlib.nullcontext()
+        with StepTimer(device) as timer, meter, peer_failures(f"training step {step}"):
             loss = model(inputs, targets)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             loss_value = loss.item()
-        if meter:
-            meter.__exit__(None, None, None)
+        if step == memory_step:
             peak, breakdown = meter.stats().peak_bytes, dict(meter.stats().peak_breakdown)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - start
+        elapsed = timer.seconds
         losses.append(loss_value)
         if step >= args.warmup and step != memory_step:
             step_times.append(elapsed)
@@ -308,6 +239,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "first_step": first_step,
         "resumed_from": resumed_from,
         "plan": plan.to_dict(),
+        "predicted_step_s": plan.predicted_step_s,
+        "measured_step_s": max(r["median_step_s"] for r in per_rank),  # the job runs at its slowest rank's pace
         "per_rank": per_rank,
         "machine": {"platform": platform.platform(), "device": str(device), "torch": torch.__version__},
     }
@@ -315,6 +248,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows = [[r["rank"], f"{r['median_step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}",
                  "-" if r["peak_bytes"] is None else format_bytes(r["peak_bytes"])] for r in per_rank]
         print(format_table(rows, ["rank", "step ms (median)", "tokens/s", "peak memory"], "rrrr"))
+        if plan.predicted_step_s is not None and step_times:
+            measured = record["measured_step_s"]
+            print(f"step time: predicted {plan.predicted_step_s * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms "
+                  f"(median, slowest rank): {plan.predicted_step_s / measured - 1:+.1%} "
+                  f"(priced with the calibration {plan.meta.get('calibration', 'not recorded')})", flush=True)
         if losses:
             print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {first_step}..{args.steps - 1}", flush=True)
         else:

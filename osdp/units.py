@@ -158,17 +158,11 @@ def _signature(module: nn.Module) -> str:
 
 
 def unit_parameters(model: nn.Module, paths: Iterable[str]) -> dict[str, list[nn.Parameter]]:
-    """The parameters each unit owns (the root is always a unit), in ``model.parameters()`` order.
-
-    A parameter belongs to the deepest unit containing its owners' common
-    ancestor, so a tied weight goes to the unit enclosing every module using it.
-    """
-    paths = set(paths) | {ROOT}
-    owners = _param_owners(model)
-    owned: dict[str, list[nn.Parameter]] = {p: [] for p in paths}
+    """The parameters each unit owns (``param_homes``; the root is always a unit), in ``model.parameters()`` order."""
+    homes = param_homes(model, paths)
+    owned: dict[str, list[nn.Parameter]] = {p: [] for p in set(paths) | {ROOT}}
     for param in model.parameters():
-        home = _common_ancestor(owners[id(param)])
-        owned[max((u for u in paths if _is_within(home, u)), key=len)].append(param)
+        owned[homes[id(param)]].append(param)
     return owned
 
 
@@ -198,6 +192,17 @@ def build_units(model: nn.Module, paths: Iterable[str]) -> list[Unit]:
         )
         for p in ordered
     ]
+
+
+def param_homes(model: nn.Module, paths: Iterable[str]) -> dict[int, str]:
+    """id(parameter) -> the unit (of ``paths``, the root among them) that owns it: the deepest unit
+    containing the common ancestor of every module that registers it (a tied weight: their ancestor)."""
+    paths = list(set(paths) | {ROOT})
+    homes = {}
+    for pid, owners in _param_owners(model).items():
+        home = _common_ancestor(owners)
+        homes[pid] = max((u for u in paths if _is_within(home, u)), key=len)
+    return homes
 
 
 def _nearest_unit(path: str, units: set[str]) -> str:

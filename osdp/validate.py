@@ -1,400 +1,59 @@
-"""Check the cost model against reality: ``osdp validate --model NAME --nproc N``.
+"""Check the cost model against reality, out of sample: ``osdp validate --model NAME --nproc N``.
 
 On N local ranks (gloo on CPU, NCCL on CUDA; launched through torchrun when not
-already under it), every rank:
+already under it):
 
-1. measures the collectives on the live group (``osdp.device``) and describes
-   the model (``osdp.profile.describe``), all ranks at once, so that compute
-   is timed under the same contention as training; rank 0's description is
-   used everywhere;
-2. trains every plan side by side, one step of each in turn, and with them
-   the jobs the prediction needs that involve no plan of this model: FSDP2's
-   runtime overheads on a synthetic model (``calibration_jobs`` /
-   ``fit_calibration``), and the plain model's compute and optimizer step
-   with the ranks meeting at every unit as they do under any plan; the
-   collectives are re-fitted a few times in between. A shared machine's load
-   changes within seconds; taking turns step by step spreads it over all
-   jobs instead of penalising one;
-3. takes each plan's step time as the median over its steps of the slowest
-   rank, and its peak memory per rank from one tracked step
+1. the prediction is exactly what ``osdp.wrap`` would make: the model is
+   described as ``osdp.plan`` describes it (``osdp.planner.planning_description``:
+   rank 0, the describe cache) and every plan is priced with this job's cached
+   calibration (``osdp.calibration``: collectives and FSDP2's runtime costs),
+   which an earlier, separate process measured (``osdp calibrate``). Nothing
+   measured in this run enters a prediction; without a cached calibration it
+   stops and says how to make one;
+2. every plan (``default_plans``: DDP, ZeRO-2, FSDP, checkpointing, splits,
+   mixed) is trained side by side, one step of each in turn
+   (``osdp.harness.run_jobs``), so that a shared machine's changing load hits
+   all alike;
+3. each plan's step time is the median over its steps of the slowest rank, and
+   its peak memory per rank comes from one tracked step
    (``osdp.memory.PeakMemory``: live tensor bytes on CPU,
    ``max_memory_allocated`` on CUDA), the largest over ranks.
 
 Rank 0 prints predicted against measured with the error of each, the median
 and worst errors and the Kendall tau of the step-time ranking, and writes them
 to ``--json``: one record per plan with ``plan``, ``predicted_step_s``,
-``measured_step_s``, ``predicted_peak_bytes``, ``measured_peak_bytes``.
+``measured_step_s``, ``predicted_peak_bytes``, ``measured_peak_bytes``, and the
+calibration used.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from osdp import models
-from osdp.cost import Calibration, OPTIMIZER_STATES, make_optimizer, predict
-from osdp.device import COLLECTIVES, AlphaBeta, CollectiveModel, DeviceInfo, measure_collectives, measure_device
-from osdp.distributed import all_gather_objects, broadcast_object
-from osdp.memory import PeakMemory
-from osdp.plan import MODES, ROOT, Plan, UnitPlan
-from osdp.profile import ModelDescription, call_model, describe, loss_of
+from osdp.calibration import CalibrationKey, MachineCalibration, calibrate, can_split, read_calibration
+from osdp.cost import predict
+from osdp.description import ModelDescription
+from osdp.distributed import init_from_env, launch_local
+from osdp.harness import Job, run_jobs
+from osdp.log import Progress
+from osdp.machine import machine_info
+from osdp.optim import OPTIMIZERS
+from osdp.plan import ROOT, Plan, UnitPlan
+from osdp.planner import planning_description
 from osdp.report import format_bytes, format_table
-
-# --------------------------------------------------------------------------- running plans
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for x in obj for t in _tensors(x)]
-    if isinstance(obj, dict):
-        return [t for x in obj.values() for t in _tensors(x)]
-    return []
-
-
-@dataclasses.dataclass
-class Job:
-    """A model to train: how to build it, how to make it data parallel, this rank's batch.
-
-    ``plan``: applied with ``osdp.wrap``. ``parallelize``: any other way, a
-    function of the built model returning the module to train (a baseline as
-    users write it, say). Neither: the
-    plain model, no communication; with ``lockstep`` the ranks meet (a
-    one-element all-reduce) where every unit but the root starts its forward
-    and its backward, as they do under any plan.
-    """
-
-    build: Callable[[], nn.Module]
-    plan: Plan | None
-    batch: Any
-    lockstep: bool = False
-    parallelize: Callable[[nn.Module], nn.Module] | None = None
-
-    @property
-    def parallel(self) -> bool:
-        return self.plan is not None or self.parallelize is not None
-
-
-class _Trainer:
-    """One job's model, wrapped by its plan, and its optimizer: steps on demand."""
-
-    def __init__(self, job: Job, device: torch.device, optimizer: str, loss_fn: Callable | None):
-        import osdp
-
-        self.job, self.device, self.loss_fn = job, device, loss_fn
-        self.model = job.build().to(device)
-        if job.plan is not None:
-            osdp.wrap(self.model, plan=job.plan, device=device)
-        elif job.parallelize is not None:
-            self.model = job.parallelize(self.model)
-        elif job.lockstep:
-            _synchronise_units(self.model)
-        self.optimizer = make_optimizer(optimizer, self.model.parameters())
-
-    def _fwd_bwd_opt(self) -> float:
-        loss = loss_of(call_model(self.model, self.job.batch), self.loss_fn)
-        loss.backward()
-        _sync(self.device)
-        middle = time.perf_counter()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return middle
-
-    def step(self) -> tuple[float, float]:
-        """(step seconds, forward + backward seconds)."""
-        _sync(self.device)
-        start = time.perf_counter()
-        middle = self._fwd_bwd_opt()
-        _sync(self.device)
-        return time.perf_counter() - start, middle - start
-
-    def peak(self) -> dict[str, Any]:
-        """One step under ``PeakMemory`` (slower: not timed)."""
-        with PeakMemory(self.device, self.model, self.optimizer, *_tensors(self.job.batch)) as meter:
-            self._fwd_bwd_opt()
-        stats = meter.stats()
-        peak, breakdown = stats.peak_bytes, dict(stats.peak_breakdown)
-        return {"peak_bytes": peak, "peak_breakdown": breakdown}
-
-
-def _synchronise_units(model: nn.Module) -> None:
-    from osdp.units import discover_units
-
-    token = torch.zeros(1, device=next(model.parameters()).device)
-
-    def meet(*_: Any) -> None:
-        dist.all_reduce(token)
-
-    modules = dict(model.named_modules())
-    for unit in discover_units(model):
-        if unit.path != ROOT:
-            modules[unit.path].register_forward_pre_hook(meet)
-            modules[unit.path].register_full_backward_pre_hook(meet)
-
-
-def run_jobs(
-    jobs: dict[str, Job],
-    *,
-    device: torch.device,
-    optimizer: str = "adamw",
-    time_budget_s: float = 4.0,
-    warmup: int = 2,
-    min_steps: int = 5,
-    max_steps: int = 200,
-    rounds: int = 4,
-    each_round: Callable[[], None] | None = None,
-    progress: Callable[[str], None] | None = None,
-    loss_fn: Callable | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Collective: train every job side by side, one step of each in turn; times and peak memory.
-
-    All jobs' models exist at once and take one step each in turn, so every
-    job sees the same machine: on a shared machine the load changes within
-    seconds, and gloo's blocking collectives suffer from it far more than
-    compute. ``time_budget_s`` is the timed seconds per job (within
-    ``min_steps`` .. ``max_steps`` steps each, agreed by all ranks);
-    ``each_round()`` runs ``rounds`` times spread over them. Per job: the
-    median over steps of the slowest rank's time, and the largest peak over
-    ranks of one tracked step (CPU tracking slows a step, so it is not timed).
-    """
-    trainers = {}
-    for i, (name, job) in enumerate(jobs.items()):
-        if progress:
-            progress(f"setting up {i + 1}/{len(jobs)} {name}")
-        trainers[name] = _Trainer(job, device, optimizer, loss_fn)
-    warm = {name: [t.step()[0] for _ in range(warmup)][-1] for name, t in trainers.items()}
-    wanted = int(time_budget_s * len(jobs) / max(sum(warm.values()), 1e-9))
-    steps = max(min_steps, min(max_steps, max(all_gather_objects(wanted))))
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in jobs}
-    for s in range(steps):
-        if each_round is not None and s % max(1, steps // rounds) == 0:
-            each_round()
-        for name, trainer in trainers.items():
-            times[name].append(trainer.step())
-        if progress and (s + 1) % max(1, steps // 10) == 0:
-            progress(f"step {s + 1}/{steps} of every job")
-    out = {}
-    for name, trainer in trainers.items():
-        peak = trainer.peak() if trainer.job.parallel else {"peak_bytes": None, "peak_breakdown": None}
-        ranks = all_gather_objects({"times": times[name], **peak})
-        out[name] = {
-            # the step of a synchronised job takes as long as its slowest rank's
-            "measured_step_s": statistics.median(max(t[0] for t in ts) for ts in zip(*(r["times"] for r in ranks))),
-            "measured_fwd_bwd_s": statistics.median(max(t[1] for t in ts) for ts in zip(*(r["times"] for r in ranks))),
-            "measured_peak_bytes": max((r["peak_bytes"] or 0) for r in ranks),
-            "steps": steps,
-            "per_rank": [{k: v for k, v in r.items() if k != "times"} for r in ranks],
-        }
-    del trainers
-    gc.collect()  # FSDP state holds reference cycles
-    return out
-
-
-# --------------------------------------------------------------------------- calibration
-
-
-class _CalibrationBlock(nn.Module):
-    def __init__(self, d: int, linears: int):
-        super().__init__()
-        self.n = linears
-        for i in range(linears):  # direct children, so that the block is the unit (a ModuleList has no forward)
-            self.add_module(f"fc{i}", nn.Linear(d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x
-        for i in range(self.n):
-            y = torch.relu(getattr(self, f"fc{i}")(y))
-        return x + y
-
-
-class CalibrationNet(nn.Module):
-    """The synthetic model FSDP2's overheads are measured on: ``blocks`` units of ``linears`` Linears each."""
-
-    def __init__(self, blocks: int = 8, d: int = 64, linears: int = 2):
-        super().__init__()
-        self.blocks = nn.ModuleList(_CalibrationBlock(d, linears) for _ in range(blocks))
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x).square().mean()
-
-
-def can_split(device: torch.device) -> bool:
-    """Collective: whether this build of osdp applies split plans (every rank finds the same)."""
-    import osdp
-
-    net = CalibrationNet().to(device)
-    plan = Plan([UnitPlan(u.path, "zero3", split=1 if u.path == ROOT else 2) for u in osdp.discover_units(net)])
-    try:
-        osdp.wrap(net, plan=plan, device=device)
-        return True
-    except (RuntimeError, ValueError):
-        return False
-
-
-CALIBRATION_BATCH = 4
-# (Linears per unit, width, batch): 2 and 4 Linears separate per-unit from per-parameter costs; the
-# wide net's units (2 MiB, like a small transformer's) are 64x larger, which separates per-unit from
-# per-byte costs, of FSDP and of split slices; with a large batch its slices' gathers run while
-# there is compute to compete with
-CALIBRATION_NETS = ((2, 64, 4), (4, 64, 4), (2, 512, 4), (2, 512, 64))
-
-
-def calibration_jobs(
-    device: torch.device, *, optimizer: str = "adamw", splits: bool = True
-) -> tuple[dict[str, Job], dict[str, ModelDescription]]:
-    """Collective: the synthetic-model jobs ``fit_calibration`` needs, and the nets' descriptions.
-
-    The small-batch nets under every mode and zero3 with split 2, the narrow
-    ones also zero3 with checkpointing; the large-batch net under zero3 and split 2.
-    """
-    jobs: dict[str, Job] = {}
-    descriptions: dict[str, ModelDescription] = {}
-    for linears, d, b in CALIBRATION_NETS:
-        net = f"{linears}x{d}b{b}"
-        build = lambda linears=linears, d=d: CalibrationNet(d=d, linears=linears)  # noqa: E731
-        g = torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0)
-        batch = (torch.randn(b, d, generator=g).to(device),)
-        torch.manual_seed(0)
-        description = describe(build().to(device), batch, cache=False, progress=False, optimizers=(optimizer,), repeats=5)
-        descriptions[net] = broadcast_object(description)
-        paths = descriptions[net].paths
-
-        def plan(mode: str, split: int = 1, ckpt: bool = False, b: int = b) -> Plan:
-            return Plan([UnitPlan(p, mode, 1 if p == ROOT else split, ckpt and p != ROOT) for p in paths],
-                        batch_size=b)
-
-        for mode in MODES if b == CALIBRATION_BATCH else ("zero3",):  # the rest needs no compute
-            jobs[f"calibration-{net}-{mode}"] = Job(build, plan(mode), batch)
-        if d == 64:
-            jobs[f"calibration-{net}-ckpt"] = Job(build, plan("zero3", ckpt=True), batch)
-        if splits:
-            jobs[f"calibration-{net}-split"] = Job(build, plan("zero3", split=2), batch)
-    return jobs, descriptions
-
-
-def fit_calibration(
-    descriptions: dict[str, ModelDescription],
-    jobs: dict[str, Job],
-    measured: dict[str, dict[str, Any]],
-    device_info: DeviceInfo,
-    *,
-    overlap: float | None,
-    optimizer: str = "adamw",
-) -> Calibration:
-    """What the cost model without runtime overheads does not explain on the calibration jobs, attributed
-    (non-negative least squares): a fixed cost per unit and per byte of a unit by mode, and per parameter
-    tensor (FSDP2's hooks, bookkeeping, copies, buffers), per checkpointed unit, per split slice, per
-    byte a split moves (SplitLinear's loop) and per second its slices' gathers run alongside compute
-    (the contention of gloo's threads with compute on a CPU with a core per rank), per parameter tensor
-    in the optimizer step (DTensor dispatch); and the memory margin (median of measured minus modelled
-    peak)."""
-    from scipy.optimize import nnls
-
-    base = Calibration(overlap=overlap, source="partial")
-    rows, residuals, opt_rows, margins, ckpt = [], [], [], [], []
-    residual: dict[str, float] = {}
-    for name, job in jobs.items():
-        _, net, kind = name.split("-")
-        description = descriptions[net]
-        pred = predict(description, job.plan, device_info, optimizer=optimizer, calibration=base)
-        opt_pred = pred.breakdown["totals"]["optimizer_s"]
-        m = measured[name]
-        residual[name] = m["measured_fwd_bwd_s"] - (pred.step_s - opt_pred)
-        n_params = sum(len(u.param_shapes) for u in description.units)
-        opt_rows.append((m["measured_step_s"] - m["measured_fwd_bwd_s"] - opt_pred) / n_params)
-        margins.append(m["measured_peak_bytes"] - pred.peak_bytes)
-        if kind in MODES and job.plan.batch_size == CALIBRATION_BATCH:  # little compute: overheads only
-            nbytes = sum(u.param_bytes for u in description.units)
-            rows.append([len(description.units) * (kind == mode) for mode in MODES]
-                        + [nbytes * (kind == mode) for mode in MODES] + [n_params])
-            residuals.append(residual[name])
-    scale = np.array([1.0] * 3 + [1e-9] * 3 + [1.0])  # condition the system: bytes are ~1e6 per unit
-    coef = nnls(np.array(rows, dtype=float) * scale, np.array(residuals, dtype=float))[0] * scale
-    param_overhead = float(coef[-1])
-    split_rows, split_extra = [], []
-    for net, description in descriptions.items():
-        blocks = [u for u in description.units if u.path != ROOT]
-        zero3 = residual[f"calibration-{net}-zero3"]
-        if f"calibration-{net}-ckpt" in residual:
-            ckpt.append((residual[f"calibration-{net}-ckpt"] - zero3) / len(blocks))
-        if f"calibration-{net}-split" in residual:
-            weights = [s for u in blocks for s in u.split_shapes]
-            # each split weight leaves FSDP (one parameter and its bytes less) and moves in 2 slices:
-            # gathered twice (forward, backward) and its gradient reduced, fp32; its gathers run
-            # asynchronously, alongside the unit's compute
-            units = predict(description, jobs[f"calibration-{net}-split"].plan, device_info, optimizer=optimizer,
-                            calibration=base).breakdown["units"]
-            alongside = sum(min(units[u.path]["split_comm_s"], units[u.path]["compute_s"]) for u in blocks)
-            split_rows.append([3 * 2 * len(weights), 1e-9 * sum(3 * 4 * o * i for o, i in weights), alongside])
-            left_fsdp = param_overhead * len(weights) + coef[5] * sum(4 * o * i for o, i in weights)
-            split_extra.append(residual[f"calibration-{net}-split"] - zero3 + left_fsdp)
-    per_slice, per_gb, contention = (
-        nnls(np.array(split_rows, dtype=float), np.array(split_extra))[0] if split_rows else (0.0, 0.0, 0.0)
-    )
-    return Calibration(
-        unit_overhead_s={mode: float(c) for mode, c in zip(MODES, coef[:3])},
-        unit_s_per_byte={mode: float(c) for mode, c in zip(MODES, coef[3:6])},
-        param_overhead_s=param_overhead,
-        checkpoint_overhead_s=max(0.0, statistics.median(ckpt)),
-        optimizer_tensor_s=max(0.0, statistics.median(opt_rows)),
-        slice_overhead_s=float(per_slice),
-        slice_s_per_byte=float(per_gb) * 1e-9,
-        slice_contention=float(contention),
-        overlap=overlap,
-        margin_bytes=max(0, int(statistics.median(margins))),
-        source=f"measured on {device_info.name}, {device_info.world_size} ranks, {time.strftime('%Y-%m-%d')}",
-    )
-
-
-def measure_calibration(
-    device_info: DeviceInfo,
-    device: torch.device,
-    *,
-    optimizer: str = "adamw",
-    progress: Callable[[str], None] | None = None,
-) -> Calibration:
-    """Collective: FSDP2's runtime overheads and the memory margin on this machine and world size
-    (``calibration_jobs`` trained, then ``fit_calibration``)."""
-    jobs, descriptions = calibration_jobs(device, optimizer=optimizer, splits=can_split(device))
-    measured = run_jobs(jobs, device=device, optimizer=optimizer, time_budget_s=1.5, progress=progress)
-    return fit_calibration(
-        descriptions, jobs, measured, device_info, overlap=0.0 if device.type == "cpu" else None,
-        optimizer=optimizer,
-    )
-
-
-def median_collectives(fits: Sequence[CollectiveModel]) -> CollectiveModel:
-    """One alpha-beta model from several fits of the same group (median alpha and beta per collective)."""
-    costs = {
-        c: AlphaBeta(statistics.median(f.costs[c].alpha_s for f in fits),
-                     statistics.median(f.costs[c].beta_s_per_byte for f in fits))
-        for c in COLLECTIVES
-    }
-    return CollectiveModel(fits[0].world_size, costs, f"{fits[0].source}, median of {len(fits)} fits")
-
 
 # --------------------------------------------------------------------------- plans
 
@@ -510,11 +169,6 @@ def format_report(records: Sequence[dict[str, Any]], summary: dict[str, Any]) ->
 # --------------------------------------------------------------------------- the command
 
 
-def _say(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"osdp validate: {message}", file=sys.stderr, flush=True)
-
-
 def validate(
     model_name: str,
     *,
@@ -524,19 +178,25 @@ def validate(
     plan_names: Sequence[str] | None = None,
     precisions: Sequence[str] = ("fp32",),
     optimizer: str = "adamw",
-    rounds: int = 4,
     time_budget_s: float = 4.0,
-    calibration: Calibration | None = None,
+    calibration: MachineCalibration | None = None,
+    describe_only: bool = False,
 ) -> dict[str, Any]:
     """Collective: predicted against measured for a set of plans of a reference model (see the module docstring).
 
-    Without a given ``calibration``, its synthetic jobs run side by side with
-    the plans, so that both see the same machine; ``rounds``: how often the
-    collectives are re-fitted meanwhile.
+    ``calibration``: this job's, by default the cached one (``osdp calibrate``);
+    a CalibrationError says how to make one if there is none. ``describe_only``:
+    describe the model into the describe cache and stop, so that a later
+    validating run finds it there (then nothing it predicts with is measured in
+    that run).
     """
     from osdp.data import synthetic_batch
 
+    start = time.perf_counter()
+    say = Progress(f"validate {model_name}")
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    machine = calibration or calibrate(device, measure=False)
+    say(machine.summary())
     overrides = {"seq_len": seq_len} if seq_len else {}
     config = models.get_config(model_name, **overrides)
 
@@ -546,62 +206,29 @@ def validate(
 
     g = torch.Generator().manual_seed(1000 + rank)
     batch = tuple(t.to(device) for t in synthetic_batch(config, batch_size, generator=g))
-    start = time.perf_counter()
-    _say("measuring collectives and compute")
-    device_info = broadcast_object(measure_device("1TiB", time_budget_s=2.0))
-    collectives = [device_info.collectives]
-    splits = can_split(device)
     model = build().to(device)
-    _say(f"describing {model_name} (every rank at once, as in training)")
-    description = describe(model, batch, precisions=precisions, optimizers=(optimizer,), progress=rank == 0)
-    description = broadcast_object(description)
+    say(f"describing {model_name} as osdp.plan does (rank 0, the describe cache)")
+    descriptions = {p: planning_description(model, batch, mixed_precision=p) for p in precisions}
     del model
-    plans = default_plans(description, batch_size, world_size, splits=splits)
+    described = {p: {"source": d.source, "profile_seconds": d.profile_seconds, "from_cache": d.from_cache,
+                     "cache_key": d.cache_key, "checks": d.checks} for p, d in descriptions.items()}
+    if describe_only:
+        return {"model": model_name, "description": described, "seconds": time.perf_counter() - start}
+    description = descriptions[precisions[0]]
+    if "bf16" in precisions:  # default_plans adds bf16 plans to a description that has both
+        description = dataclasses.replace(description, precisions=tuple(precisions))
+    plans = default_plans(description, batch_size, world_size, splits=can_split(device))
     if plan_names:
         unknown = sorted(set(plan_names) - set(plans))
         if unknown:
             raise ValueError(f"unknown plan(s) {unknown}; known: {', '.join(plans)}")
         plans = {n: plans[n] for n in plan_names}
-    # The plain model's compute and optimizer step, timed twice in every round among the plans: what
-    # describe timed, under the same load as the plans (a shared machine's load changes over minutes).
-    names = list(plans)
-    half = len(names) // 2
-    jobs = {
-        "compute": Job(build, None, batch, lockstep=True),
-        **{name: Job(build, plans[name], batch) for name in names[:half]},
-        "compute-2": Job(build, None, batch, lockstep=True),
-        **{name: Job(build, plans[name], batch) for name in names[half:]},
-    }
-    calibration_descriptions: dict[int, ModelDescription] = {}
-    if calibration is None:
-        calibration_part, calibration_descriptions = calibration_jobs(device, optimizer=optimizer, splits=splits)
-        jobs = {**calibration_part, **jobs}
-    measured = run_jobs(
-        jobs, device=device, optimizer=optimizer, rounds=rounds, time_budget_s=time_budget_s, progress=_say,
-        each_round=lambda: collectives.append(measure_collectives(time_budget_s=1.0)),
-    )
-    device_info = dataclasses.replace(device_info, collectives=median_collectives(collectives))
-    if calibration is None:
-        calibration = fit_calibration(
-            calibration_descriptions, calibration_part, measured, device_info,
-            overlap=0.0 if device.type == "cpu" else None,
-            optimizer=optimizer,
-        )
-    _say(f"calibration: {json.dumps(calibration.to_dict())}")
-    described_s = sum(c.fwd_s(batch_size) + c.bwd_s(batch_size) for c in description.costs("fp32"))
-    reference = [measured[k] for k in ("compute", "compute-2")]
-    # compute in lockstep (ranks meet at every unit, as they do under any plan), less the meetings themselves
-    meetings = 2 * sum(1 for u in description.units if u.path != ROOT) * device_info.collectives.time("all_reduce", 4)
-    compute_scale = (statistics.fmean(m["measured_fwd_bwd_s"] for m in reference) - meetings) / described_s
-    optimizer_s = statistics.fmean(m["measured_step_s"] - m["measured_fwd_bwd_s"] for m in reference)
-    param_bytes = sum(u.param_bytes for u in description.units)
-    description = dataclasses.replace(
-        description.with_compute_scale(compute_scale),
-        optimizer_s_per_byte={**description.optimizer_s_per_byte, optimizer: optimizer_s / param_bytes},
-    )
+    measured = run_jobs({name: Job(build, plan, batch) for name, plan in plans.items()}, device=device,
+                        optimizer=optimizer, time_budget_s=time_budget_s, progress=say)
     records = []
     for name, plan in plans.items():
-        pred = predict(description, plan, device_info, optimizer=optimizer, calibration=calibration)
+        pred = predict(descriptions[plan.mixed_precision], plan, machine.device_info, optimizer=optimizer,
+                       calibration=machine.calibration)
         m = measured[name]
         records.append({
             "plan": name,
@@ -625,15 +252,10 @@ def validate(
         "world_size": world_size,
         "batch_size": batch_size,
         "optimizer": optimizer,
-        "machine": {
-            "platform": platform.platform(), "processor": description.device, "device": str(device),
-            "torch": torch.__version__, "threads_per_rank": torch.get_num_threads(),
-        },
-        "device_info": device_info.to_dict(),
-        "calibration": calibration.to_dict(),
+        "machine": {**machine_info(device), "processor": description.device},
+        "calibration": machine.to_dict(),
+        "description": described,
         "profile_seconds": description.profile_seconds,
-        "compute_scale": compute_scale,
-        "profile_checks": description.checks,
         "summary": summarize(records),
         "records": records,
         "seconds": time.perf_counter() - start,
@@ -648,11 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--plans", nargs="+", default=None, help="names of plans to run (default: all; see --list-plans)")
     p.add_argument("--bf16", action="store_true", help="also validate mixed-precision (bf16) plans")
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
-    p.add_argument("--time-budget", type=float, default=4.0, help="seconds of timed steps per job (default 4)")
-    p.add_argument("--rounds", type=int, default=4, help="times the collectives are re-fitted meanwhile (default 4)")
-    p.add_argument("--calibration", type=Path, help="a calibration JSON (from a previous --json) instead of measuring")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--time-budget", type=float, default=4.0, help="seconds of timed steps per plan (default 4)")
+    p.add_argument("--calibration", type=Path,
+                   help="a calibration JSON (osdp calibrate --json) made for this job; default: the cached one")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--describe-only", action="store_true",
+                   help="describe the model into the describe cache (as osdp.plan does) and stop")
     p.add_argument("--json", type=Path, help="write the records and summary here")
     return p
 
@@ -661,23 +285,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if "RANK" not in os.environ:
-        from osdp.train import launch_local
-
         return launch_local(args.nproc, "osdp.validate", argv)
-    from osdp.train import init_from_env
-
     device = init_from_env(args.device)
     try:
         calibration = None
         if args.calibration is not None:
-            data = json.loads(args.calibration.read_text())
-            calibration = Calibration.from_dict(data.get("calibration", data))
+            calibration = read_calibration(args.calibration, CalibrationKey.current(device))
         result = validate(
             args.model, device=device, batch_size=args.batch_size, seq_len=args.seq_len, plan_names=args.plans,
             precisions=("fp32", "bf16") if args.bf16 else ("fp32",), optimizer=args.optimizer,
-            rounds=args.rounds, time_budget_s=args.time_budget, calibration=calibration,
+            time_budget_s=args.time_budget, calibration=calibration, describe_only=args.describe_only,
         )
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and args.describe_only:
+            for precision, d in result["description"].items():
+                print(f"{args.model} ({precision}): {'from the cache' if d['from_cache'] else 'described'} "
+                      f"({d['profile_seconds']:.1f} s), cache key {d['cache_key']}", flush=True)
+        elif dist.get_rank() == 0:
             print(f"{args.model}, {result['world_size']} ranks, micro-batch {args.batch_size}, {args.optimizer}, "
                   f"{result['machine']['processor']}")
             print(format_report(result["records"], result["summary"]), flush=True)

@@ -114,7 +114,7 @@ def test_checkpointing_costs_the_measured_recompute(tiny):
     plus the calibrated per-unit overhead, nothing else, where no collective is exposed."""
     import dataclasses
 
-    from osdp.profile import Affine
+    from osdp.description import Affine
 
     mlp = "blocks.0.mlp"
     costs = tiny.unit(mlp).costs["fp32"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -81,7 +82,7 @@ def result(tiny):
     budgets = run_mod.auto_budgets(lowest - 4096, ddp_needs, 4)
     for i, budget in enumerate(budgets):
         try:
-            plan = search(description, dataclasses.replace(info, memory_bytes=budget), [8],
+            plan = search(description, info, [8], budget=budget,
                           model_signature=description.signature).plan
         except BudgetTooSmall as e:
             records.append({**_record("osdp", None, None, None, None, budget), "status": "budget too small",
@@ -142,7 +143,7 @@ def test_summary_ratios_and_targets(result):
     top = comparison[-1]
     assert top["best"]["strategy"] == "torch-ddp" and top["vs_best"] == pytest.approx(1.1)
     assert set(top["ablation"]) == set(run_mod.ABLATIONS)  # shown apart, never the best baseline
-    v = sweep.verdicts(comparison)
+    v = sweep.verdicts(comparison, rows)
     assert not v["peak_within_budget_ok"]  # the made-up over-budget point
     assert v["osdp_gain_ok"] and v["osdp_vs_best_max"] == pytest.approx(1.1)
     assert v["budgets_without_osdp_plan"] == [comparison[0]["budget_bytes"]]
@@ -156,6 +157,16 @@ def test_summary_ratios_and_targets(result):
         "machine": {"cpu": "cpu", "cores": 2, "platform": "linux", "python": "3", "torch": "2"}})
     assert "| OSDP efficiency |" in text and "torch-ddp+ac" in text and "reduce-scatter (osdp.comm" in text
 
+    # predicted against measured tokens/s: one point per distinct plan that ran
+    ran = {}
+    for r in rows:  # a plan run once however many rows show it (in a real sweep they show the same numbers)
+        if r["tokens_per_s"] and r.get("predicted_tokens_per_s"):
+            ran.setdefault(r.get("plan_hash") or r["strategy"], r)
+    errors = [r["predicted_tokens_per_s"] / r["tokens_per_s"] - 1 for r in ran.values()]
+    assert sorted(sweep.prediction_errors(rows)) == pytest.approx(sorted(errors))
+    assert v["prediction_error_median"] == pytest.approx(statistics.median(abs(e) for e in errors))
+    assert v["prediction_ok"] == (statistics.median(abs(e) for e in errors) <= 0.10)
+
 
 def test_a_sweep_part_end_to_end_on_two_ranks(tmp_path):
     """run.launch as the sweep calls it, at a tiny size: baselines, the ablation and OSDP at two budgets (each
@@ -168,8 +179,9 @@ def test_a_sweep_part_end_to_end_on_two_ranks(tmp_path):
             "strategies": ["torch-ddp", "fsdp2+ac", "osdp-uniform-fsdp"], "auto_budgets": 2, "rounds": 2,
             "time_per_run_s": 0.05, "min_steps": 2, "collective_time_s": 0.5}
     lines = []
-    result = run_mod.launch(spec, on_line=lines.append, timeout_s=400,
-                            env=dict(os.environ, OSDP_CACHE_DIR=str(tmp_path / "cache")))
+    env = dict(os.environ, OSDP_CACHE_DIR=str(tmp_path / "cache"))  # tests' tiny calibration profile
+    run_mod.launch({**spec, "calibrate": "if missing"}, on_line=lines.append, timeout_s=400, env=env)
+    result = run_mod.launch(spec, on_line=lines.append, timeout_s=400, env=env)
     assert result["reduce_scatter"] == "pairwise"
     assert "pairwise reduce-scatter" in result["device_info"]["collectives"]["source"]
     assert len(result["compute_only"]["step_s_rounds"]) == 2
@@ -190,6 +202,30 @@ def test_a_sweep_part_end_to_end_on_two_ranks(tmp_path):
     rows = sweep.rows_of(result)
     sweep.write_csv(rows, tmp_path / "sweep.csv")
     assert len(rows) == 4 * 2  # three runs placed at both budgets, and OSDP at each
+
+
+def test_validation_spread_over_runs(tmp_path):
+    import validate_cost_model as vcm
+
+    def run(step_median, under):
+        records = [{"measured_peak_bytes": 100 + under, "predicted_peak_bytes": 100}]
+        summary = {"step_error_median": step_median, "step_error_worst": 0.15, "kendall_tau_step": 0.9,
+                   "peak_error_median": 0.01, "peak_error_worst": 0.03}
+        return {"seconds": 900, "calibration": {"calibration": {"compute_scale": 1.1}},
+                "results": {"gpt2-tiny": {"summary": summary, "records": records}},
+                "train": {"step_error": 0.05}}
+
+    paths = []
+    for i, (median, under) in enumerate([(0.05, 0), (0.12, 1), (0.08, 3)]):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run(median, under)))
+    text = vcm.spread(paths)
+    rows = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| gpt2-tiny")}
+    # met in two runs of three is not met
+    assert rows["time err median"].endswith("| 5.0% | 12.0% | 8.0% | NO |")
+    assert rows["time err worst"].endswith("| yes |") and rows["Kendall tau"].endswith("| 0.90 | 0.90 | 0.90 | yes |")
+    assert rows["peak under measured, worst"].endswith("| +0.0% | +1.0% | +3.0% | NO |")
+    assert "| default `osdp train` | predicted vs measured step | within 15% | +5.0% | +5.0% | +5.0% | yes |" in text
 
 
 def test_plots_from_a_results_folder(result, tmp_path):

@@ -234,6 +234,8 @@ def _fsdp_peaks(model, opt, x) -> dict:
     _fsdp_step(model, opt, x)  # warm-up: optimizer state exists from here on
     with LiveBytesTracker(model, opt, x) as tracker:
         _fsdp_step(model, opt, x)
+    with LiveBytesTracker(model, opt, x) as again:
+        _fsdp_step(model, opt, x)
     reference = FSDPMemTracker(model, opt)
     reference.track_inputs((x,))
     with reference:
@@ -244,6 +246,7 @@ def _fsdp_peaks(model, opt, x) -> dict:
         "breakdown": tracker.peak_breakdown(),
         "reference_peak": ref_snapshot["Total"],
         "external": tracker.external_peak_bytes,
+        "peak_again": again.peak_bytes,
     }
 
 
@@ -285,7 +288,13 @@ def _gloo_two_ranks(rank: int, world_size: int) -> dict:
 def test_fsdp2_on_two_gloo_ranks():
     r0, r1 = run_ranks(_gloo_two_ranks, 2, timeout=120)
     assert r0["breakdown"]["parameters"] == r0["padded"] == r0["full"] // 2
-    assert r0["peak"] == r0["reference_peak"] and r1["peak"] == r1["reference_peak"]
+    for r in (r0, r1):
+        assert r["peak"] == r["peak_again"]  # the same step twice: the same peak, to the byte
+        # gloo's reduce-scatter works on a full copy of a unit's gradients (64 x 65 floats here) that osdp
+        # leaves out (made out of sight, see LiveBytesTracker). torch's FSDPMemTracker counts it; it is
+        # freed by whichever thread drops it last: at once on this one, or a moment later on gloo's, after
+        # FSDP2 has gathered the next unit (about 1 run in 6 here). So the reference's peak is ours, or
+        # ours plus at most that copy; with no gloo thread (the fake group above) the two agree exactly.
+        assert r["peak"] <= r["reference_peak"] <= r["peak"] + r["external"], r
     assert r0["peak"] == r1["peak"]  # same shapes on both ranks, same peak
-    # gloo's reduce-scatter reduces a full copy of a unit's gradients made on its own thread.
     assert r0["external"] >= 64 * 65 * 4

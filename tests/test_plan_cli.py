@@ -26,6 +26,8 @@ def test_plan_cli_writes_a_loadable_plan_within_budget(tmp_path, capsys):
         f"blocks.{i}" + (f".{part}" if part else "") for i in range(4) for part in per_layer
     } | {"wpe", ""}
     assert f"{granularity} units" in text and "tokens/s per rank" in text and "searched in" in text
+    # a preset is planned offline: it says which calibration that assumes
+    assert "calibration: ideal FSDP2 runtime (not measured" in text and plan.meta["calibration"].startswith("ideal")
     assert png.stat().st_size > 1000
 
 

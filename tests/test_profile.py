@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from osdp import models
 from osdp.analytic import describe_analytic
 from osdp.data import synthetic_batch
-from osdp.profile import Affine, ModelDescription, ProfileError, describe, resize_batch
+from osdp.description import Affine, ModelDescription
+from osdp.profile import ProfileError, describe, resize_batch
 
 B, T = 4, 16
 FAST = dict(cache=False, progress=False, repeats=2, optimizers=("adamw",))

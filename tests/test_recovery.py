@@ -39,7 +39,7 @@ def test_killed_rank_restarts_under_torchrun_and_ends_like_an_uninterrupted_run(
     killed = subprocess.run([*torchrun, *TRAIN[3:], "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
                              "--save-final", str(tmp_path / "resumed.pt")],
                             capture_output=True, text=True, timeout=180,
-                            # a fresh store for the restarted attempt (PyTorch issue 135712; see osdp.train)
+                            # a fresh store for the restarted attempt (PyTorch issue 135712; see osdp.distributed)
                             env=_env(OSDP_TEST_KILL_AT_STEP="5", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
     assert killed.returncode == 0, killed.stderr[-3000:]
     assert (ckpt / ".osdp_test_killed").read_text().startswith("rank 1 killed itself at step 5")
@@ -58,12 +58,12 @@ def test_killed_rank_restarts_under_torchrun_and_ends_like_an_uninterrupted_run(
 
 
 def test_osdp_train_max_restarts_runs_torchrun_with_a_fresh_store_per_attempt(monkeypatch, capsys):
-    import osdp.train as train
+    import osdp.distributed as distributed
 
     calls = []
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
-    monkeypatch.setattr(train.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
-    assert train.launch_local(2, "osdp.train", ["--steps", "3", "--max-restarts", "2", "--nproc", "2"], 2) == 0
+    monkeypatch.setattr(distributed.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
+    assert distributed.launch_local(2, "osdp.train", ["--steps", "3", "--max-restarts", "2", "--nproc", "2"], 2) == 0
     cmd, env = calls[0]
     assert cmd[cmd.index("torch.distributed.run"):cmd.index("-m", 3)] == [
         "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2", "--monitor-interval=0.5"]
@@ -71,15 +71,15 @@ def test_osdp_train_max_restarts_runs_torchrun_with_a_fresh_store_per_attempt(mo
 
     for key, value in dict(TORCHELASTIC_MAX_RESTARTS="1", TORCHELASTIC_USE_AGENT_STORE="True").items():
         monkeypatch.setenv(key, value)
-    train.warn_shared_store(0)
+    distributed.warn_shared_store(0)
     assert "run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().out
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
-    train.warn_shared_store(0)
+    distributed.warn_shared_store(0)
     assert capsys.readouterr().out == ""
 
 
 def test_train_passes_the_collective_timeout_to_its_process_group(monkeypatch):
-    from osdp.train import init_from_env
+    from osdp.distributed import init_from_env
 
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(free_port()), OSDP_COLLECTIVE_TIMEOUT_S="7").items():

@@ -1,6 +1,5 @@
 """The search over the real cost model: the extremes of the budget and monotonicity in between."""
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -29,7 +28,7 @@ def gpt2_mini_on_4_gpus():
 
 
 def _search(description, device, budget):
-    return search(description, dataclasses.replace(device, memory_bytes=int(budget)), (BATCH,)).plan
+    return search(description, device, (BATCH,), budget=int(budget)).plan
 
 
 def test_at_the_minimum_budget_every_unit_is_sharded_and_splits_are_used(gpt2_mini_on_4_gpus):

@@ -1,6 +1,11 @@
-"""osdp.validate: a 2-rank run of the real thing against the cost model, and the report arithmetic."""
+"""osdp.validate: out of sample (the calibration comes from an earlier process), against the targets of a
+real two-rank run, and the report arithmetic."""
 
 from __future__ import annotations
+
+import os
+import statistics
+import warnings
 
 import pytest
 import torch
@@ -11,26 +16,72 @@ from osdp.validate import build_parser, format_report, kendall_tau, summarize
 PLANS = ["ddp", "fsdp", "fsdp-ckpt", "mixed-z2-ckpt", "split2"]
 
 
+def _calibrate(rank, world_size):
+    from osdp.calibration import calibrate
+
+    # measured now, not taken from the session's cache: a calibration carries the load it was made under
+    return calibrate(torch.device("cpu"), force=True).to_dict()
+
+
 def _validate_tiny(rank, world_size):
     from osdp.validate import validate
 
     return validate("gpt2-tiny", device=torch.device("cpu"), batch_size=4, seq_len=32, plan_names=PLANS,
-                    rounds=1, time_budget_s=0.5)
+                    time_budget_s=1.0)
 
 
-def test_predictions_match_a_real_two_rank_run():
-    """Generous bounds, but a broken model (a forgotten term, a wrong factor of N) fails them."""
+def _validate_in(rank, world_size, cache_dir):
+    os.environ["OSDP_CACHE_DIR"] = cache_dir
+    try:
+        _validate_tiny(rank, world_size)
+    except Exception as e:  # noqa: BLE001 - the test reads what every rank raised
+        return type(e).__name__, str(e)
+    return None
+
+
+# The step-time targets hold for this machine running this job; other work competing for its cores slows
+# gloo's collectives unpredictably (a rank waits whenever its peer is descheduled), and a calibration made
+# a minute earlier does not know that load. Above this load average (the two ranks take two) the test
+# judges step times against a sanity bound only, and says so.
+QUIET_LOAD = (os.cpu_count() or 2) + 1.5
+SANITY = 1.0  # a broken model (a forgotten term, a wrong factor of N) is off by more
+
+
+def test_predictions_out_of_sample_match_a_real_two_rank_run():
+    load = [os.getloadavg()[0]]
+    calibration = run_ranks(_calibrate, 2, timeout=240)[0]  # its own processes, before the validating run
     result = run_ranks(_validate_tiny, 2, timeout=240)[0]
+    load.append(os.getloadavg()[0])
+    # nothing measured in the validating run entered a prediction: it used the earlier run's calibration
+    assert result["calibration"] == calibration
     records = {r["plan"]: r for r in result["records"]}
     assert list(records) == PLANS
     for name, r in records.items():
-        assert abs(r["peak_error"]) < 0.15, (name, r["predicted_peak_bytes"], r["measured_peak_bytes"])
-        assert abs(r["step_error"]) < 1.0, (name, r["predicted_step_s"], r["measured_step_s"])
+        # memory: never more than 2% under the measured peak (a plan that fits must fit), at most 10% over
+        assert r["measured_peak_bytes"] <= 1.02 * r["predicted_peak_bytes"], (name, r)
+        assert r["predicted_peak_bytes"] <= 1.10 * r["measured_peak_bytes"], (name, r)
+    assert statistics.median(abs(r["peak_error"]) for r in records.values()) <= 0.05
+    errors = {name: r["step_error"] for name, r in records.items()}
+    if max(load) <= QUIET_LOAD:  # the targets: every plan within 20%, the median within 10%
+        assert max(map(abs, errors.values())) <= 0.20, errors
+        assert statistics.median(map(abs, errors.values())) <= 0.10, errors
+    else:
+        assert max(map(abs, errors.values())) <= SANITY, errors
+        warnings.warn(f"load average {max(load):.1f} on {os.cpu_count()} cores: step times judged within "
+                      f"{SANITY:.0%} only, not the 10%/20% targets (errors: "
+                      + ", ".join(f"{n} {e:+.0%}" for n, e in errors.items()) + ")")
     # orders of magnitude apart in memory: sharded + checkpointed is far below DDP, and predicted so
     assert records["fsdp-ckpt"]["predicted_peak_bytes"] < records["fsdp"]["predicted_peak_bytes"]
     assert records["fsdp-ckpt"]["measured_peak_bytes"] < records["fsdp"]["measured_peak_bytes"]
     assert result["summary"]["plans"] == len(PLANS)
-    assert "calibration" in result and result["calibration"]["source"].startswith("measured")
+
+
+def test_without_a_cached_calibration_validation_stops_and_says_how_to_make_one(tmp_path):
+    errors = run_ranks(_validate_in, 2, str(tmp_path), timeout=120)
+    for kind, text in errors:  # every rank, before any plan is trained
+        assert kind == "CalibrationError"
+        assert "no calibration for this job" in text and "osdp calibrate --nproc 2" in text
+    assert not (tmp_path / "calibration").exists()
 
 
 def test_summary_and_report():

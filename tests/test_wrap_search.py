@@ -1,5 +1,7 @@
 """osdp.wrap(model, device_mem=..., example_input=...) searches once, agrees on every rank, and fits."""
 
+import contextlib
+
 import torch
 
 import osdp
@@ -39,3 +41,48 @@ def test_wrap_searches_once_and_every_rank_applies_the_same_plan():
     fits = run_ranks(_wrap_with_budget, 2, minimum + 1024, timeout=240)
     assert fits[0][0] == "ok" and fits[0][2] <= minimum + 1024 and fits[0][1] == fits[1][1]
     assert set(fits[0][3]) != {"replicate"}
+
+
+def _peaks_under_searched_plans(rank, world_size):
+    """Plans osdp.wrap searches at budgets from the least any plan needs to what the fastest needs, each
+    trained: its measured peak per rank (one step after the optimizer's state exists)."""
+    from osdp.memory import PeakMemory
+    from osdp.optim import make_optimizer
+
+    config = models.get_config("gpt2-tiny", seq_len=32)
+    batch = synthetic_batch(config, 4, 32, generator=torch.Generator().manual_seed(rank))
+
+    def wrapped(budget):
+        torch.manual_seed(0)
+        model = models.build("gpt2-tiny", seq_len=32)
+        osdp.wrap(model, device_mem=budget, example_input=batch)
+        return model
+
+    try:
+        wrapped(64 * 1024)
+    except osdp.BudgetTooSmall as e:
+        least = e.min_peak_bytes
+    most = osdp.plan_of(wrapped("4GiB")).predicted_peak_bytes
+    out = []
+    for fraction in (0.0, 0.3, 0.6, 1.0):
+        budget = int(least + fraction * (most - least))
+        model = wrapped(budget)
+        optimizer = make_optimizer("adamw", model.parameters())  # what the plan was priced with
+        for measured in (False, True):
+            with PeakMemory("cpu", model, optimizer, *batch) if measured else contextlib.nullcontext() as meter:
+                model(*batch).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        plan = osdp.plan_of(model)
+        out.append((budget, plan.predicted_peak_bytes, meter.stats().peak_bytes, plan.summary()))
+    return out
+
+
+def test_a_searched_plan_measures_within_its_budget_on_two_ranks():
+    ranks = run_ranks(_peaks_under_searched_plans, 2, timeout=300)
+    assert [b for b, *_ in ranks[0]] == [b for b, *_ in ranks[1]]
+    assert len({summary for *_, summary in ranks[0]}) >= 3  # the budgets give different plans
+    for results in ranks:
+        for budget, predicted, measured, summary in results:
+            assert predicted <= budget, (budget, predicted, summary)
+            assert measured <= budget, (budget, measured, summary)
