@@ -53,9 +53,6 @@ class Affine:
         slope = float((dx * (ys - ys.mean())).sum() / (dx * dx).sum())
         return cls(float(ys.mean() - slope * xs.mean()), slope)
 
-    def scaled(self, factor: float) -> "Affine":
-        return Affine(self.intercept * factor, self.slope * factor)
-
 
 @dataclass(frozen=True)
 class UnitWorkload:
@@ -132,16 +129,6 @@ class ModelDescription:
     @property
     def paths(self) -> list[str]:
         return [u.path for u in self.units]
-
-    def with_compute_scale(self, factor: float) -> "ModelDescription":
-        """The same description with every compute time multiplied by ``factor``: for compute re-timed
-        under the conditions of a run (``osdp validate`` times the plain model alongside the plans)."""
-        def scaled(c: UnitWorkload) -> UnitWorkload:
-            recompute = c.recompute_s.scaled(factor) if c.recompute_s is not None else None
-            return dataclasses.replace(c, fwd_s=c.fwd_s.scaled(factor), bwd_s=c.bwd_s.scaled(factor), recompute_s=recompute)
-
-        units = [dataclasses.replace(u, costs={p: scaled(c) for p, c in u.costs.items()}) for u in self.units]
-        return dataclasses.replace(self, units=units)
 
     def costs(self, precision: str) -> list[UnitWorkload]:
         if precision not in self.precisions:
