@@ -206,14 +206,13 @@ class StandInSplit:
 
 def _median_times(fns: dict, rounds: int, warmup: int, device: torch.device) -> dict[str, list[float]]:
     """Each function once per round, in turn (other load slows all alike); its times after warm-up."""
-    timer, times = Timer(device), {name: [] for name in fns}
+    times = {name: [] for name in fns}
     for i in range(warmup + rounds):
         for name, fn in fns.items():
-            timer.start()
-            fn()
-            elapsed = timer.stop()
+            with StepTimer(device) as timer:
+                fn()
             if i >= warmup:
-                times[name].append(elapsed)
+                times[name].append(timer.seconds)
     return times
 
 

@@ -55,6 +55,8 @@ from typing import Any, Callable
 
 import torch
 
+from osdp.timing import StepTimer
+
 EXPERIMENTS = Path(__file__).resolve().parent
 ROOT = EXPERIMENTS.parent
 RESULTS = EXPERIMENTS / "results" / "gpu"
@@ -287,11 +289,11 @@ def train_throughput(model_name: str, batch: int, device: torch.device, backend:
     first_s = time.perf_counter() - start
     for _ in range(warmup):
         step()
-    timer, times = bench_split.Timer(device), []
+    times = []
     for _ in range(steps):
-        timer.start()
-        loss = step()
-        times.append(timer.stop())
+        with StepTimer(device) as timer:
+            loss = step()
+        times.append(timer.seconds)
     peak = None
     if device.type == "cuda":  # (on CPU the live-bytes tracker would trace into the compiled graph)
         from osdp.memory import PeakMemory

@@ -211,6 +211,7 @@ def experiment(args: argparse.Namespace) -> dict[str, Any]:
     from osdp._torch_private import init_fake_process_group
     from osdp.analytic import describe_analytic
     from osdp.cost import predict
+    from osdp.device import parse_size
 
     import warnings
 
@@ -261,7 +262,7 @@ def experiment(args: argparse.Namespace) -> dict[str, Any]:
             if measured_description is not None:
                 measured["predicted_compute_s"] = predict(measured_description, plan, free).step_s
             print(f"{name}: measured peak {measured['peak_bytes'] / 2**20:.1f} MiB "
-                  f"({measured['peak_bytes'] / budget:.1%} of the budget), compute step "
+                  f"({measured['peak_bytes'] / (budget or record['budget_bytes']):.1%} of the budget), compute step "
                   f"{measured['step_s_median'] * 1e3:.1f} ms ({NOTE})", flush=True)
             runs.append(measured)
     finally:

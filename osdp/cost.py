@@ -102,6 +102,9 @@ class Calibration:
     # adds to the step (on CPU gloo's threads compete with compute for the cores; ~0 on CUDA)
     slice_contention: float = 0.0
     overlap: float | None = None  # fraction of a unit's compute that hides its collectives; None: by device
+    # fraction of replicated units' all-reduce (DDP's buckets, reduced asynchronously while backward goes
+    # on) that the rest of the backward hides, beyond ``overlap``
+    replicate_hidden: float = 0.0
     margin_bytes: int = 0
     source: str = "ideal FSDP2 runtime (not measured: no overheads, compute as described)"
 
@@ -122,6 +125,7 @@ class Calibration:
             "slice_s_per_byte": self.slice_s_per_byte,
             "slice_contention": self.slice_contention,
             "overlap": self.overlap,
+            "replicate_hidden": self.replicate_hidden,
             "margin_bytes": self.margin_bytes,
             "source": self.source,
         }
@@ -265,7 +269,8 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
 
     # -- time --------------------------------------------------------------------
     compute = cal.compute_scale * (costs.fwd_s(b) + costs.bwd_s(b) + (costs.recompute_seconds(b) if ckpt else 0.0))
-    if mode == "replicate" and replicates_with_ddp(ctx.precision):
+    ddp = mode == "replicate" and replicates_with_ddp(ctx.precision)
+    if ddp:
         # DDP all-reduces 25 MiB buckets across units: each unit pays its bytes and its share of an alpha
         reduced = _REDUCE_BYTES * fsdp_full
         comm = _collective(ctx, "all_reduce", DDP_BUCKET_BYTES) * reduced / DDP_BUCKET_BYTES if reduced else 0.0
@@ -285,9 +290,9 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
         slice_bytes += (gathers * dt + _REDUCE_BYTES) * weight
     comm += split_comm
     overlap = cal.overlap_for(ctx.device)
-    exposed = max(comm - overlap * compute, 0.0)
+    exposed = max(comm * (1.0 - cal.replicate_hidden if ddp else 1.0) - overlap * compute, 0.0)
     overhead = (
-        cal.unit_overhead_s.get(mode, 0.0) + cal.param_overhead_s * len(fsdp_shapes)
+        cal.unit_overhead_s.get(mode, 0.0) + (0.0 if ddp else cal.param_overhead_s * len(fsdp_shapes))
         + (cal.checkpoint_overhead_s if ckpt else 0.0)
         + cal.unit_s_per_byte.get(mode, 0.0) * 4 * fsdp_full
         + cal.slice_overhead_s * slices + cal.slice_s_per_byte * slice_bytes

@@ -745,6 +745,7 @@ def describe(
             pass  # unreadable entry (older format): measure again
 
     saved_grads = {p: p.grad for p in params}
+    sync = synchronizer(device)
     costs: dict[str, dict[str, UnitWorkload]] = {}
     checks: dict[str, Any] = {}
     order: list[str] = []
@@ -754,7 +755,7 @@ def describe(
                 runnable = model if prec == "fp32" else _copy_in(model, PRECISIONS[prec])
                 runnable_units = build_units(runnable, [u.path for u in units])
                 show(f"{prec}: warm-up")
-                step_s = _warm_up(runnable, resize_batch(example_input, sizes[-1]), loss_fn, sync)
+                step_s = _warm_up(runnable, resize_batch(example_input, sizes[-1]), loss_fn)
                 reps = repeats or max(2, min(7, int(time_budget_s / len(precisions) / max(step_s, 1e-4) / 2.5 / len(sizes))))
                 memory, seconds, checkpointed = {}, {}, {}
                 for i, b in enumerate(sizes):
@@ -829,7 +830,7 @@ def _copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return copy.deepcopy(model).to(dtype)
 
 
-def _warm_up(model: nn.Module, batch: Any, loss_fn, sync: Callable[[], None]) -> float:
+def _warm_up(model: nn.Module, batch: Any, loss_fn) -> float:
     """Two steps (first-call costs, allocator warm-up); returns the second's seconds."""
     for _ in range(2):
         model.zero_grad(set_to_none=True)

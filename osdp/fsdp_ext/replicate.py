@@ -24,6 +24,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -50,6 +51,11 @@ class ReplicatedParameters:
             # gradients and fail the next step; measured within 1-3% of the default here
             find_unused_parameters=True,
         )
+        if dist.get_backend(self.ddp.process_group) == "fake":
+            # the fake process group (one process posing as a rank, for memory) completes an all-reduce
+            # with no value, which DDP's built-in hook refuses: the bucket stays as it is, as the fake
+            # group leaves every other collective's output
+            self.ddp.register_comm_hook(None, _unreduced)
         # The reducer allocates its buckets where no Python code sees them, and the CPU memory tracker
         # must count them. The gradients are views into them after a backward, so each optimizer step
         # notes their storages. (A Python comm hook sees the buckets too, but cost ~5% of a gpt2-mini
@@ -97,3 +103,9 @@ def _weak(method):
             bound(*args)
 
     return hook
+
+
+def _unreduced(_state, bucket):  # unannotated: DDP checks a hook's annotations by identity
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
