@@ -102,9 +102,9 @@ class Calibration:
     # adds to the step (on CPU gloo's threads compete with compute for the cores; ~0 on CUDA)
     slice_contention: float = 0.0
     overlap: float | None = None  # fraction of a unit's compute that hides its collectives; None: by device
-    # fraction of replicated units' all-reduce (DDP's buckets, reduced asynchronously while backward goes
-    # on) that the rest of the backward hides, beyond ``overlap``
-    replicate_hidden: float = 0.0
+    # fraction of a replicated unit's compute that hides its all-reduce (DDP reduces its buckets
+    # asynchronously while backward goes on, also over gloo), where larger than ``overlap``
+    replicate_overlap: float = 0.0
     margin_bytes: int = 0
     source: str = "ideal FSDP2 runtime (not measured: no overheads, compute as described)"
 
@@ -125,7 +125,7 @@ class Calibration:
             "slice_s_per_byte": self.slice_s_per_byte,
             "slice_contention": self.slice_contention,
             "overlap": self.overlap,
-            "replicate_hidden": self.replicate_hidden,
+            "replicate_overlap": self.replicate_overlap,
             "margin_bytes": self.margin_bytes,
             "source": self.source,
         }
@@ -290,16 +290,20 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
         slice_bytes += (gathers * dt + _REDUCE_BYTES) * weight
     comm += split_comm
     overlap = cal.overlap_for(ctx.device)
-    exposed = max(comm * (1.0 - cal.replicate_hidden if ddp else 1.0) - overlap * compute, 0.0)
+    per_byte = cal.unit_s_per_byte.get(mode, 0.0) * 4 * fsdp_full
+    if ddp:  # DDP's all-reduce, gloo's in-training cost of it included, runs while backward goes on
+        exposed, per_byte = max(comm + per_byte - max(overlap, cal.replicate_overlap) * compute, 0.0), 0.0
+    else:
+        exposed = max(comm - overlap * compute, 0.0)
     overhead = (
         cal.unit_overhead_s.get(mode, 0.0) + (0.0 if ddp else cal.param_overhead_s * len(fsdp_shapes))
         + (cal.checkpoint_overhead_s if ckpt else 0.0)
-        + cal.unit_s_per_byte.get(mode, 0.0) * 4 * fsdp_full
+        + per_byte
         + cal.slice_overhead_s * slices + cal.slice_s_per_byte * slice_bytes
         + cal.slice_contention * min(split_comm, compute)
     )
-    optimizer_s = (
-        ctx.calibration.optimizer_tensor_s * len(unit.param_shapes)
+    optimizer_s = (  # the per-tensor cost is DTensor dispatch: DDP's parameters are plain tensors
+        (0.0 if ddp else ctx.calibration.optimizer_tensor_s * len(unit.param_shapes))
         + ctx.optimizer_s_per_byte * 4 * shard_numel
     )
     time_s = compute + exposed + overhead + optimizer_s

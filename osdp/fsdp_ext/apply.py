@@ -31,7 +31,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from osdp import comm
 from osdp.distributed import all_gather_objects, world
@@ -222,7 +222,11 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None =
             _checkpoint(module)
         if decision.mode == "replicate" and replicate_with_ddp:
             replicated.update(owned[unit.path])
-            continue
+            if unit.path != ROOT or not any(isinstance(m, FSDPModule) for m in model.modules()):
+                continue
+            # The root stays FSDP2's root, holding none of its own parameters (DDP has them): otherwise
+            # every top-level sharded unit would be a root of its own, and FSDP2 keeps a root's
+            # parameters gathered after forward (zero3 would hold memory as zero2) and prefetches nothing.
         fully_shard(
             module,
             mesh=meshes.for_mode(decision.mode),
