@@ -61,7 +61,7 @@ from osdp.machine import cpu_model, host
 from osdp.plan import MODES, ROOT, Plan, UnitPlan
 from osdp.profile import cache_dir, describe_once
 
-CALIBRATION_VERSION = 5  # bump when what is measured changes: older cache entries are not read
+CALIBRATION_VERSION = 3  # bump when what is measured changes: older cache entries are not read
 PROFILE_ENV = "OSDP_CALIBRATION_PROFILE"
 
 
@@ -160,7 +160,7 @@ PROFILES = {
             NetSpec(2, 64, 4, MODES, overheads=True, checkpoint=True),
             NetSpec(4, 64, 4, MODES, overheads=True, checkpoint=True),
             NetSpec(2, 512, 4, MODES, overheads=True),
-            NetSpec(2, 512, 64, ("zero3", "replicate"), overheads=False, compute=True),
+            NetSpec(2, 512, 64, ("zero3",), overheads=False, compute=True),
         ),
         run_s=1.2, min_steps=5, warmup=2, collectives_s=2.0, refits=3, describe_repeats=5, compute_rounds=15,
     ),
@@ -171,9 +171,9 @@ PROFILES = {
             NetSpec(2, 64, 2, MODES, overheads=True, checkpoint=True),  # 64 wide: splittable
             NetSpec(4, 64, 2, MODES, overheads=True, checkpoint=True),
             NetSpec(2, 128, 2, MODES, overheads=True),
-            NetSpec(2, 128, 32, ("zero3", "replicate"), overheads=False, compute=True),
+            NetSpec(2, 128, 32, ("zero3",), overheads=False, compute=True),
         ),
-        run_s=0.3, min_steps=5, warmup=1, collectives_s=0.3, refits=1, describe_repeats=3, compute_rounds=9,
+        run_s=0.6, min_steps=5, warmup=1, collectives_s=0.3, refits=2, describe_repeats=3, compute_rounds=9,
     ),
 }
 
@@ -339,7 +339,7 @@ def fit_calibration(
     per_slice, per_gb, contention = (
         nnls(np.array(split_rows, dtype=float), np.array(split_extra))[0] if split_rows else (0.0, 0.0, 0.0)
     )
-    fitted = Calibration(
+    return Calibration(
         compute_scale=compute_scale,
         unit_overhead_s={mode: float(c) for mode, c in zip(MODES, coef[:3])},
         unit_s_per_byte={mode: float(c) for mode, c in zip(MODES, coef[3:6])},
@@ -353,18 +353,6 @@ def fit_calibration(
         margin_bytes=max(0, int(statistics.median(margins))),
         source=f"measured on {device_info.name}, {device_info.world_size} ranks, {time.strftime('%Y-%m-%d')}",
     )
-    # Replicated units all-reduce DDP's buckets while backward goes on: the share of the backward's compute
-    # that hides them, from the replicate job of the net that computes (the others compute too little).
-    hidden = []
-    for name, job in jobs.items():
-        _, net, kind = name.split("-")
-        if kind == "replicate" and specs[net].compute and replicates_with_ddp(job.plan.mixed_precision):
-            pred = predict(descriptions[net], job.plan, device_info, optimizer=optimizer, calibration=fitted)
-            totals = pred.breakdown["totals"]
-            unexplained = measured[name]["measured_fwd_bwd_s"] - (pred.step_s - totals["optimizer_s"])
-            if totals["compute_s"] > 0:
-                hidden.append(min(1.0, max(0.0, -unexplained / totals["compute_s"])))
-    return dataclasses.replace(fitted, replicate_overlap=statistics.median(hidden) if hidden else 0.0)
 
 
 def median_collectives(fits: Sequence[CollectiveModel]) -> CollectiveModel:

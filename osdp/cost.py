@@ -102,9 +102,6 @@ class Calibration:
     # adds to the step (on CPU gloo's threads compete with compute for the cores; ~0 on CUDA)
     slice_contention: float = 0.0
     overlap: float | None = None  # fraction of a unit's compute that hides its collectives; None: by device
-    # fraction of a replicated unit's compute that hides its all-reduce (DDP reduces its buckets
-    # asynchronously while backward goes on, also over gloo), where larger than ``overlap``
-    replicate_overlap: float = 0.0
     margin_bytes: int = 0
     source: str = "ideal FSDP2 runtime (not measured: no overheads, compute as described)"
 
@@ -125,7 +122,6 @@ class Calibration:
             "slice_s_per_byte": self.slice_s_per_byte,
             "slice_contention": self.slice_contention,
             "overlap": self.overlap,
-            "replicate_overlap": self.replicate_overlap,
             "margin_bytes": self.margin_bytes,
             "source": self.source,
         }
@@ -292,7 +288,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     overlap = cal.overlap_for(ctx.device)
     per_byte = cal.unit_s_per_byte.get(mode, 0.0) * 4 * fsdp_full
     if ddp:  # DDP's all-reduce, gloo's in-training cost of it included, runs while backward goes on
-        exposed, per_byte = max(comm + per_byte - max(overlap, cal.replicate_overlap) * compute, 0.0), 0.0
+        exposed, per_byte = max(comm + per_byte - overlap * compute, 0.0), 0.0
     else:
         exposed = max(comm - overlap * compute, 0.0)
     overhead = (
