@@ -230,8 +230,8 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     foreach = ctx.device.device_type == "cuda"
     foreach_temps = _FOREACH_TEMPS[opt] * 4 * shard_numel if foreach else 0
     largest_shard = max((4 * math.ceil(math.prod(s) / shard_n) for s in unit.param_shapes), default=0)
-    if mode == "replicate" and replicates_with_ddp(ctx.precision):
-        # DDP: parameters used in place, gradients are views into buckets that live all step
+    ddp = mode == "replicate" and replicates_with_ddp(ctx.precision)
+    if ddp:  # DDP: parameters used in place, gradients are views into buckets that live all step
         held = 0
         mem = persistent + grad + max(act, foreach_temps)
         rs_input = largest_shard  # a fresh gradient, before the reducer copies it into its bucket
@@ -265,7 +265,6 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
 
     # -- time --------------------------------------------------------------------
     compute = cal.compute_scale * (costs.fwd_s(b) + costs.bwd_s(b) + (costs.recompute_seconds(b) if ckpt else 0.0))
-    ddp = mode == "replicate" and replicates_with_ddp(ctx.precision)
     if ddp:
         # DDP all-reduces 25 MiB buckets across units: each unit pays its bytes and its share of an alpha
         reduced = _REDUCE_BYTES * fsdp_full

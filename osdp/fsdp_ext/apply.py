@@ -256,8 +256,6 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     micro-batches that only accumulate, and with True before the last one.
     """
     plan_of(model)  # raises unless wrapped
-    from torch.distributed.fsdp import FSDPModule
-
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
