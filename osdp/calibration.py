@@ -10,11 +10,11 @@ without one) measures, on the live process group:
   rank 0 with the others idle, as the planner describes a model): a plain
   synthetic model's step, all ranks at once against rank 0 alone, in turn;
 * FSDP2's runtime costs: a synthetic model (``CalibrationNet``: units of a few
-  Linears, narrow and wide, small and large batch) trained under every mode,
+  Linears, narrow and wide, few and many units, small and large batch) trained under every mode,
   with checkpointing and with split Linears (``calibration_jobs``, side by side
   with ``osdp.harness.run_jobs``); what the cost model without overheads does
-  not explain is attributed (``fit_calibration``) to fixed and per-byte costs
-  per unit by mode, per parameter tensor, per checkpointed unit, per split
+  not explain is attributed (``fit_calibration``) to fixed costs per step and
+  per unit and per-byte costs by mode, per parameter tensor, per checkpointed unit, per split
   slice and byte, the contention of split slices' gathers with compute, the
   optimizer's cost per tensor, and the memory margin.
 
@@ -61,7 +61,7 @@ from osdp.machine import cpu_model, host
 from osdp.plan import MODES, ROOT, Plan, UnitPlan
 from osdp.profile import cache_dir, describe_once
 
-CALIBRATION_VERSION = 3  # bump when what is measured changes: older cache entries are not read
+CALIBRATION_VERSION = 4  # bump when what is measured changes: older cache entries are not read
 PROFILE_ENV = "OSDP_CALIBRATION_PROFILE"
 
 
@@ -128,10 +128,14 @@ class NetSpec:
     checkpoint: bool = False  # also zero3 with every block checkpointed
     split: bool = True  # also zero3 with every block split in 2
     compute: bool = False  # the compute scale is measured on its plain model
+    blocks: int = 8  # units besides the root
 
     @property
     def name(self) -> str:
-        return f"{self.linears}x{self.width}b{self.batch}"
+        return f"{self.blocks}x{self.linears}x{self.width}b{self.batch}"
+
+    def build(self) -> "CalibrationNet":
+        return CalibrationNet(blocks=self.blocks, d=self.width, linears=self.linears)
 
 
 @dataclass(frozen=True)
@@ -149,9 +153,9 @@ class CalibrationProfile:
     compute_rounds: int
 
 
-# 2 and 4 Linears per unit separate per-unit from per-parameter costs; the wide nets' units (2 MiB, like a
-# small transformer's) are 64x larger, which separates per-unit from per-byte costs, of FSDP and of split
-# slices; with a large batch the wide net computes ~100x more (the compute scale is measured on it), and
+# 2 and 4 Linears per unit separate per-unit from per-parameter costs; 3 blocks against 8 separate what a
+# step costs once from what each unit costs; the wide nets' units (2 MiB, like a small transformer's) are
+# 64x larger, which separates per-unit from per-byte costs, of FSDP and of split slices; with a large batch the wide net computes ~100x more (the compute scale is measured on it), and
 # its slices' gathers run while there is compute to compete with.
 PROFILES = {
     "full": CalibrationProfile(
@@ -159,6 +163,7 @@ PROFILES = {
         (
             NetSpec(2, 64, 4, MODES, overheads=True, checkpoint=True),
             NetSpec(4, 64, 4, MODES, overheads=True, checkpoint=True),
+            NetSpec(2, 64, 4, MODES, overheads=True, split=False, blocks=3),
             NetSpec(2, 512, 4, MODES, overheads=True),
             NetSpec(2, 512, 64, ("zero3",), overheads=False, compute=True),
         ),
@@ -170,6 +175,7 @@ PROFILES = {
         (
             NetSpec(2, 64, 2, MODES, overheads=True, checkpoint=True),  # 64 wide: splittable
             NetSpec(4, 64, 2, MODES, overheads=True, checkpoint=True),
+            NetSpec(2, 64, 2, MODES, overheads=True, split=False, blocks=3),
             NetSpec(2, 128, 2, MODES, overheads=True),
             NetSpec(2, 128, 32, ("zero3",), overheads=False, compute=True),
         ),
@@ -186,7 +192,7 @@ def profile_from_env() -> CalibrationProfile:
 
 
 def _net_and_batch(spec: NetSpec, device: torch.device) -> tuple[Callable[[], nn.Module], tuple[torch.Tensor]]:
-    build = lambda: CalibrationNet(d=spec.width, linears=spec.linears)  # noqa: E731
+    build = spec.build
     g = torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0)
     return build, (torch.randn(spec.batch, spec.width, generator=g).to(device),)
 
@@ -244,7 +250,7 @@ def measure_compute_scale(device: torch.device, spec: NetSpec, rounds: int) -> d
     from osdp.timing import StepTimer
 
     torch.manual_seed(0)
-    model = CalibrationNet(d=spec.width, linears=spec.linears).to(device)
+    model = spec.build().to(device)
     optimizer = make_optimizer("adamw", model.parameters())
     x = torch.randn(spec.batch, spec.width, device=device)
     rank, _ = world()
@@ -287,8 +293,8 @@ def fit_calibration(
     optimizer: str = "adamw",
 ) -> Calibration:
     """With compute times scaled by ``compute_scale`` (``measure_compute_scale``), what the cost model without
-    runtime overheads does not explain on the calibration jobs, attributed (non-negative least squares): a fixed cost per unit and per
-    byte of a unit by mode, and per parameter tensor (FSDP2's hooks, bookkeeping, copies, buffers, the
+    runtime overheads does not explain on the calibration jobs, attributed (non-negative least squares): a
+    fixed cost per step, per unit and per byte of a unit by mode, and per parameter tensor (FSDP2's hooks, bookkeeping, copies, buffers, the
     ranks meeting), per checkpointed unit, per split slice, per byte a split moves (SplitLinear's loop) and
     per second its slices' gathers run alongside compute (the contention of gloo's threads with compute on a
     CPU with a core per rank), per parameter tensor in the optimizer step (DTensor dispatch); and the memory
@@ -314,10 +320,12 @@ def fit_calibration(
             nbytes = sum(u.param_bytes for u in description.units)
             fsdp_params = 0 if kind == "replicate" and replicates_with_ddp(job.plan.mixed_precision) else n_params
             rows.append([len(description.units) * (kind == mode) for mode in MODES]
+                        + [float(kind == mode) for mode in MODES]  # once per step (the root's)
                         + [nbytes * (kind == mode) for mode in MODES] + [fsdp_params])
             residuals.append(residual[name])
-    scale = np.array([1.0] * 3 + [1e-9] * 3 + [1.0])  # condition the system: bytes are ~1e6 per unit
+    scale = np.array([1.0] * 6 + [1e-9] * 3 + [1.0])  # condition the system: bytes are ~1e6 per unit
     coef = nnls(np.array(rows, dtype=float) * scale, np.array(residuals, dtype=float))[0] * scale
+    per_unit, per_step, per_byte = (dict(zip(MODES, map(float, coef[i:i + 3]))) for i in (0, 3, 6))
     param_overhead = float(coef[-1])
     split_rows, split_extra = [], []
     for net, description in descriptions.items():
@@ -334,15 +342,16 @@ def fit_calibration(
                             calibration=base).breakdown["units"]
             alongside = sum(min(units[u.path]["split_comm_s"], units[u.path]["compute_s"]) for u in blocks)
             split_rows.append([3 * 2 * len(weights), 1e-9 * sum(3 * 4 * o * i for o, i in weights), alongside])
-            left_fsdp = param_overhead * len(weights) + coef[5] * sum(4 * o * i for o, i in weights)
+            left_fsdp = param_overhead * len(weights) + per_byte["zero3"] * sum(4 * o * i for o, i in weights)
             split_extra.append(residual[f"calibration-{net}-split"] - zero3 + left_fsdp)
     per_slice, per_gb, contention = (
         nnls(np.array(split_rows, dtype=float), np.array(split_extra))[0] if split_rows else (0.0, 0.0, 0.0)
     )
     return Calibration(
         compute_scale=compute_scale,
-        unit_overhead_s={mode: float(c) for mode, c in zip(MODES, coef[:3])},
-        unit_s_per_byte={mode: float(c) for mode, c in zip(MODES, coef[3:6])},
+        unit_overhead_s=per_unit,
+        root_overhead_s=per_step,
+        unit_s_per_byte=per_byte,
         param_overhead_s=param_overhead,
         checkpoint_overhead_s=max(0.0, statistics.median(ckpt)) if ckpt else 0.0,
         optimizer_tensor_s=max(0.0, statistics.median(opt_rows)),
@@ -445,8 +454,10 @@ class MachineCalibration:
     def summary(self) -> str:
         c = self.calibration
         per_unit = ", ".join(f"{m} {1e3 * c.unit_overhead_s.get(m, 0):.2f}" for m in MODES)
+        per_step = ", ".join(f"{m} {1e3 * c.root_overhead_s.get(m, 0):.2f}" for m in MODES)
         return (f"calibration of {self.key.describe()}, measured {self.measured_at} in {self.seconds:.0f} s: "
-                f"compute x{c.compute_scale:.2f}; per unit (ms) {per_unit}; margin {c.margin_bytes} B")
+                f"compute x{c.compute_scale:.2f}; per step (ms) {per_step}; per unit (ms) {per_unit}; "
+                f"margin {c.margin_bytes} B")
 
 
 def calibration_dir() -> Path:

@@ -89,6 +89,10 @@ class Calibration:
     compute_scale: float = 1.0
 
     unit_overhead_s: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(MODES, 0.0))
+    # once per step, charged to the root unit by its mode: the work of a step, not of a unit (FSDP2's root
+    # hooks and final callback, DDP's reducer, the ranks meeting); without it a model with fewer units than
+    # the calibration nets would be charged too little
+    root_overhead_s: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(MODES, 0.0))
     # per fp32 byte of a unit's FSDP-managed parameters, by mode: what grows with a unit's size beyond the
     # collectives' alpha-beta model (copies into and out of collective buffers, fresh buffers, gloo's
     # in-training behaviour)
@@ -114,6 +118,7 @@ class Calibration:
         return {
             "compute_scale": self.compute_scale,
             "unit_overhead_s": dict(self.unit_overhead_s),
+            "root_overhead_s": dict(self.root_overhead_s),
             "unit_s_per_byte": dict(self.unit_s_per_byte),
             "param_overhead_s": self.param_overhead_s,
             "checkpoint_overhead_s": self.checkpoint_overhead_s,
@@ -291,7 +296,8 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     else:
         exposed = max(comm - overlap * compute, 0.0)
     overhead = (
-        cal.unit_overhead_s.get(mode, 0.0) + (0.0 if ddp else cal.param_overhead_s * len(fsdp_shapes))
+        cal.unit_overhead_s.get(mode, 0.0) + (cal.root_overhead_s.get(mode, 0.0) if unit.path == ROOT else 0.0)
+        + (0.0 if ddp else cal.param_overhead_s * len(fsdp_shapes))
         + (cal.checkpoint_overhead_s if ckpt else 0.0)
         + per_byte
         + cal.slice_overhead_s * slices + cal.slice_s_per_byte * slice_bytes

@@ -18,7 +18,6 @@ from osdp.calibration import (
     PROFILES,
     CalibrationError,
     CalibrationKey,
-    CalibrationNet,
     MachineCalibration,
     cached_calibration,
     calibration_jobs,
@@ -34,6 +33,7 @@ from osdp.plan import MODES
 KNOWN = Calibration(
     compute_scale=1.25,
     unit_overhead_s={"replicate": 0.4e-3, "zero2": 0.7e-3, "zero3": 1.1e-3},
+    root_overhead_s={"replicate": 2.5e-3, "zero2": 1.5e-3, "zero3": 1.8e-3},
     unit_s_per_byte={"replicate": 0.2e-9, "zero2": 0.5e-9, "zero3": 0.9e-9},
     param_overhead_s=60e-6,
     checkpoint_overhead_s=0.3e-3,
@@ -52,7 +52,7 @@ def test_fit_recovers_the_costs_that_made_the_measurements():
     profile = PROFILES["full"]
     jobs = calibration_jobs(torch.device("cpu"), profile)
     descriptions = {
-        spec.name: describe_analytic(CalibrationNet(d=spec.width, linears=spec.linears),
+        spec.name: describe_analytic(spec.build(),
                                      (torch.randn(spec.batch, spec.width),), device, world_size=2,
                                      batch_sizes=(spec.batch,), progress=False)
         for spec in profile.nets
@@ -71,6 +71,7 @@ def test_fit_recovers_the_costs_that_made_the_measurements():
         assert getattr(fitted, field) == pytest.approx(getattr(KNOWN, field), rel=1e-6, abs=1e-12), field
     for mode in MODES:
         assert fitted.unit_overhead_s[mode] == pytest.approx(KNOWN.unit_overhead_s[mode], rel=1e-6)
+        assert fitted.root_overhead_s[mode] == pytest.approx(KNOWN.root_overhead_s[mode], rel=1e-6)
         assert fitted.unit_s_per_byte[mode] == pytest.approx(KNOWN.unit_s_per_byte[mode], rel=1e-6)
     assert fitted.margin_bytes == KNOWN.margin_bytes and fitted.compute_scale == KNOWN.compute_scale
 
