@@ -1,6 +1,9 @@
-"""``osdp plan``: plan a reference model offline, for a device preset, without the hardware.
+"""``osdp plan``: plan a model offline, for a device preset, without the hardware.
 
-The model is built on the meta device (no memory), described analytically
+The model is a reference model (``--model gpt2-small``), a user's factory
+(``--model my_pkg.models:build_model --input-spec "long[B,S] long[B,S]"``) or
+a local Transformers config (``--hf-config path/to/config.json``); see
+``osdp.model_source``. It is built on the meta device (no memory), described analytically
 (FLOPs at the preset's rate, memory from a fake-tensor trace) and searched at
 the given budget; the plan is printed unit by unit and can be written as JSON
 for ``osdp train --plan`` or drawn as a throughput-vs-memory frontier.
@@ -18,6 +21,7 @@ from osdp import models
 from osdp.analytic import describe_analytic
 from osdp.cost import predict
 from osdp.device import DEVICE_PRESETS, device_preset, list_presets, parse_size
+from osdp.model_source import ModelSource, ModelSourceError, from_factory, from_hf_config
 from osdp.optim import OPTIMIZERS
 from osdp.plan import display_path
 from osdp.planner import describe_granularities, search
@@ -30,7 +34,10 @@ DEFAULT_BATCH_CANDIDATES = (1, 2, 4, 8)
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="osdp plan", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="reference model (--list-models)")
+    p.add_argument("--model", help="reference model (--list-models), or a factory MODULE:FUNCTION (with --input-spec)")
+    p.add_argument("--input-spec", help='the batch a factory\'s model takes: "long[B,S] long[B,S]" or '
+                   '"input_ids=long[B,S] labels=long[B,S]" (B: micro-batch, S: --seq-len)')
+    p.add_argument("--hf-config", help="a local Transformers config.json (or its folder) to plan instead of --model")
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--device-mem", help="memory budget per rank, e.g. 16GiB (default: the preset's memory)")
     p.add_argument("--device", default="h100-nvlink", help="device preset (--list-devices)")
@@ -59,30 +66,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.list_devices:
         print(list_devices())
         return 0
-    if not args.model:
-        print("osdp plan: give --model NAME (see --list-models)", file=sys.stderr)
+    if bool(args.model) == bool(args.hf_config):
+        print("osdp plan: give --model NAME (see --list-models), --model MODULE:FUNCTION with --input-spec, "
+              "or --hf-config PATH", file=sys.stderr)
         return 2
     if args.device not in DEVICE_PRESETS:
         print(f"osdp plan: unknown device '{args.device}'; use one of {', '.join(list_presets())}", file=sys.stderr)
         return 2
     try:
-        config = models.get_config(args.model)
         budget = parse_size(args.device_mem) if args.device_mem else None
-    except ValueError as e:
+        source = model_source(args)
+    except (ValueError, ModelSourceError) as e:
         print(f"osdp plan: {e}", file=sys.stderr)
         return 2
     device_info = device_preset(args.device, args.world_size)
     budget = budget or device_info.memory_bytes
-    seq_len = args.seq_len or config.seq_len
+    seq_len = source.seq_len
     candidates = (args.batch_size,) if args.batch_size else DEFAULT_BATCH_CANDIDATES
-
-    with torch.device("meta"):  # parameters take no memory: planning a 1.5B model here is fine
-        model = models.build(args.model, seq_len=seq_len)
-    example = torch.zeros(max(candidates), seq_len, dtype=torch.long, device="meta")
-    descriptions = describe_granularities(lambda **g: describe_analytic(
-        model, (example, example), device_info, world_size=args.world_size, batch_sizes=candidates,
-        precisions=(args.mixed_precision,), progress=False, name=args.model, **g,
-    ))
+    model = source.model
+    try:
+        descriptions = describe_granularities(lambda **g: describe_analytic(
+            model, source.example(max(candidates)), device_info, world_size=args.world_size, batch_sizes=candidates,
+            precisions=(args.mixed_precision,), progress=False, name=source.name, **g,
+        ))
+    except Exception as e:  # noqa: BLE001 - the model's own forward: say what to check
+        print(f"osdp plan: {source.name}: its forward failed on the example batch ({type(e).__name__}: {e}); "
+              "does the batch give every input the forward needs (--input-spec), and does it return a loss?",
+              file=sys.stderr)
+        return 2
     try:
         result = search(descriptions, device_info, candidates, budget=budget, mixed_precision=args.mixed_precision,
                         optimizer=args.optimizer, model_signature=descriptions[0].signature)
@@ -101,9 +112,27 @@ def main(argv: list[str] | None = None) -> int:
         points = result.frontier()
         print(format_frontier(points, budget=budget, max_rows=15))
         plot_frontier(points, str(args.frontier), budget=budget,
-                      title=f"{args.model}, {args.world_size} x {args.device} (analytic)")
+                      title=f"{args.model or args.hf_config}, {args.world_size} x {args.device} (analytic)")
         print(f"frontier drawn to {args.frontier}")
     return 0
+
+
+def model_source(args: argparse.Namespace) -> ModelSource:
+    """The model to plan and its example batch: a reference model, a factory or a Transformers config."""
+    if args.hf_config:
+        return from_hf_config(args.hf_config, args.seq_len)
+    if ":" in args.model:
+        return from_factory(args.model, args.input_spec, args.seq_len)
+    config = models.get_config(args.model)  # ValueError names the reference models
+    seq_len = args.seq_len or config.seq_len
+    with torch.device("meta"):  # parameters take no memory: planning a 1.5B model here is fine
+        model = models.build(args.model, seq_len=seq_len)
+
+    def example(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.zeros(b, seq_len, dtype=torch.long, device="meta")
+        return tokens, tokens
+
+    return ModelSource(args.model, model, example, seq_len)
 
 
 def plan_report(args, plan, prediction, seq_len: int, describe_s: float, search_s: float) -> str:
@@ -117,7 +146,7 @@ def plan_report(args, plan, prediction, seq_len: int, describe_s: float, search_
     tokens_per_s = plan.batch_size * seq_len / plan.predicted_step_s
     totals = [
         f"{plan.summary()}",
-        f"model {args.model}, {args.world_size} ranks of {args.device}, budget "
+        f"model {args.model or args.hf_config}, {args.world_size} ranks of {args.device}, budget "
         f"{format_bytes(plan.meta['budget_bytes'])}, micro-batch {plan.batch_size} x {seq_len} tokens, "
         f"{plan.mixed_precision}, {plan.meta['granularity']} units",
         f"predicted: step {plan.predicted_step_s * 1e3:.1f} ms, peak {format_bytes(plan.predicted_peak_bytes)} per rank, "

@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
+from osdp.caches import disable_caches_in_training
 from osdp.description import PHASES, PRECISIONS, Affine, ModelDescription, UnitProfile, UnitWorkload
 from osdp.log import Progress
 from osdp.machine import device_name
@@ -526,18 +527,22 @@ def checkpointable(units: Sequence[Unit]) -> list[Unit]:
 @contextlib.contextmanager
 def _checkpointed(model: nn.Module, units: Sequence[Unit]):
     """Every checkpointable unit's forward under non-reentrant activation checkpointing (as a plan's
-    checkpointing runs it), the module hooks outside it; restored on exit."""
+    checkpointing runs it, forward caches off: ``osdp.caches``), the module hooks outside it; restored
+    on exit."""
     from torch.utils.checkpoint import checkpoint
 
     modules = dict(model.named_modules())
     wrapped = [modules[u.path] for u in checkpointable(units)]
     for m in wrapped:
         m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)
+    no_cache = disable_caches_in_training(model, warn=False)
     try:
         yield
     finally:
         for m in wrapped:
             del m.forward  # the instance attribute: the class's forward again
+        for handle in no_cache:
+            handle.remove()
 
 
 def time_optimizers(params: Sequence[torch.Tensor], names: Iterable[str], repeats: int = 3) -> dict[str, float]:

@@ -1,44 +1,181 @@
-"""A Hugging Face transformers model built from a config (tied embeddings, no download) trains
-under every mode exactly as in one process."""
+"""Hugging Face Transformers models as users bring them, built from small configs (no download,
+defaults kept: caches on, tied heads), train under every mode, split, checkpointing and a searched
+plan exactly as in one process."""
 
+from __future__ import annotations
+
+import warnings
+
+import pytest
 import torch
 import torch.nn as nn
 import transformers  # a test extra: pip install -e ".[test]"
 
 import osdp
 from dist_harness import run_ranks
+from osdp.caches import cached_modules
 from test_wrap import every_mode_plans
-from training_check import STEPS, assert_matches_reference, reference, train_under_plans
+from training_check import STEPS, assert_matches_reference, full_state, reference, train, train_under_plans
+
+VOCAB, SEQ, BATCH = 64, 8, 4
+NO_DROPOUT = dict(  # ranks draw other dropout masks than one process: compared without it
+    gpt2=dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    bert=dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    t5=dict(dropout_rate=0.0),
+    bart=dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0),
+    vit=dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+)
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)  # 64 x 64: splittable
 
 
-class CausalLMLoss(nn.Module):
-    """``model(inputs, targets) -> loss`` over a Hugging Face causal LM (it shifts labels itself)."""
+class WithLoss(nn.Module):
+    """``model(inputs, targets) -> loss`` over a Transformers model that computes its loss from ``labels``."""
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, hf: nn.Module, input_name: str):
         super().__init__()
-        self.lm = lm
+        self.hf, self.input_name = hf, input_name
 
-    def forward(self, input_ids, labels):
-        return self.lm(input_ids=input_ids, labels=labels).loss
+    def forward(self, inputs, labels):
+        out = self.hf(**{self.input_name: inputs}, labels=labels)
+        return out.loss if self.training else out  # evaluation: the whole output (logits, caches)
 
 
-def build_hf_gpt2():
+def hf_model(family: str, dropout: bool = False) -> nn.Module:
+    """A two-layer model of ``family`` with its loss; defaults kept except sizes (and dropout, unless asked)."""
     torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )
-    lm = transformers.GPT2LMHeadModel(config)
-    assert lm.lm_head.weight is lm.transformer.wte.weight
-    return CausalLMLoss(lm)
+    t = transformers
+    drop = {} if dropout else NO_DROPOUT.get(family, {})
+    if family == "gpt2":  # Conv1D, tied head
+        config = t.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16, **drop)
+        return WithLoss(t.GPT2LMHeadModel(config), "input_ids")
+    if family == "llama":  # RoPE, grouped-query attention, gated MLP of Linears
+        config = t.LlamaConfig(vocab_size=VOCAB, num_key_value_heads=2, max_position_embeddings=32, **SMALL)
+        return WithLoss(t.LlamaForCausalLM(config), "input_ids")
+    if family == "qwen2":
+        config = t.Qwen2Config(vocab_size=VOCAB, num_key_value_heads=2, max_position_embeddings=32, **SMALL)
+        return WithLoss(t.Qwen2ForCausalLM(config), "input_ids")
+    if family == "mixtral":  # mixture of experts: top-2 of 4 experts inside each decoder layer's MoE block
+        config = t.MixtralConfig(vocab_size=VOCAB, num_key_value_heads=2, max_position_embeddings=32,
+                                 num_local_experts=4, num_experts_per_tok=2, **SMALL)
+        return WithLoss(t.MixtralForCausalLM(config), "input_ids")
+    if family == "bert":  # masked LM, tied decoder
+        config = t.BertConfig(vocab_size=VOCAB, max_position_embeddings=32, **SMALL, **drop)
+        return WithLoss(t.BertForMaskedLM(config), "input_ids")
+    if family == "t5":  # encoder-decoder, cross-attention, relative position bias, use_cache on
+        config = t.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                            decoder_start_token_id=0, pad_token_id=0, **drop)
+        return WithLoss(t.T5ForConditionalGeneration(config), "input_ids")
+    if family == "bart":  # encoder-decoder, learned positions, use_cache on
+        config = t.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+                              encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                              decoder_ffn_dim=128, max_position_embeddings=32, **drop)
+        return WithLoss(t.BartForConditionalGeneration(config), "input_ids")
+    if family == "vit":  # pixels in, a class out
+        config = t.ViTConfig(image_size=16, patch_size=4, num_labels=5, **SMALL, **drop)
+        return WithLoss(t.ViTForImageClassification(config), "pixel_values")
+    raise ValueError(family)
 
 
-def test_hf_gpt2_matches_single_process():
-    paths = [u.path for u in osdp.discover_units(build_hf_gpt2())]
-    assert "lm.transformer.h.0.attn" in paths and "lm.transformer.h.1.mlp" in paths
-    plans = every_mode_plans(build_hf_gpt2())
-    assert "split" not in plans  # GPT-2's Conv1D is not an nn.Linear: nothing to split
+FAMILIES = ["gpt2", "llama", "qwen2", "mixtral", "bert", "t5", "bart", "vit"]
+
+
+def batches(family: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Global batches (every rank takes its slice); every token labelled, so that ranks' mean losses
+    average to one process's."""
     g = torch.Generator().manual_seed(2)
-    batches = [(torch.randint(0, 64, (4, 16), generator=g),) * 2 for _ in range(STEPS)]
-    out = run_ranks(train_under_plans, 2, build_hf_gpt2, batches, [p.to_json() for p in plans.values()])
-    assert_matches_reference(out, reference(build_hf_gpt2, batches), list(plans))
+    if family == "vit":
+        return [(torch.randn(BATCH, 3, 16, 16, generator=g), torch.randint(0, 5, (BATCH,), generator=g))
+                for _ in range(STEPS)]
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+        labels = ids if family in ("gpt2", "llama", "qwen2", "mixtral") else torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+        out.append((ids, labels))
+    return out
+
+
+def _train_searched(rank, world_size, family, global_batches):
+    """``osdp.wrap(model, device_mem=...)`` at 5% above the least any plan needs (so that the search has
+    to shard and checkpoint), then trained; losses, full state (rank 0) and the plan's modes."""
+    n = BATCH // world_size
+    example = tuple(t[rank * n:(rank + 1) * n] for t in global_batches[0])
+    try:
+        osdp.wrap(hf_model(family), device_mem="1KiB", example_input=example)
+        raise AssertionError("1 KiB fits no plan")
+    except osdp.BudgetTooSmall as e:
+        budget = int(e.min_peak_bytes * 1.05)
+    model = hf_model(family)
+    osdp.wrap(model, device_mem=budget, example_input=example)
+    plan = osdp.plan_of(model)
+    losses = train(model, global_batches, rank, world_size)
+    state = full_state(model)
+    return [(losses, state if rank == 0 else None)], sorted({(u.mode, u.split, u.checkpoint) for u in plan.units})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_trains_under_every_plan_kind_as_one_process(family):
+    build = lambda: hf_model(family)  # noqa: E731
+    plans = every_mode_plans(build())  # every mode, checkpointing on and off, split where a Linear qualifies
+    assert ("split" in plans) == (family != "gpt2"), "GPT-2's Conv1D is no nn.Linear; every other family has some"
+    data = batches(family)
+    ref = reference(build, data)
+    out = run_ranks(_train_planned, 2, family, data, [p.to_json() for p in plans.values()], timeout=240)
+    assert_matches_reference(out, ref, list(plans))
+    searched = run_ranks(_train_searched, 2, family, data, timeout=240)
+    assert_matches_reference([r[0] for r in searched], ref, ["searched"])
+    assert searched[0][1] == searched[1][1]  # one plan on every rank
+
+
+def _train_planned(rank, world_size, family, data, plans_json):
+    return train_under_plans(rank, world_size, lambda: hf_model(family), data, plans_json)
+
+
+def test_caches_are_off_while_checkpointed_units_train_and_on_for_inference():
+    """T5 keeps its key/value cache on by default; checkpointed, its recomputed forward would save other
+    tensors. Training turns the cache off (with one warning); inference still returns it."""
+    model = hf_model("t5")
+    assert cached_modules(model) == ["hf"] and model.hf.config.use_cache
+    ids, labels = batches("t5")[0]
+    plan = every_mode_plans(model)["mixed_a"]
+    assert any(u.checkpoint for u in plan.units)
+    out = run_ranks(_cache_check, 2, plan.to_json(), ids, labels, timeout=120)
+    for warned, cache_in_eval, config_use_cache in out:
+        assert warned == 1 and cache_in_eval and config_use_cache  # the user's config untouched
+
+
+def _cache_check(rank, world_size, plan_json, ids, labels):
+    model = hf_model("t5")
+    osdp.wrap(model, plan=plan_json)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model(ids, labels).backward()  # would raise CheckpointError with the cache on
+    warned = sum("use_cache=False while training" in str(w.message) for w in caught)
+    model.eval()
+    with torch.no_grad():
+        out = model(ids, labels)
+    return warned, out.past_key_values is not None, model.hf.config.use_cache
+
+
+def test_checkpointed_recomputation_replays_dropout_exactly():
+    """With GPT-2's default dropout on, a plan that checkpoints every unit trains exactly as the same plan
+    without checkpointing on the same ranks: the recomputed forward draws the same masks."""
+    paths = [u.path for u in osdp.discover_units(hf_model("gpt2", dropout=True))]
+    plain = osdp.Plan.for_strategy(paths, "fsdp")
+    ckpt = osdp.Plan([osdp.UnitPlan(p, "zero3", checkpoint=p != "") for p in paths])
+    out = run_ranks(_train_with_dropout, 2, batches("gpt2"), [plain.to_json(), ckpt.to_json()], timeout=240)
+    (plain_losses, plain_state), (ckpt_losses, ckpt_state) = out[0]
+    assert plain_losses == ckpt_losses  # to the bit: other masks would differ by ~1e-2
+    # gradients summed in another order under recomputation (the tied embedding's two uses): rounding only
+    assert max((plain_state[k] - ckpt_state[k]).abs().max().item() for k in plain_state) <= 1e-6
+
+
+def _train_with_dropout(rank, world_size, data, plans_json):
+    results = []
+    for plan_json in plans_json:
+        model = hf_model("gpt2", dropout=True)
+        osdp.wrap(model, plan=plan_json)
+        torch.manual_seed(100 + rank)  # the same masks for both plans on a rank
+        losses = train(model, data, rank, world_size)
+        results.append((losses, full_state(model)))
+    return results

@@ -44,3 +44,97 @@ def test_plan_cli_lists_what_it_accepts(flag, expected, capsys):
     assert expected in out
     if flag == "--list-models":
         assert out.split() == models.names()
+
+
+# ---------------------------------------------------------------- a user's own model, planned offline
+
+FACTORIES = '''
+import torch.nn as nn
+from osdp import models
+
+def gpt2_mini():
+    return models.build("gpt2-mini")
+
+def broken():
+    raise RuntimeError("no such checkpoint")
+
+def empty():
+    return nn.Sequential(nn.ReLU())
+
+def not_a_model():
+    return 42
+'''
+
+
+@pytest.fixture
+def user_package(tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def _plan(args, tmp_path, name):
+    out = tmp_path / f"{name}.json"
+    code = main([*args, "--world-size", "4", "--device", "a100-40gb-nvlink", "--device-mem", "64MiB",
+                 "--batch-size", "2", "--json", str(out)])
+    return code, (json.loads(out.read_text()) if code == 0 else None)
+
+
+def test_a_factory_plans_as_the_same_reference_model(user_package, tmp_path, capsys):
+    """A factory that builds gpt2-mini, given the batch it takes, gets the plan the built-in name gets."""
+    code, by_factory = _plan(["--model", "my_models:gpt2_mini", "--input-spec", "long[B,S] long[B,S]",
+                              "--seq-len", "128"], tmp_path, "factory")
+    assert code == 0
+    code, by_name = _plan(["--model", "gpt2-mini"], tmp_path, "name")
+    assert code == 0
+    assert by_factory["units"] == by_name["units"]
+    assert by_factory["predicted_step_s"] == pytest.approx(by_name["predicted_step_s"], rel=1e-9)
+    assert by_factory["predicted_peak_bytes"] == by_name["predicted_peak_bytes"]
+    assert "model my_models:gpt2_mini" in capsys.readouterr().out
+
+
+def test_a_transformers_config_plans_offline_in_seconds(tmp_path, capsys):
+    """A 1.5B-parameter Llama from its config.json alone (meta device: no memory), searched in seconds."""
+    import time
+
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2048,
+              "intermediate_size": 5632, "num_hidden_layers": 28, "num_attention_heads": 32,
+              "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    start = time.perf_counter()
+    code = main(["--hf-config", str(tmp_path), "--world-size", "8", "--device", "h100-nvlink", "--device-mem", "16GiB",
+                 "--batch-size", "1", "--seq-len", "1024", "--json", str(tmp_path / "plan.json")])
+    seconds = time.perf_counter() - start
+    assert code == 0, capsys.readouterr().err
+    plan = Plan.from_json((tmp_path / "plan.json").read_text())
+    paths = {u.path for u in plan.units}
+    assert "model.layers.27.mlp" in paths or "model.layers.27" in paths
+    assert plan.predicted_peak_bytes <= 16 * 2**30
+    assert seconds < 60, seconds  # a bound that only a hang or a real run of the model would break
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--model", "my_models:gpt2_mini"], "give --input-spec"),
+    (["--model", "my_models:missing", "--input-spec", "long[B,S]"], "cannot import missing from my_models"),
+    (["--model", "no_such_pkg.models:build", "--input-spec", "long[B,S]"], "cannot import build from no_such_pkg"),
+    (["--model", "my_models:broken", "--input-spec", "long[B,S]"], "RuntimeError: no such checkpoint"),
+    (["--model", "my_models:empty", "--input-spec", "long[B,S]"], "has no parameters on the meta device"),
+    (["--model", "my_models:not_a_model", "--input-spec", "long[B,S]"], "returned a int, not an nn.Module"),
+    (["--model", "my_models:gpt2_mini", "--input-spec", "long[B,Q]"], "dimension 'Q' is not B, S or an integer"),
+    (["--model", "my_models:gpt2_mini", "--input-spec", "tokens[B,S]"], "write DTYPE[DIMS]"),
+    (["--model", "my_models:gpt2_mini", "--input-spec", "float[B,S]"], "its forward failed on the example batch"),
+])
+def test_a_factory_that_cannot_be_planned_says_why(user_package, args, expected, capsys):
+    assert main([*args, "--device-mem", "64MiB", "--batch-size", "2", "--seq-len", "16"]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_a_config_transformers_cannot_build_says_why(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    assert main(["--hf-config", str(tmp_path)]) == 2
+    assert "has no \"model_type\"" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-family"}))
+    assert main(["--hf-config", str(tmp_path)]) == 2
+    assert "cannot read a Transformers config" in capsys.readouterr().err
+    assert main(["--hf-config", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read a Transformers config" in capsys.readouterr().err

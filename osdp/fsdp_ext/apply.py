@@ -17,7 +17,8 @@ the root, as ``fully_shard`` expects:
 * ``split: k``: the unit's large Linears become ``SplitLinear`` (k slices,
   gathered one at a time); FSDP2 leaves their weights alone;
 * ``checkpoint``: activation checkpointing of the unit (composable, so
-  module paths and state-dict keys do not change).
+  module paths and state-dict keys do not change); modules that keep a
+  forward cache are called without it while training (``osdp.caches``).
 
 Before anything is changed, every rank validates the plan against the model
 and checks that all ranks hold the same plan hash; any failure is raised on
@@ -34,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from osdp import comm
+from osdp.caches import disable_caches_in_training
 from osdp.distributed import all_gather_objects, world
 from osdp.plan import ROOT, Plan, PlanError, UnitPlan, display_path
 from osdp.split import apply_split, split_parameters, splittable_linears
@@ -237,6 +239,8 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None =
     if replicated:
         in_order = [p for p in model.parameters() if p in replicated]  # DDP buckets them in reverse
         setattr(model, _REPLICATED_ATTR, ReplicatedParameters(model, in_order, device))
+    if any(d.checkpoint for d in plan.units):
+        disable_caches_in_training(model)  # a recomputed forward must save what the first one saved
     comm.install(model)  # the reduce-scatter of osdp.comm's setting on every unit (FSDP2's own by default)
     setattr(model, _PLAN_ATTR, plan)
     return model
