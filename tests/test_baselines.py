@@ -101,10 +101,10 @@ def test_each_baseline_is_what_its_name_says_and_trains_like_one_process():
 
 
 def test_transformer_blocks_of_a_hugging_face_model_and_a_model_without_blocks():
-    from test_hf_model import build_hf_gpt2
+    from test_hf_model import hf_model
 
-    model = build_hf_gpt2()
-    assert baselines.transformer_blocks(model) is model.lm.transformer.h
+    model = hf_model("gpt2")
+    assert baselines.transformer_blocks(model) is model.hf.transformer.h
     with pytest.raises(ValueError, match="no list of transformer blocks"):
         baselines.transformer_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
     with pytest.raises(ValueError, match="unknown baseline 'ddp'"):
