@@ -1,4 +1,4 @@
-"""Models to plan offline that are not built in: a user's factory, or a local Transformers config.
+"""Models to plan offline: a reference model, a user's factory, or a local Transformers config.
 
 ``osdp plan --model my_pkg.models:build_model --input-spec "long[B,S] long[B,S]"``
 imports ``my_pkg.models`` and calls ``build_model()`` on the meta device (no
@@ -79,6 +79,22 @@ def parse_input_spec(spec: str, seq_len: int) -> Callable[[int], Any]:
     return example
 
 
+def from_reference(name: str, seq_len: int | None) -> ModelSource:
+    """A built-in reference model (``osdp.models``) with its token batch (inputs and targets)."""
+    from osdp import models
+
+    config = models.get_config(name)  # ValueError names the reference models
+    seq_len = seq_len or config.seq_len
+    with torch.device("meta"):
+        model = models.build(name, seq_len=seq_len)
+
+    def example(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.zeros(b, seq_len, dtype=torch.long, device="meta")
+        return tokens, tokens
+
+    return ModelSource(name, model, example, seq_len)
+
+
 def from_factory(target: str, input_spec: str | None, seq_len: int | None) -> ModelSource:
     """``module.path:function``, called with no arguments on the meta device."""
     module_name, _, attr = target.partition(":")
@@ -119,12 +135,15 @@ def from_hf_config(path: str | Path, seq_len: int | None) -> ModelSource:
     file = path / "config.json" if path.is_dir() else path
     try:
         raw = json.loads(file.read_text())
-        config = transformers.AutoConfig.for_model(**raw) if "model_type" in raw else None
-    except (OSError, json.JSONDecodeError, ValueError, KeyError) as e:
+    except (OSError, json.JSONDecodeError) as e:
         raise ModelSourceError(f"--hf-config {path}: cannot read a Transformers config from {file} ({e})") from e
-    if config is None:
+    if "model_type" not in raw:
         raise ModelSourceError(f"--hf-config {path}: {file} has no \"model_type\"; a Transformers config.json "
                                "names its family there (e.g. \"llama\")")
+    try:
+        config = transformers.AutoConfig.for_model(**raw)
+    except (ValueError, KeyError) as e:
+        raise ModelSourceError(f"--hf-config {path}: cannot read a Transformers config from {file} ({e})") from e
     model = _build_hf(config, raw.get("architectures") or [], f"--hf-config {path}")
     _check_model(model, f"--hf-config {path}")
     if getattr(config, "model_type", "") in ("vit", "deit", "beit", "swin", "convnext"):

@@ -15,13 +15,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from osdp import models
 from osdp.analytic import describe_analytic
 from osdp.cost import predict
 from osdp.device import DEVICE_PRESETS, device_preset, list_presets, parse_size
-from osdp.model_source import ModelSource, ModelSourceError, from_factory, from_hf_config
+from osdp.model_source import ModelSource, ModelSourceError, from_factory, from_hf_config, from_reference
 from osdp.optim import OPTIMIZERS
 from osdp.plan import display_path
 from osdp.planner import describe_granularities, search
@@ -123,16 +121,7 @@ def model_source(args: argparse.Namespace) -> ModelSource:
         return from_hf_config(args.hf_config, args.seq_len)
     if ":" in args.model:
         return from_factory(args.model, args.input_spec, args.seq_len)
-    config = models.get_config(args.model)  # ValueError names the reference models
-    seq_len = args.seq_len or config.seq_len
-    with torch.device("meta"):  # parameters take no memory: planning a 1.5B model here is fine
-        model = models.build(args.model, seq_len=seq_len)
-
-    def example(b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.zeros(b, seq_len, dtype=torch.long, device="meta")
-        return tokens, tokens
-
-    return ModelSource(args.model, model, example, seq_len)
+    return from_reference(args.model, args.seq_len)
 
 
 def plan_report(args, plan, prediction, seq_len: int, describe_s: float, search_s: float) -> str:
