@@ -179,3 +179,30 @@ def _train_with_dropout(rank, world_size, data, plans_json):
         losses = train(model, data, rank, world_size)
         results.append((losses, full_state(model)))
     return results
+
+
+def _train_and_save_pretrained(rank, world_size, data, plan_json, directory):
+    from osdp.checkpoint import full_state_dict
+
+    model = hf_model("gpt2")
+    osdp.wrap(model, plan=plan_json)
+    train(model, data, rank, world_size)
+    state = full_state_dict(model)  # collective: the whole model on rank 0, on the CPU
+    if rank == 0:  # the wrapped model itself saves, from the gathered state (keys without our wrapper's prefix)
+        model.hf.save_pretrained(directory, state_dict={k.removeprefix("hf."): v for k, v in state.items()})
+
+
+def test_a_wrapped_model_saves_with_save_pretrained_as_one_process_would(tmp_path):
+    data = batches("gpt2")
+    plan = every_mode_plans(hf_model("gpt2"))["split"]
+    assert any(u.split > 1 for u in plan.units)
+    run_ranks(_train_and_save_pretrained, 2, data, plan.to_json(), str(tmp_path), timeout=240)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    ref = hf_model("gpt2")
+    train(ref, data)
+    expected = ref.hf.state_dict()
+    got = loaded.state_dict()
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0, msg=key)
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # still tied

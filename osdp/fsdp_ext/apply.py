@@ -38,7 +38,7 @@ from osdp import comm
 from osdp.caches import disable_caches_in_training
 from osdp.distributed import all_gather_objects, world
 from osdp.plan import ROOT, Plan, PlanError, UnitPlan, display_path
-from osdp.split import apply_split, split_parameters, splittable_linears
+from osdp.split import SplitLinear, apply_split, split_parameters, splittable_linears
 from osdp.fsdp_ext.replicate import ReplicatedParameters, replicates_with_ddp
 from osdp.units import Unit, build_units, structure_signature, unit_parameters
 
@@ -239,6 +239,9 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None =
     if replicated:
         in_order = [p for p in model.parameters() if p in replicated]  # DDP buckets them in reverse
         setattr(model, _REPLICATED_ATTR, ReplicatedParameters(model, in_order, device))
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.register_forward_hook(_reshard_after_forward_without_grad)
     if any(d.checkpoint for d in plan.units):
         disable_caches_in_training(model)  # a recomputed forward must save what the first one saved
     comm.install(model)  # the reduce-scatter of osdp.comm's setting on every unit (FSDP2's own by default)
@@ -258,14 +261,28 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     The OSDP form of ``FSDPModule.set_requires_gradient_sync`` and
     ``DistributedDataParallel.no_sync``: call it with False before the
     micro-batches that only accumulate, and with True before the last one.
+    Every unit then reduces once per window: FSDP2 units and split Linears keep
+    the unsharded gradient meanwhile (as FSDP2 does), replicated units DDP's.
     """
     plan_of(model)  # raises unless wrapped
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
+        elif isinstance(module, SplitLinear):
+            module.requires_gradient_sync = requires_gradient_sync
     replicated = getattr(model, _REPLICATED_ATTR, None)
     if replicated is not None:
         replicated.set_requires_gradient_sync(requires_gradient_sync)
+
+
+def _reshard_after_forward_without_grad(module: FSDPModule, args, output):
+    # A forward under no_grad (evaluation) has no backward to reshard the units that keep their parameters
+    # gathered after forward (zero2, the root): reshard them now. That frees their memory for inference,
+    # and training after evaluation left them gathered diverged from one process (units at sub-block
+    # granularity; measured in tests/test_training_loop.py).
+    if not torch.is_grad_enabled():
+        module.reshard()
+    return output
 
 
 def _checkpoint(module: nn.Module) -> None:

@@ -26,8 +26,10 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from osdp._torch_private import ddp_post_forward, ddp_pre_forward
 
@@ -62,6 +64,7 @@ class ReplicatedParameters:
         # step on gloo here against DDP's built-in all-reduce.)
         self._buckets: dict[int, weakref.ref] = {}  # storage address -> a bucket's storage
         self._step_hook = register_optimizer_step_pre_hook(_weak(self._note_buckets))
+        _step_mixed_optimizers_with_implicit_replication()
         self._hooks = [
             model.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._post_forward),
@@ -109,3 +112,37 @@ def _unreduced(_state, bucket):  # unannotated: DDP checks a hook's annotations 
     future = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
+
+
+# Optimizers over a model with replicated and sharded units hold plain tensors (DDP's) beside DTensors
+# (FSDP2's and split weights). torch's foreach and fused kernels, the default on CUDA, refuse such a mix
+# in one list, so the step of such an optimizer runs under DTensor's implicit replication, which takes
+# the plain tensors as replicated: they are, DDP has made them equal on every rank.
+_implicit: dict[int, object] = {}  # id(optimizer) -> its implicit_replication context, during its step
+_hooks_installed = False
+
+
+def _mixes_plain_and_dtensors(optimizer: torch.optim.Optimizer) -> bool:
+    kinds = {isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]}
+    return len(kinds) == 2
+
+
+def _enter_implicit_replication(optimizer: torch.optim.Optimizer, *_) -> None:
+    if _mixes_plain_and_dtensors(optimizer):
+        context = implicit_replication()
+        context.__enter__()
+        _implicit[id(optimizer)] = context
+
+
+def _exit_implicit_replication(optimizer: torch.optim.Optimizer, *_) -> None:
+    context = _implicit.pop(id(optimizer), None)
+    if context is not None:
+        context.__exit__(None, None, None)
+
+
+def _step_mixed_optimizers_with_implicit_replication() -> None:
+    global _hooks_installed
+    if not _hooks_installed:
+        register_optimizer_step_pre_hook(_enter_implicit_replication)
+        register_optimizer_step_post_hook(_exit_implicit_replication)
+        _hooks_installed = True

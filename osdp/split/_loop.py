@@ -187,3 +187,39 @@ def backward(
     if grad_w is not None and grad_w.shape[0] != w_local.shape[0]:
         grad_w = grad_w[: w_local.shape[0]]
     return grad_x, grad_w
+
+
+def accumulate_weight_grad(
+    accumulated: torch.Tensor | None, grad_out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup,
+    piece_sizes: list[int], out_features: int, reduce_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """``accumulated`` plus this micro-batch's unreduced weight gradient, in the padded full layout
+    (N * rows_per_rank, in): no communication (gradient accumulation without sync)."""
+    n, c = group.size(), sum(piece_sizes)
+    if n * c != out_features:
+        grad_out = torch.nn.functional.pad(grad_out, (0, n * c - out_features))
+    reduce_dtype = reduce_dtype or x.dtype
+    if accumulated is None:
+        return COUNTER.allocate("grad", torch.mm(grad_out.t(), x).to(reduce_dtype))
+    accumulated.add_(torch.mm(grad_out.t(), x).to(reduce_dtype))
+    return accumulated
+
+
+def reduce_accumulated(
+    accumulated: torch.Tensor, w_local: torch.Tensor, group: dist.ProcessGroup, piece_sizes: list[int],
+    pairwise: bool = False,
+) -> torch.Tensor:
+    """This rank's rows of the data-parallel mean of an accumulated weight gradient: one reduce-scatter per
+    slice, as the synchronising backward makes them, for the whole accumulation window."""
+    n, c = group.size(), sum(piece_sizes)
+    by_rank = accumulated.view(n, c, accumulated.shape[1])
+    reduce = comm.pairwise_reduce_scatter if pairwise else comm.native_reduce_scatter
+    reduced = accumulated.new_empty(c, accumulated.shape[1])
+    pending = []
+    for off, q in zip(_offsets(piece_sizes), piece_sizes):
+        unreduced = by_rank[:, off : off + q].reshape(n * q, -1)  # slice i, rank-major, as backward() sends it
+        pending.append(reduce(reduced[off : off + q], unreduced, op=_avg(group), group=group, async_op=True))
+    for work in pending:
+        work.wait()
+    COUNTER.release("grad", accumulated)
+    return reduced[: w_local.shape[0]].to(w_local.dtype)

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from osdp import comm
-from osdp.split import _extension
+from osdp.split import _extension, _loop
 
 # Linears smaller than this (weight elements) are not worth k extra collectives;
 # small enough that the MLP Linears of tiny test models still qualify.
@@ -35,7 +35,8 @@ def split_layout(out_features: int, world_size: int, k: int) -> tuple[int, list[
 
 class _SplitLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w_local: torch.Tensor, bias: torch.Tensor | None, module: "SplitLinear"):
+    def forward(ctx, x: torch.Tensor, w_local: torch.Tensor, bias: torch.Tensor | None, module: "SplitLinear",
+                reduce_dtype: torch.dtype | None):
         impl = _extension.implementation()
         x2d = x.reshape(-1, module.in_features)
         group = module.weight.device_mesh.get_group()
@@ -43,7 +44,7 @@ class _SplitLinearFunction(torch.autograd.Function):
         if bias is not None:
             y.add_(bias)
         ctx.save_for_backward(x2d, w_local)
-        ctx.impl, ctx.group, ctx.module = impl, group, module
+        ctx.impl, ctx.group, ctx.module, ctx.reduce_dtype = impl, group, module, reduce_dtype
         ctx.x_shape, ctx.bias_dtype = x.shape, None if bias is None else bias.dtype
         return y.view(*x.shape[:-1], module.out_features)
 
@@ -51,15 +52,25 @@ class _SplitLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_y: torch.Tensor):
         x2d, w_local = ctx.saved_tensors
         module = ctx.module
-        need_x, need_w, need_b, _ = ctx.needs_input_grad
+        need_x, need_w, need_b, _, _ = ctx.needs_input_grad
         grad_y = grad_y.reshape(-1, module.out_features).contiguous()
         pairwise = comm.reduce_scatter_impl() == "pairwise"  # NCCL's traffic on gloo (osdp.comm)
+        accumulating = need_w and (not module.requires_gradient_sync or module.accumulated_grad is not None)
         grad_x, grad_w = ctx.impl.backward(
-            grad_y, x2d, w_local, ctx.group, module.piece_sizes, module.out_features, need_x, need_w, module.reduce_dtype,
-            pairwise,
+            grad_y, x2d, w_local, ctx.group, module.piece_sizes, module.out_features, need_x,
+            need_w and not accumulating, ctx.reduce_dtype, pairwise,
         )
+        if accumulating:  # one reduction per accumulation window, with the micro-batch that syncs
+            module.accumulated_grad = _loop.accumulate_weight_grad(
+                module.accumulated_grad, grad_y, x2d, ctx.group, module.piece_sizes, module.out_features,
+                ctx.reduce_dtype,
+            )
+            if module.requires_gradient_sync:
+                grad_w = _loop.reduce_accumulated(module.accumulated_grad, w_local, ctx.group, module.piece_sizes,
+                                                  pairwise)
+                module.accumulated_grad = None
         grad_b = grad_y.sum(0).to(ctx.bias_dtype) if need_b else None
-        return None if grad_x is None else grad_x.view(ctx.x_shape), grad_w, grad_b, None
+        return None if grad_x is None else grad_x.view(ctx.x_shape), grad_w, grad_b, None, None
 
 
 class SplitLinear(nn.Module):
@@ -100,6 +111,11 @@ class SplitLinear(nn.Module):
         mp_policy = mp_policy or MixedPrecisionPolicy()
         self.param_dtype = mp_policy.param_dtype
         self.reduce_dtype = mp_policy.reduce_dtype
+        # Gradient accumulation (osdp.set_requires_gradient_sync): while False, backward adds the full, unreduced
+        # weight gradient here (the unsharded gradient FSDP2 keeps in the same case) and reduces nothing; the
+        # backward that syncs reduce-scatters it once, slice by slice.
+        self.requires_gradient_sync = True
+        self.accumulated_grad: torch.Tensor | None = None
         self.register_load_state_dict_pre_hook(_shard_full_weight)
 
     @classmethod
@@ -115,9 +131,17 @@ class SplitLinear(nn.Module):
         return cls(weight, bias, k, mp_policy=mp_policy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.param_dtype is not None:
-            x = x.to(self.param_dtype)
-        return _SplitLinearFunction.apply(x, self.weight.to_local(), self.bias, self)
+        compute_dtype, reduce_dtype = self.param_dtype, self.reduce_dtype
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            # as nn.Linear under autocast: multiply (here: gather too) in the autocast dtype; the weight
+            # gradient, computed in it, is reduced in the parameter's dtype, as the cast's backward returns it
+            compute_dtype = torch.get_autocast_dtype(device_type)
+            reduce_dtype = reduce_dtype or self.weight.dtype
+        if compute_dtype is not None:
+            x = x.to(compute_dtype)
+        with torch.autocast(device_type, enabled=False):  # the loop's matmuls run in the dtype chosen above
+            return _SplitLinearFunction.apply(x, self.weight.to_local(), self.bias, self, reduce_dtype)
 
     @torch.no_grad()
     def full_weight(self) -> torch.Tensor:

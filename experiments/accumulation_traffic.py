@@ -1,0 +1,118 @@
+"""Gradient traffic per optimizer step under gradient accumulation: how many bytes each kind of unit
+reduce-scatters when one step takes k micro-batches (``osdp.set_requires_gradient_sync`` False on all but
+the last).
+
+    python experiments/accumulation_traffic.py --out experiments/results/accumulation_traffic.json
+
+gpt2-mini on 2 gloo ranks, a plan that splits every unit it can (zero3, k = 2) and keeps the others
+zero3; split Linears run the PyTorch loop here, whose collectives go through ``osdp.comm`` and can be
+counted (the C++ op issues the same ones). Counted: the inputs of every reduce-scatter per optimizer
+step, split slices apart from FSDP2's units. One reduction per accumulation window means the bytes do not
+grow with k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+MODEL, BATCH, SEQ = "gpt2-mini", 8, 64
+
+
+def _count(rank: int, world_size: int, micro_batches: list[int]) -> dict:
+    import osdp
+    from osdp import comm, models
+    from osdp.data import synthetic_batch
+    from osdp.plan import Plan, UnitPlan
+    from osdp.split import set_backend, splittable_linears
+
+    set_backend("python")
+    counts = {"split": 0, "fsdp": 0}
+    native_split, native_fsdp = comm.native_reduce_scatter, dist.reduce_scatter_tensor
+
+    def split_rs(output, input, *args, **kwargs):
+        counts["split"] += input.numel() * input.element_size()
+        return native_split(output, input, *args, **kwargs)
+
+    def fsdp_rs(output, input, *args, **kwargs):
+        counts["fsdp"] += input.numel() * input.element_size()
+        return native_fsdp(output, input, *args, **kwargs)
+
+    comm.native_reduce_scatter, dist.reduce_scatter_tensor = split_rs, fsdp_rs
+    rows = []
+    for k in micro_batches:
+        torch.manual_seed(0)
+        model = models.build(MODEL, seq_len=SEQ)
+        modules = dict(model.named_modules())
+        units = osdp.discover_units(model)
+        plan = Plan([UnitPlan(u.path, "zero3", split=2 if splittable_linears(
+            modules[u.path], exclude={modules[p] for p in u.nested}, root=model) else 1) for u in units])
+        osdp.wrap(model, plan=plan)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        batch = synthetic_batch(models.get_config(MODEL, seq_len=SEQ), BATCH,
+                                generator=torch.Generator().manual_seed(rank))
+        per_micro = BATCH // k
+        for step in range(2):  # the second step is counted
+            counts.update(split=0, fsdp=0)
+            for i in range(k):
+                osdp.set_requires_gradient_sync(model, i == k - 1)
+                micro = tuple(t[i * per_micro:(i + 1) * per_micro] for t in batch)
+                (model(*micro) / k).backward()
+            opt.step()
+            opt.zero_grad()
+        rows.append({"micro_batches": k, "split_reduce_scatter_bytes": counts["split"],
+                     "fsdp_reduce_scatter_bytes": counts["fsdp"],
+                     "split_units": sum(u.split > 1 for u in plan.units)})
+    return {"rows": rows}
+
+
+def _worker(rank: int, world_size: int, port: int, micro_batches: list[int], queue) -> None:
+    from osdp.distributed import init_process_group
+
+    torch.set_num_threads(1)
+    init_process_group(rank, world_size, master_port=port, timeout_s=120)
+    try:
+        result = _count(rank, world_size, micro_batches)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "accumulation_traffic.json")
+    args = p.parse_args(argv)
+    from osdp import __version__
+    from osdp.distributed import free_port
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, args.micro_batches, queue)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    result = queue.get(timeout=600)
+    for proc in procs:
+        proc.join(timeout=60)
+    record = {"model": MODEL, "batch": BATCH, "seq_len": SEQ, "world_size": 2, "osdp": __version__,
+              "torch": torch.__version__, "machine": platform.processor() or platform.machine(), **result}
+    print(f"{MODEL}, micro-batch {BATCH} x {SEQ} per rank split into k, 2 gloo ranks: bytes reduce-scattered "
+          "per optimizer step")
+    print(f"{'k':>3}  {'split slices':>14}  {'FSDP2 units':>14}")
+    for r in record["rows"]:
+        print(f"{r['micro_batches']:>3}  {r['split_reduce_scatter_bytes']:>14,}  {r['fsdp_reduce_scatter_bytes']:>14,}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""The training-loop features people use, on a wrapped model, each against one process.
+
+Gradient accumulation with split weights (one reduction per window, counted), gradient clipping across
+units that live on different meshes and tensor kinds, AdamW's fused and foreach implementations, and
+evaluation after training.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import osdp
+from dist_harness import run_ranks
+from osdp import comm
+from osdp.plan import Plan
+from osdp.split import set_backend
+from test_wrap import build_toy, every_mode_plans, toy_batches
+from training_check import assert_matches_reference, full_state, reference, sgd, train
+
+
+def _split_plan() -> Plan:
+    return every_mode_plans(build_toy())["split"]
+
+
+def _accumulate_split(rank, world_size, plan_json, batches, micro):
+    """k micro-batches per step (sync only on the last); counts the split slices' reduce-scatters (the
+    PyTorch loop, whose collectives go through osdp.comm)."""
+    set_backend("python")  # this rank's process only
+    reductions = []
+    native = comm.native_reduce_scatter
+
+    def counted(output, input, *args, **kwargs):
+        reductions.append(input.numel() * input.element_size())
+        return native(output, input, *args, **kwargs)
+
+    comm.native_reduce_scatter = counted
+    try:
+        model = build_toy()
+        osdp.wrap(model, plan=plan_json)
+        opt = sgd(model)
+        losses, per_step = [], []
+        for inputs, targets in batches:
+            n = inputs.shape[0] // world_size
+            mine_x, mine_y = inputs[rank * n:(rank + 1) * n], targets[rank * n:(rank + 1) * n]
+            m, total, before = n // micro, 0.0, len(reductions)
+            for i in range(micro):
+                osdp.set_requires_gradient_sync(model, i == micro - 1)
+                loss = model(mine_x[i * m:(i + 1) * m], mine_y[i * m:(i + 1) * m]) / micro
+                loss.backward()
+                total += loss.item()
+            per_step.append(reductions[before:])
+            opt.step()
+            opt.zero_grad()
+            losses.append(total)
+        state = full_state(model)
+    finally:
+        comm.native_reduce_scatter = native
+    return losses, state if rank == 0 else None, per_step
+
+
+def test_accumulation_with_split_weights_reduces_once_per_window_and_equals_one_process():
+    plan = _split_plan()
+    batches = toy_batches(global_batch=12)  # 6 per rank: 1, 2 or 3 micro-batches
+    ref = reference(build_toy, batches)
+    traffic = {}
+    for micro in (1, 3):
+        out = run_ranks(_accumulate_split, 2, plan.to_json(), batches, micro, timeout=120)
+        assert_matches_reference([[r[:2]] for r in out], ref, [f"split, {micro} micro-batches"])
+        traffic[micro] = out[0][2]
+    one, three = traffic[1], traffic[3]
+    assert one[0], "the split plan reduced no slice gradient"
+    # the same slices, each reduced once, whatever the number of micro-batches
+    assert all(sorted(step) == sorted(one[0]) for step in one + three), traffic
+
+
+def _clip(rank, world_size, plans_json, max_norm):
+    results = []
+    for plan_json in plans_json:
+        model = build_toy()
+        osdp.wrap(model, plan=plan_json)
+        opt = sgd(model)
+        norms = []
+        for inputs, targets in toy_batches():
+            n = inputs.shape[0] // world_size
+            model(inputs[rank * n:(rank + 1) * n], targets[rank * n:(rank + 1) * n]).backward()
+            norms.append(float(osdp.clip_grad_norm_(model, max_norm)))
+            opt.step()
+            opt.zero_grad()
+        state = full_state(model)  # collective: every rank takes part
+        results.append((norms, state if rank == 0 else None))
+    return results
+
+
+def _clip_reference(max_norm):
+    model = build_toy()
+    opt = sgd(model)
+    norms = []
+    for inputs, targets in toy_batches():
+        model(inputs, targets).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+    return norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_clip_grad_norm_across_replicated_sharded_and_split_units_equals_one_process():
+    plans = every_mode_plans(build_toy())
+    max_norm = 0.5  # below the toy's gradient norms: every step clips
+    ref_norms, ref_state = _clip_reference(max_norm)
+    assert min(ref_norms) > max_norm
+    names = ["ddp", "mixed_a", "split"]
+    out = run_ranks(_clip, 2, [plans[n].to_json() for n in names], max_norm, timeout=180)
+    for i, name in enumerate(names):
+        for rank_results in out:  # every rank returns the global norm
+            torch.testing.assert_close(torch.tensor(rank_results[i][0]), torch.tensor(ref_norms), atol=1e-5,
+                                       rtol=1e-5, msg=name)
+        state = out[0][i][1]
+        for key, ref in ref_state.items():
+            torch.testing.assert_close(state[key], ref, atol=1e-5, rtol=0, msg=f"{name}: {key}")
+
+
+# Attention's key bias has a gradient of exactly zero (softmax ignores a shift), computed as rounding noise
+# of ~1e-9 that differs between any two reduction orders; Adam's default eps (1e-8) would turn that noise
+# into full-size steps. With this eps such noise moves nothing and real gradients move as before.
+ADAM_EPS = 1e-4
+
+
+def _adamw(rank, world_size, plans_json, kind):
+    results = []
+    for plan_json in plans_json:
+        model = build_toy()
+        osdp.wrap(model, plan=plan_json)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=ADAM_EPS, **{kind: True})
+        losses = train(model, toy_batches(), rank, world_size, optimizer=opt)
+        state = full_state(model)  # collective: every rank takes part
+        results.append((losses, state if rank == 0 else None))
+    return results
+
+
+def test_foreach_and_fused_adamw_equal_one_process():
+    plans = every_mode_plans(build_toy())
+    batches = toy_batches()
+    for kind in ("foreach", "fused"):
+        ref_model = build_toy()
+        ref_losses = train(ref_model, batches, optimizer=torch.optim.AdamW(ref_model.parameters(), lr=1e-3,
+                                                                             eps=ADAM_EPS, **{kind: True}))
+        ref = (ref_losses, {k: v.detach().clone() for k, v in ref_model.state_dict().items()})
+        names = ["mixed_a", "split"]
+        out = run_ranks(_adamw, 2, [plans[n].to_json() for n in names], kind, timeout=180)
+        assert_matches_reference(out, ref, [f"{n}, {kind} AdamW" for n in names])
+
+
+def _train_then_evaluate(rank, world_size, plans_json):
+    results = []
+    for plan_json in plans_json:
+        model = build_toy()
+        osdp.wrap(model, plan=plan_json)
+        batches = toy_batches()
+        train(model, batches[:2], rank, world_size)
+        model.eval()
+        with torch.no_grad():
+            logits = model(batches[2][0])  # every rank, the whole batch: the same logits on each
+        model.train()
+        losses = train(model, batches[2:], rank, world_size)  # training goes on after evaluation
+        state = full_state(model)  # collective: every rank takes part
+        results.append((logits, losses, state if rank == 0 else None))
+    return results
+
+
+def test_evaluation_without_gradients_after_training_equals_one_process():
+    plans = every_mode_plans(build_toy())
+    batches = toy_batches()
+    ref_model = build_toy()
+    train(ref_model, batches[:2])
+    ref_model.eval()
+    with torch.no_grad():
+        ref_logits = ref_model(batches[2][0])
+    ref_model.train()
+    ref_losses = train(ref_model, batches[2:])
+    ref_state = {k: v.detach().clone() for k, v in ref_model.state_dict().items()}
+    names = ["fsdp", "mixed_b", "split"]
+    out = run_ranks(_train_then_evaluate, 2, [plans[n].to_json() for n in names], timeout=180)
+    for i, name in enumerate(names):
+        for rank_results in out:
+            torch.testing.assert_close(rank_results[i][0], ref_logits, atol=1e-5, rtol=0, msg=name)
+    assert_matches_reference([[r[1:] for r in rank_results] for rank_results in out], (ref_losses, ref_state),
+                             [f"{n} after evaluation" for n in names])
+
+
+def _autocast(rank, world_size, plans_json):
+    from osdp.split import SplitLinear
+
+    results = []
+    for plan_json in plans_json:
+        model = build_toy()
+        osdp.wrap(model, plan=plan_json)
+        opt = sgd(model)
+        losses, dtypes = [], set()
+        for m in model.modules():  # a split Linear computes in the autocast dtype, as nn.Linear does
+            if isinstance(m, SplitLinear):
+                m.register_forward_hook(lambda mod, args, out: dtypes.add(out.dtype))
+        for inputs, targets in toy_batches():
+            n = inputs.shape[0] // world_size
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(inputs[rank * n:(rank + 1) * n], targets[rank * n:(rank + 1) * n])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        state = full_state(model)  # collective: every rank takes part
+        results.append((losses, state if rank == 0 else None, dtypes))
+    return results
+
+
+def test_cpu_autocast_bf16_trains_as_one_process_under_autocast():
+    plans = every_mode_plans(build_toy())
+    ref_model, ref_losses = build_toy(), []
+    opt = sgd(ref_model)
+    for inputs, targets in toy_batches():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ref_model(inputs, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    ref_state = {k: v.detach().clone() for k, v in ref_model.state_dict().items()}
+    names = ["mixed_a", "split"]
+    out = run_ranks(_autocast, 2, [plans[n].to_json() for n in names], timeout=180)
+    # bf16 products: the ranks' halves of the batch round differently than the whole batch does
+    per_rank = [[r[:2] for r in rank_results] for rank_results in out]
+    assert_matches_reference(per_rank, (ref_losses, ref_state), [f"{n} under autocast" for n in names], atol=2e-2)
+    for i, n in enumerate(names):  # fp32 parameters stay fp32
+        assert all(v.dtype == torch.float32 for v in out[0][i][1].values()), n
+    assert out[0][names.index("split")][2] == {torch.bfloat16}
