@@ -5,9 +5,10 @@ the last).
     python experiments/accumulation_traffic.py --out experiments/results/accumulation_traffic.json
 
 gpt2-mini on 2 gloo ranks, a plan that splits every unit it can (zero3, k = 2) and keeps the others
-zero3; split Linears run the PyTorch loop here, whose collectives go through ``osdp.comm`` and can be
-counted (the C++ op issues the same ones). Counted: the inputs of every reduce-scatter per optimizer
-step, split slices apart from FSDP2's units. One reduction per accumulation window means the bytes do not
+zero3; split Linears run the PyTorch loop here and every reduction is ``osdp.comm``'s pairwise
+reduce-scatter, so that each can be counted (the C++ op issues the same ones; the bytes are the same
+with the native reduce-scatter). Counted: the inputs of every reduce-scatter per optimizer step, split
+slices apart from FSDP2's units. One reduction per accumulation window means the bytes do not
 grow with k.
 """
 
@@ -33,18 +34,21 @@ def _count(rank: int, world_size: int, micro_batches: list[int]) -> dict:
     from osdp.split import set_backend, splittable_linears
 
     set_backend("python")
-    counts = {"split": 0, "fsdp": 0}
-    native_split, native_fsdp = comm.native_reduce_scatter, dist.reduce_scatter_tensor
+    # every reduction through osdp.comm's pairwise reduce-scatter (the same traffic as NCCL's), so that
+    # each can be counted: FSDP2 units' through FSDPReduceScatter, the rest are split slices
+    comm.set_reduce_scatter("pairwise")
+    counts = {"all": 0, "fsdp": 0}
+    pairwise, fsdp_call = comm.pairwise_reduce_scatter, comm.FSDPReduceScatter.__call__
 
-    def split_rs(output, input, *args, **kwargs):
-        counts["split"] += input.numel() * input.element_size()
-        return native_split(output, input, *args, **kwargs)
+    def counted(output, input, *args, **kwargs):
+        counts["all"] += input.numel() * input.element_size()
+        return pairwise(output, input, *args, **kwargs)
 
-    def fsdp_rs(output, input, *args, **kwargs):
-        counts["fsdp"] += input.numel() * input.element_size()
-        return native_fsdp(output, input, *args, **kwargs)
+    def fsdp_counted(self, output_tensor, input_tensor, *args, **kwargs):
+        counts["fsdp"] += input_tensor.numel() * input_tensor.element_size()
+        return fsdp_call(self, output_tensor, input_tensor, *args, **kwargs)
 
-    comm.native_reduce_scatter, dist.reduce_scatter_tensor = split_rs, fsdp_rs
+    comm.pairwise_reduce_scatter, comm.FSDPReduceScatter.__call__ = counted, fsdp_counted
     rows = []
     for k in micro_batches:
         torch.manual_seed(0)
@@ -59,14 +63,14 @@ def _count(rank: int, world_size: int, micro_batches: list[int]) -> dict:
                                 generator=torch.Generator().manual_seed(rank))
         per_micro = BATCH // k
         for step in range(2):  # the second step is counted
-            counts.update(split=0, fsdp=0)
+            counts.update(all=0, fsdp=0)
             for i in range(k):
                 osdp.set_requires_gradient_sync(model, i == k - 1)
                 micro = tuple(t[i * per_micro:(i + 1) * per_micro] for t in batch)
                 (model(*micro) / k).backward()
             opt.step()
             opt.zero_grad()
-        rows.append({"micro_batches": k, "split_reduce_scatter_bytes": counts["split"],
+        rows.append({"micro_batches": k, "split_reduce_scatter_bytes": counts["all"] - counts["fsdp"],
                      "fsdp_reduce_scatter_bytes": counts["fsdp"],
                      "split_units": sum(u.split > 1 for u in plan.units)})
     return {"rows": rows}
