@@ -155,10 +155,8 @@ class CalibrationProfile:
 
 # 2 and 4 Linears per unit separate per-unit from per-parameter costs; 3 blocks against 8 separate what a
 # step costs once from what each unit costs; the wide nets' units (2 MiB, like a small transformer's) are
-# 64x larger, which separates per-unit from per-byte costs, of FSDP and of split slices; units of 8 MiB
-# (like gpt2-cpu-medium's) keep the per-byte costs right where buffers outgrow the caches; with a large
-# batch the wide net computes ~100x more (the compute scale is measured on it), and its slices' gathers
-# run while there is compute to compete with.
+# 64x larger, which separates per-unit from per-byte costs, of FSDP and of split slices; with a large batch the wide net computes ~100x more (the compute scale is measured on it), and
+# its slices' gathers run while there is compute to compete with.
 PROFILES = {
     "full": CalibrationProfile(
         "full",
@@ -167,7 +165,6 @@ PROFILES = {
             NetSpec(4, 64, 4, MODES, overheads=True, checkpoint=True),
             NetSpec(2, 64, 4, MODES, overheads=True, split=False, blocks=3),
             NetSpec(2, 512, 4, MODES, overheads=True),
-            NetSpec(2, 1024, 4, MODES, overheads=True, split=False, blocks=3),
             NetSpec(2, 512, 64, ("zero3",), overheads=False, compute=True),
         ),
         run_s=1.2, min_steps=5, warmup=2, collectives_s=2.0, refits=3, describe_repeats=5, compute_rounds=15,
