@@ -15,7 +15,7 @@ from osdp import comm
 from osdp.plan import Plan
 from osdp.split import set_backend
 from test_wrap import build_toy, every_mode_plans, toy_batches
-from training_check import assert_matches_reference, full_state, reference, sgd, train
+from training_check import assert_matches_reference, cloned, full_state, reference, sgd, train
 
 
 def _split_plan() -> Plan:
@@ -100,7 +100,7 @@ def _clip_reference(max_norm):
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
         opt.zero_grad()
-    return norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return norms, cloned(model.state_dict())
 
 
 def test_clip_grad_norm_across_replicated_sharded_and_split_units_equals_one_process():
@@ -144,7 +144,7 @@ def test_foreach_and_fused_adamw_equal_one_process():
         ref_model = build_toy()
         ref_losses = train(ref_model, batches, optimizer=torch.optim.AdamW(ref_model.parameters(), lr=1e-3,
                                                                              eps=ADAM_EPS, **{kind: True}))
-        ref = (ref_losses, {k: v.detach().clone() for k, v in ref_model.state_dict().items()})
+        ref = (ref_losses, cloned(ref_model.state_dict()))
         names = ["mixed_a", "split"]
         out = run_ranks(_adamw, 2, [plans[n].to_json() for n in names], kind, timeout=180)
         assert_matches_reference(out, ref, [f"{n}, {kind} AdamW" for n in names])
@@ -161,7 +161,9 @@ def _train_then_evaluate(rank, world_size, plans_json):
         with torch.no_grad():
             logits = model(batches[2][0])  # every rank, the whole batch: the same logits on each
         model.train()
-        losses = train(model, batches[2:], rank, world_size)  # training goes on after evaluation
+        # training goes on after evaluation, with an optimizer made then (train makes one): it must get the
+        # shards, not the parameters a zero2 unit would still hold gathered after a forward without backward
+        losses = train(model, batches[2:], rank, world_size)
         state = full_state(model)  # collective: every rank takes part
         results.append((logits, losses, state if rank == 0 else None))
     return results
@@ -177,7 +179,7 @@ def test_evaluation_without_gradients_after_training_equals_one_process():
         ref_logits = ref_model(batches[2][0])
     ref_model.train()
     ref_losses = train(ref_model, batches[2:])
-    ref_state = {k: v.detach().clone() for k, v in ref_model.state_dict().items()}
+    ref_state = cloned(ref_model.state_dict())
     names = ["fsdp", "mixed_b", "split"]
     out = run_ranks(_train_then_evaluate, 2, [plans[n].to_json() for n in names], timeout=180)
     for i, name in enumerate(names):
@@ -223,7 +225,7 @@ def test_cpu_autocast_bf16_trains_as_one_process_under_autocast():
         opt.step()
         opt.zero_grad()
         ref_losses.append(loss.item())
-    ref_state = {k: v.detach().clone() for k, v in ref_model.state_dict().items()}
+    ref_state = cloned(ref_model.state_dict())
     names = ["mixed_a", "split"]
     out = run_ranks(_autocast, 2, [plans[n].to_json() for n in names], timeout=180)
     # bf16 products: the ranks' halves of the batch round differently than the whole batch does

@@ -99,7 +99,8 @@ def test_predictions_out_of_sample_match_a_real_two_rank_run():
         assert max(map(abs, errors.values())) <= SANITY, errors
         warnings.warn(f"load average {max(load):.1f} on {os.cpu_count()} cores, the canary plans' step times "
                       f"changed {speed_change:.2f}x since the calibration: step times judged within {SANITY:.0%} "
-                      "only, not the 10%/20% targets (errors: " + ", ".join(f"{n} {e:+.0%}" for n, e in errors.items()) + ")")
+                      "only, not the 10%/20% targets (errors: "
+                      + ", ".join(f"{n} {e:+.0%}" for n, e in errors.items()) + ")")
     # orders of magnitude apart in memory: sharded + checkpointed is far below DDP, and predicted so
     assert records["fsdp-ckpt"]["predicted_peak_bytes"] < records["fsdp"]["predicted_peak_bytes"]
     assert records["fsdp-ckpt"]["measured_peak_bytes"] < records["fsdp"]["measured_peak_bytes"]

@@ -29,15 +29,19 @@ def train(model, batches, rank: int = 0, world_size: int = 1, optimizer=None) ->
     return losses
 
 
+def cloned(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict's tensors copied out of the model (training on does not change them)."""
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
 def full_state(model) -> dict[str, torch.Tensor]:
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # every rank gets it
-    return {k: v.detach().clone() for k, v in sd.items()}
+    return cloned(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))  # every rank
 
 
 def reference(build, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = build()
     losses = train(model, batches)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, cloned(model.state_dict())
 
 
 def train_under_plans(rank, world_size, build, batches, plans_json):

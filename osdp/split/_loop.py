@@ -67,6 +67,13 @@ def _offsets(piece_sizes: list[int]) -> list[int]:
     return offsets
 
 
+def _pad_columns(grad_out: torch.Tensor, n: int, rows_per_rank: int, out_features: int) -> torch.Tensor:
+    """The output gradient widened to the padded layout (N * rows_per_rank columns; the tail ranks' padding zero)."""
+    if n * rows_per_rank == out_features:
+        return grad_out
+    return torch.nn.functional.pad(grad_out, (0, n * rows_per_rank - out_features))
+
+
 def _avg(group: dist.ProcessGroup) -> dist.ReduceOp:
     # Data-parallel mean, like FSDP2 (which also avoids AVG on a single rank).
     return dist.ReduceOp.AVG if group.size() > 1 else dist.ReduceOp.SUM
@@ -149,9 +156,7 @@ def backward(
     """
     n, c, m = group.size(), sum(piece_sizes), x.shape[0]
     offsets = _offsets(piece_sizes)
-    if n * c != out_features:
-        grad_out = torch.nn.functional.pad(grad_out, (0, n * c - out_features))
-    grad_by_rank = grad_out.view(m, n, c)
+    grad_by_rank = _pad_columns(grad_out, n, c, out_features).view(m, n, c)
     reduce_dtype = reduce_dtype or x.dtype
     grad_x = torch.zeros_like(x) if need_input_grad else None
     grad_w = w_local.new_empty(c, w_local.shape[1]) if need_weight_grad else None
@@ -195,14 +200,11 @@ def accumulate_weight_grad(
 ) -> torch.Tensor:
     """``accumulated`` plus this micro-batch's unreduced weight gradient, in the padded full layout
     (N * rows_per_rank, in): no communication (gradient accumulation without sync)."""
-    n, c = group.size(), sum(piece_sizes)
-    if n * c != out_features:
-        grad_out = torch.nn.functional.pad(grad_out, (0, n * c - out_features))
-    reduce_dtype = reduce_dtype or x.dtype
+    grad_out = _pad_columns(grad_out, group.size(), sum(piece_sizes), out_features)
+    grad_w = torch.mm(grad_out.t(), x).to(reduce_dtype or x.dtype)
     if accumulated is None:
-        return COUNTER.allocate("grad", torch.mm(grad_out.t(), x).to(reduce_dtype))
-    accumulated.add_(torch.mm(grad_out.t(), x).to(reduce_dtype))
-    return accumulated
+        return COUNTER.allocate("grad", grad_w)
+    return accumulated.add_(grad_w)
 
 
 def reduce_accumulated(
