@@ -490,33 +490,56 @@ def memory_pass(
 
 
 def _time_at(
-    model: nn.Module, units: Sequence[Unit], batch: Any, loss_fn, repeats: int, sync: Callable[[], None]
+    model: nn.Module,
+    units: Sequence[Unit],
+    batch: Any,
+    loss_fn,
+    repeats: int,
+    sync: Callable[[], None],
+    checkpointed: bool = False,
 ) -> dict[str, Any]:
     """Per-unit seconds (medians over ``repeats`` hooked steps), scaled so that they add up to the
     median plain step (hooks cost a few percent, waiting for a GPU at every boundary more; plain
-    and hooked steps alternate)."""
-    timed, plain = [], []
+    and hooked steps alternate). With ``checkpointed``, also each checkpointable unit's recompute
+    seconds ("recompute_seconds"): how much longer its backward takes with every such unit
+    checkpointed. Each checkpointed step follows a plain one and the recompute time is the median
+    of the pairs' differences, so a machine that speeds up or slows down while we measure moves
+    both sides of a difference alike."""
+    timed: dict[bool, list[dict]] = {False: [], True: []}
+    plain: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(repeats):
-        model.zero_grad(set_to_none=True)
-        timer = _Timer(sync)
-        with Segments(model, units, timer) as segments:
-            sync()
-            timer.last = time.perf_counter()
-            _step(model, batch, loss_fn, segments)
-        timed.append(timer.seconds)
-        model.zero_grad(set_to_none=True)
-        with StepTimer(_device_of(model)) as step:
-            _step(model, batch, loss_fn)
-        plain.append(step.seconds)
+        for ckpt in (False, True) if checkpointed else (False,):
+            with _checkpointed(model, units) if ckpt else contextlib.nullcontext():
+                model.zero_grad(set_to_none=True)
+                timer = _Timer(sync)
+                with Segments(model, units, timer) as segments:
+                    sync()
+                    timer.last = time.perf_counter()
+                    _step(model, batch, loss_fn, segments)
+                timed[ckpt].append(timer.seconds)
+                model.zero_grad(set_to_none=True)
+                with StepTimer(_device_of(model)) as step:
+                    _step(model, batch, loss_fn)
+                plain[ckpt].append(step.seconds)
     model.zero_grad(set_to_none=True)
-    step_s = statistics.median(plain)
-    medians = _median_by_key(timed)
+    medians = _median_by_key(timed[False])
+    step_s = statistics.median(plain[False])
     scale = step_s / sum(medians.values())
-    return {
+    out = {
         "seconds": {k: v * scale for k, v in medians.items()},
         "step_s": step_s,
-        "hooked_step_s": statistics.median(sum(t.values()) for t in timed),
+        "hooked_step_s": statistics.median(sum(t.values()) for t in timed[False]),
     }
+    if checkpointed:
+        scale_ckpt = statistics.median(plain[True]) / sum(_median_by_key(timed[True]).values())
+        out["recompute_seconds"] = {
+            u.path: statistics.median(
+                max(0.0, c.get(("bwd", u.path), 0.0) * scale_ckpt - p.get(("bwd", u.path), 0.0) * scale)
+                for p, c in zip(timed[False], timed[True])
+            )
+            for u in checkpointable(units)
+        }
+    return out
 
 
 def checkpointable(units: Sequence[Unit]) -> list[Unit]:
@@ -615,12 +638,11 @@ def fit_costs(
     memory: Mapping[int, Mapping[str, Mapping[str, float]]],
     seconds: Mapping[int, Mapping[tuple[str, str], float]],
     flops: Mapping[int, Mapping[tuple[str, str], float]] | None = None,
-    checkpointed_seconds: Mapping[int, Mapping[tuple[str, str], float]] | None = None,
+    recompute_seconds: Mapping[int, Mapping[str, float]] | None = None,
 ) -> dict[str, UnitWorkload]:
     """UnitWorkload per unit from measurements at each size: times averaged over identical units,
     memory exact per unit (a unit's place in the schedule matters), all fitted linear in b.
-    ``checkpointed_seconds``: the same timing with every checkpointable unit checkpointed; a
-    unit's recompute time is how much longer its backward took."""
+    ``recompute_seconds``: per size, each checkpointable unit's measured recompute time."""
     paths = [u.path for u in units]
 
     def by_unit(table: Mapping[tuple[str, str], float]) -> dict[str, dict[str, float]]:
@@ -629,11 +651,12 @@ def fit_costs(
     times = {b: average_repeated(units, by_unit(seconds[b]), statistics.fmean) for b in sizes}
     counts = {b: by_unit(flops[b]) for b in sizes} if flops is not None else None
     recompute: dict[str, Affine] = {}
-    if checkpointed_seconds is not None:
-        ckpt = {b: average_repeated(units, by_unit(checkpointed_seconds[b]), statistics.fmean) for b in sizes}
-        for u in checkpointable(units):
-            extra = [max(0.0, ckpt[b][u.path]["bwd"] - times[b][u.path]["bwd"]) for b in sizes]
-            recompute[u.path] = Affine.fit(sizes, extra)
+    if recompute_seconds is not None:
+        paired = checkpointable(units)
+        per_size = {b: {p: {"s": s} for p, s in recompute_seconds[b].items()} for b in sizes}
+        extra = {b: average_repeated(paired, per_size[b], statistics.fmean) for b in sizes}
+        for u in paired:
+            recompute[u.path] = Affine.fit(sizes, [extra[b][u.path]["s"] for b in sizes])
 
     def fit(table: Mapping[int, Mapping[str, Mapping[str, float]]], path: str, key: str) -> Affine:
         return Affine.fit(sizes, [table[b][path].get(key, 0) for b in sizes])
@@ -762,18 +785,18 @@ def describe(
                 show(f"{prec}: warm-up")
                 step_s = _warm_up(runnable, resize_batch(example_input, sizes[-1]), loss_fn)
                 reps = repeats or max(2, min(7, int(time_budget_s / len(precisions) / max(step_s, 1e-4) / 2.5 / len(sizes))))
-                memory, seconds, checkpointed = {}, {}, {}
+                memory, seconds, recompute = {}, {}, {}
                 for i, b in enumerate(sizes):
                     show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps")
                     batch = resize_batch(example_input, b)
                     memory[b], order = memory_pass(runnable, runnable_units, batch, loss_fn)
-                    timing = _time_at(runnable, runnable_units, batch, loss_fn, reps, sync)
+                    with_ckpt = bool(checkpointable(runnable_units))
+                    timing = _time_at(runnable, runnable_units, batch, loss_fn, reps, sync, checkpointed=with_ckpt)
                     seconds[b] = timing["seconds"]
                     checks.setdefault(prec, {})[str(b)] = {k: timing[k] for k in ("step_s", "hooked_step_s")}
-                    if checkpointable(runnable_units):
-                        with _checkpointed(runnable, runnable_units):
-                            checkpointed[b] = _time_at(runnable, runnable_units, batch, loss_fn, reps, sync)["seconds"]
-                costs[prec] = fit_costs(runnable_units, sizes, memory, seconds, checkpointed_seconds=checkpointed or None)
+                    if with_ckpt:
+                        recompute[b] = timing["recompute_seconds"]
+                costs[prec] = fit_costs(runnable_units, sizes, memory, seconds, recompute_seconds=recompute or None)
                 if runnable is not model:
                     del runnable
             show("timing the optimizers")
