@@ -61,7 +61,7 @@ from osdp.machine import cpu_model, host
 from osdp.plan import MODES, ROOT, Plan, UnitPlan
 from osdp.profile import cache_dir, describe_once
 
-CALIBRATION_VERSION = 5  # bump when what is measured changes: older cache entries are not read
+CALIBRATION_VERSION = 6  # bump when what is measured changes: older cache entries are not read
 PROFILE_ENV = "OSDP_CALIBRATION_PROFILE"
 
 
@@ -155,8 +155,9 @@ class CalibrationProfile:
 
 # 2 and 4 Linears per unit separate per-unit from per-parameter costs; 3 blocks against 8 separate what a
 # step costs once from what each unit costs; the wide nets' units (2 MiB, like a small transformer's) are
-# 64x larger, which separates per-unit from per-byte costs, of FSDP and of split slices; with a large batch the wide net computes ~100x more (the compute scale is measured on it), and
-# its slices' gathers run while there is compute to compete with.
+# 64x larger, which separates per-unit from per-byte costs, of FSDP and of split slices; with a large batch
+# the wide net computes ~100x more (the compute scale is measured on it), and its slices' gathers run while
+# there is compute to compete with.
 PROFILES = {
     "full": CalibrationProfile(
         "full",
@@ -166,6 +167,9 @@ PROFILES = {
             NetSpec(2, 64, 4, MODES, overheads=True, split=False, blocks=3),
             NetSpec(2, 512, 4, MODES, overheads=True),
             NetSpec(2, 512, 64, ("zero3",), overheads=False, compute=True),
+            # 8 MiB units, 64 MiB in all: DDP reduces three buckets while backward goes on (longer than their
+            # all-reduce, as in a transformer), then the last
+            NetSpec(2, 1024, 64, ("replicate",), overheads=False, split=False),
         ),
         run_s=1.2, min_steps=5, warmup=2, collectives_s=2.0, refits=3, describe_repeats=5, compute_rounds=15,
     ),
@@ -302,34 +306,47 @@ def fit_calibration(
     from scipy.optimize import nnls
 
     specs = {spec.name: spec for spec in profile.nets}
-    base = Calibration(compute_scale=compute_scale, overlap=overlap, source="partial")
-    rows, residuals, opt_rows, margins, ckpt = [], [], [], [], []
-    residual: dict[str, float] = {}
-    for name, job in jobs.items():
-        _, net, kind = name.split("-")
-        description = descriptions[net]
-        pred = predict(description, job.plan, device_info, optimizer=optimizer, calibration=base)
-        opt_pred = pred.breakdown["totals"]["optimizer_s"]
-        m = measured[name]
-        residual[name] = m["measured_fwd_bwd_s"] - (pred.step_s - opt_pred)
-        n_params = sum(len(u.param_shapes) for u in description.units)
-        if not (kind == "replicate" and replicates_with_ddp(job.plan.mixed_precision)):  # DTensor dispatch
-            opt_rows.append((m["measured_step_s"] - m["measured_fwd_bwd_s"] - opt_pred) / n_params)
-        margins.append(m["measured_peak_bytes"] - pred.peak_bytes)
-        if kind in MODES and specs[net].overheads:  # little compute: overheads only
-            nbytes = sum(u.param_bytes for u in description.units)
-            fsdp_params = 0 if kind == "replicate" and replicates_with_ddp(job.plan.mixed_precision) else n_params
-            rows.append([len(description.units) * (kind == mode) for mode in MODES]
-                        + [float(kind == mode) for mode in MODES]  # once per step (the root's)
-                        + [nbytes * (kind == mode) for mode in MODES] + [fsdp_params])
-            residuals.append(residual[name])
-    scale = np.array([1.0] * 6 + [1e-9] * 3 + [1.0])  # condition the system: bytes are ~1e6 per unit
-    coef = nnls(np.array(rows, dtype=float) * scale, np.array(residuals, dtype=float))[0] * scale
-    per_unit, per_step, per_byte = (dict(zip(MODES, map(float, coef[i:i + 3]))) for i in (0, 3, 6))
-    param_overhead = float(coef[-1])
+    ddp_overlap, previous = 0.0, None
+    # DDP's hidden fraction and the overheads each enter the other's fit, a little: to a fixed point
+    for _ in range(20):
+        if previous is not None and abs(ddp_overlap - previous) < 1e-9:
+            break
+        previous = ddp_overlap
+        base = Calibration(compute_scale=compute_scale, overlap=overlap, ddp_overlap=ddp_overlap, source="partial")
+        rows, residuals, opt_rows, margins, ckpt = [], [], [], [], []
+        residual: dict[str, float] = {}
+        for name, job in jobs.items():
+            _, net, kind = name.split("-")
+            description = descriptions[net]
+            pred = predict(description, job.plan, device_info, optimizer=optimizer, calibration=base)
+            opt_pred = pred.breakdown["totals"]["optimizer_s"]
+            m = measured[name]
+            residual[name] = m["measured_fwd_bwd_s"] - (pred.step_s - opt_pred)
+            n_params = sum(len(u.param_shapes) for u in description.units)
+            ddp = kind == "replicate" and replicates_with_ddp(job.plan.mixed_precision)
+            if not ddp:  # DTensor dispatch
+                opt_rows.append((m["measured_step_s"] - m["measured_fwd_bwd_s"] - opt_pred) / n_params)
+            margins.append(m["measured_peak_bytes"] - pred.peak_bytes)
+            if kind in MODES and specs[net].overheads:  # little compute: overheads only
+                nbytes = sum(u.param_bytes for u in description.units)
+                rows.append([len(description.units) * (kind == mode) for mode in MODES]
+                            + [float(kind == mode) for mode in MODES]  # once per step (the root's)
+                            + [nbytes * (kind == mode) for mode in MODES] + [0 if ddp else n_params])
+                residuals.append(residual[name])
+        scale = np.array([1.0] * 6 + [1e-9] * 3 + [1.0])  # condition the system: bytes are ~1e6 per unit
+        coef = nnls(np.array(rows, dtype=float) * scale, np.array(residuals, dtype=float))[0] * scale
+        per_unit, per_step, per_byte = (dict(zip(MODES, map(float, coef[i:i + 3]))) for i in (0, 3, 6))
+        param_overhead = float(coef[-1])
+        ddp_overlap = _fit_ddp_overlap(
+            dataclasses.replace(base, unit_overhead_s=per_unit, root_overhead_s=per_step, unit_s_per_byte=per_byte,
+                                param_overhead_s=param_overhead, ddp_overlap=0.0),
+            specs, descriptions, jobs, measured, device_info, optimizer,
+        )
     split_rows, split_extra = [], []
     for net, description in descriptions.items():
         blocks = [u for u in description.units if u.path != ROOT]
+        if f"calibration-{net}-zero3" not in residual:
+            continue
         zero3 = residual[f"calibration-{net}-zero3"]
         if f"calibration-{net}-ckpt" in residual:
             ckpt.append((residual[f"calibration-{net}-ckpt"] - zero3) / len(blocks))
@@ -359,9 +376,34 @@ def fit_calibration(
         slice_s_per_byte=float(per_gb) * 1e-9,
         slice_contention=float(contention),
         overlap=overlap,
+        ddp_overlap=ddp_overlap,
         margin_bytes=max(0, int(statistics.median(margins))),
         source=f"measured on {device_info.name}, {device_info.world_size} ranks, {time.strftime('%Y-%m-%d')}",
     )
+
+
+def _fit_ddp_overlap(
+    overheads: Calibration,
+    specs: Mapping[str, NetSpec],
+    descriptions: Mapping[str, ModelDescription],
+    jobs: Mapping[str, Job],
+    measured: Mapping[str, Mapping[str, Any]],
+    device_info: DeviceInfo,
+    optimizer: str,
+) -> float:
+    """The fraction of DDP's all-reduce that the backward hides (``Calibration.ddp_overlap``), from the
+    replicated jobs of nets with buckets before the last: how much faster they ran than with none hidden."""
+    fractions = []
+    for name, job in jobs.items():
+        _, net, kind = name.split("-")
+        if kind != "replicate" or specs[net].overheads or not replicates_with_ddp(job.plan.mixed_precision):
+            continue
+        pred = predict(descriptions[net], job.plan, device_info, optimizer=optimizer, calibration=overheads)
+        totals = pred.breakdown["totals"]
+        if totals["ddp_hideable_s"] > 0:
+            unexplained = (pred.step_s - totals["optimizer_s"]) - measured[name]["measured_fwd_bwd_s"]
+            fractions.append(unexplained / totals["ddp_hideable_s"])
+    return min(1.0, max(0.0, statistics.median(fractions))) if fractions else 0.0
 
 
 def median_collectives(fits: Sequence[CollectiveModel]) -> CollectiveModel:

@@ -17,7 +17,10 @@ time
     all-gathers and a reduce-scatter, zero2: one and one, replicate: an
     all-reduce, split k: the split weights in k slices each way), of which the
     part the device cannot hide behind the unit's compute (``overlap``: 0 with
-    gloo, where FSDP2's collectives block; 1 on CUDA streams); FSDP2's runtime
+    gloo, where FSDP2's collectives block; 1 on CUDA streams; DDP's bucketed
+    all-reduce runs on gloo's thread while backward goes on, so a calibrated
+    fraction of it hides behind the unit's backward, except the bucket DDP
+    reduces last, after the whole backward); FSDP2's runtime
     overheads measured once per machine (``Calibration``): per unit by mode,
     per byte of the unit by mode (copies into and out of collective buffers,
     fresh buffers, gloo's behaviour in training beyond the alpha-beta model),
@@ -74,6 +77,7 @@ OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}  # by osdp.optim.OP
 _FOREACH_TEMPS = {"sgd": 0, "sgd-momentum": 0, "adamw": 1}
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
+DDP_FIRST_BUCKET_BYTES = 2**20  # and its first bucket's (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 _REDUCE_BYTES = 4  # gradients are reduced in fp32 (MixedPrecisionPolicy(reduce_dtype=float32) for bf16)
 
 
@@ -108,6 +112,10 @@ class Calibration:
     # adds to the step (on CPU gloo's threads compete with compute for the cores; ~0 on CUDA)
     slice_contention: float = 0.0
     overlap: float | None = None  # fraction of a unit's compute that hides its collectives; None: by device
+    # fraction of DDP's all-reduce of a bucket, up to the unit's backward time, that runs hidden while the
+    # backward goes on (every bucket but the last reduced, which has nothing left to hide behind); beyond
+    # ``overlap``, which on CPU is 0: FSDP2's gloo collectives block, DDP's run on gloo's own thread
+    ddp_overlap: float = 0.0
     margin_bytes: int = 0
     source: str = "ideal FSDP2 runtime (not measured: no overheads, compute as described)"
 
@@ -129,6 +137,7 @@ class Calibration:
             "slice_s_per_byte": self.slice_s_per_byte,
             "slice_contention": self.slice_contention,
             "overlap": self.overlap,
+            "ddp_overlap": self.ddp_overlap,
             "margin_bytes": self.margin_bytes,
             "source": self.source,
         }
@@ -186,6 +195,9 @@ class _Context:
     # whatever its own option: the previous unit's all-gather output (FSDP2 prefetches it; taken as
     # if zero3, the worst case) and the next unit's reduce-scatter input (kept until this one reduces)
     neighbours: Mapping[str, tuple[int, int]]
+    # per unit, the fraction of its parameter bytes in the bucket DDP reduces last, were every unit
+    # replicated (the first units in forward order): nothing of the backward is left to hide that all-reduce
+    ddp_last_bucket: Mapping[str, float]
 
     @property
     def compute_bytes(self) -> int:
@@ -297,8 +309,12 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     comm += split_comm
     overlap = cal.overlap_for(ctx.device)
     per_byte = cal.unit_s_per_byte.get(mode, 0.0) * 4 * fsdp_full
+    hideable = 0.0
     if ddp:  # DDP's all-reduce, gloo's in-training cost of it included, runs while backward goes on
-        exposed, per_byte = max(comm + per_byte - overlap * compute, 0.0), 0.0
+        # the all-reduce alone: DDP copies gradients into its buckets on the backward's thread
+        hideable = min(comm * (1.0 - ctx.ddp_last_bucket.get(unit.path, 1.0)), cal.compute_scale * costs.bwd_s(b))
+        hidden = max(overlap * compute, cal.ddp_overlap * hideable)
+        exposed, per_byte = max(comm + per_byte - hidden, 0.0), 0.0
     else:
         exposed = max(comm - overlap * compute, 0.0)
     overhead = (
@@ -316,6 +332,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     time_s = compute + exposed + overhead + optimizer_s
     parts = {
         "compute_s": compute, "comm_s": comm, "split_comm_s": split_comm, "exposed_comm_s": exposed,
+        "ddp_hideable_s": hideable,
         "overhead_s": overhead,
         "optimizer_s": optimizer_s, "persistent_bytes": persistent, "activation_bytes": act,
         "held_bytes": held, "gradient_bytes": grad, "fwd_transient_bytes": fwd, "bwd_transient_bytes": bwd,
@@ -349,10 +366,29 @@ def _context(
         neighbours[path] = (before, after)
     if order:  # the root's backward comes first and prefetches the last unit
         neighbours[ROOT] = (_DTYPE_BYTES[precision] * padded[order[-1]], 0)
+    shapes = {u.path: u.param_shapes for u in description.units}
     return _Context(
         n, batch_size, precision, optimizer, device, calibration,
         description.optimizer_s_per_byte.get(optimizer, 0.0) * calibration.compute_scale, neighbours,
+        _ddp_last_bucket([(p, shapes[p]) for p in [ROOT, *order]]),
     )
+
+
+def _ddp_last_bucket(forward_order: Sequence[tuple[str, Sequence[tuple[int, ...]]]]) -> dict[str, float]:
+    """Per unit (in forward order, with its parameter shapes), the fraction of its gradient bytes in the
+    bucket DDP reduces last, were every unit replicated. DDP fills buckets in the order backward produces
+    gradients (reverse forward order, a unit's parameters in reverse; the root's taken as used first, as
+    an embedding is): the first up to 1 MiB, then 25 MiB each, a bucket closing once it holds its size."""
+    tensors = [(path, _REDUCE_BYTES * math.prod(s))
+               for path, shapes in reversed(forward_order) for s in reversed(shapes)]
+    size, cap, last = 0, DDP_FIRST_BUCKET_BYTES, []
+    for path, nbytes in tensors:
+        if size >= cap:
+            size, cap, last = 0, DDP_BUCKET_BYTES, []
+        last.append((path, nbytes))
+        size += nbytes
+    totals = {path: sum(_REDUCE_BYTES * math.prod(s) for s in shapes) for path, shapes in forward_order}
+    return {path: sum(nb for p, nb in last if p == path) / totals[path] if totals[path] else 1.0 for path in totals}
 
 
 def _options_of(description: ModelDescription, plan: Plan | Sequence[Any]) -> list[tuple[str, int, bool]]:

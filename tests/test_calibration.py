@@ -42,6 +42,7 @@ KNOWN = Calibration(
     slice_s_per_byte=0.4e-9,
     slice_contention=0.5,
     overlap=0.0,
+    ddp_overlap=0.4,
     margin_bytes=4096,
 )
 
@@ -67,7 +68,7 @@ def test_fit_recovers_the_costs_that_made_the_measurements():
                           "measured_peak_bytes": pred.peak_bytes}
     fitted = fit_calibration(profile, KNOWN.compute_scale, descriptions, jobs, measured, device, overlap=0.0)
     for field in ("param_overhead_s", "checkpoint_overhead_s", "optimizer_tensor_s", "slice_overhead_s",
-                  "slice_s_per_byte", "slice_contention"):
+                  "slice_s_per_byte", "slice_contention", "ddp_overlap"):
         assert getattr(fitted, field) == pytest.approx(getattr(KNOWN, field), rel=1e-6, abs=1e-12), field
     for mode in MODES:
         assert fitted.unit_overhead_s[mode] == pytest.approx(KNOWN.unit_overhead_s[mode], rel=1e-6)

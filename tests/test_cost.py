@@ -143,6 +143,55 @@ def test_overlap_hides_collectives_behind_compute(tiny):
     assert hidden.step_s < serial.step_s
 
 
+def test_ddp_hides_all_but_its_last_bucket_behind_backward():
+    """Replicated units' all-reduce is hidden (by ``ddp_overlap``, up to the unit's backward) except for
+    the bytes in the bucket DDP reduces last, which are those DDP's own bucket assignment puts there."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from osdp.analytic import describe_analytic
+    from osdp.cost import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, _context
+    from osdp.units import param_homes
+
+    class Net(nn.Module):  # the root's parameters used first (an embedding), then 8 MiB blocks: four buckets
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Parameter(torch.randn(16, 1024))
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))
+                                        for _ in range(8))
+
+        def forward(self, x):
+            x = x + self.embed.sum(0)
+            for block in self.blocks:
+                x = block(x)
+            return x.square().mean()
+
+    net = Net()
+    dev = device_preset("cpu-loopback", 2)
+    d = describe_analytic(net, (torch.randn(8, 1024),), dev, world_size=2, batch_sizes=(8,), progress=False)
+    # DDP's own assignment, over the parameters in the order backward produces their gradients
+    params = list(reversed(list(net.named_parameters())))
+    limits = [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES]
+    buckets, _ = dist._compute_bucket_assignment_by_size([p for _, p in params], limits)
+    in_last = {params[i][0] for i in buckets[-1]}
+    homes = param_homes(net, [u.path for u in d.units])
+    expected = {u.path: sum(p.numel() for name, p in net.named_parameters() if homes[id(p)] == u.path and name in in_last)
+                / u.numel for u in d.units}
+    share = _context(d, dev, 8, "fp32", "adamw", None).ddp_last_bucket
+    assert share == pytest.approx(expected)
+    assert 0 < sum(share.values()) < len(share)  # some units wholly in it, some not
+
+    plan = Plan([UnitPlan(u.path, "replicate") for u in d.units], batch_size=8)
+    serial = predict(d, plan, dev, calibration=Calibration(overlap=0.0))
+    hidden = predict(d, plan, dev, calibration=Calibration(overlap=0.0, ddp_overlap=0.5))
+    for u in d.units:
+        before, after = serial.breakdown["units"][u.path], hidden.breakdown["units"][u.path]
+        hideable = min(before["comm_s"] * (1 - share[u.path]), u.costs["fp32"].bwd_s(8))
+        assert before["ddp_hideable_s"] == pytest.approx(hideable)
+        assert before["exposed_comm_s"] - after["exposed_comm_s"] == pytest.approx(0.5 * hideable)
+        assert (hideable == 0) == (share[u.path] == 1.0)
+
+
 def test_errors_say_what_to_fix(tiny):
     dev = device()
     units = [UnitPlan(u.path) for u in tiny.units]
