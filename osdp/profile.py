@@ -59,6 +59,7 @@ from osdp.machine import device_name
 from osdp.memory import LiveBytesTracker, iter_tensors, map_tensors
 from osdp.optim import make_optimizer
 from osdp.plan import ROOT, display_path
+from osdp.recompute import checkpoint_unit, undo_checkpoint
 from osdp.timing import StepTimer
 from osdp.units import Unit, build_units, count_calls, discover_units, param_homes, structure_signature
 
@@ -549,21 +550,18 @@ def checkpointable(units: Sequence[Unit]) -> list[Unit]:
 
 @contextlib.contextmanager
 def _checkpointed(model: nn.Module, units: Sequence[Unit]):
-    """Every checkpointable unit's forward under non-reentrant activation checkpointing (as a plan's
-    checkpointing runs it, forward caches off: ``osdp.caches``), the module hooks outside it; restored
-    on exit."""
-    from torch.utils.checkpoint import checkpoint
-
+    """Every checkpointable unit checkpointed as a plan checkpoints it (``osdp.recompute``, forward caches
+    off: ``osdp.caches``); restored on exit."""
     modules = dict(model.named_modules())
     wrapped = [modules[u.path] for u in checkpointable(units)]
     for m in wrapped:
-        m.forward = functools.partial(checkpoint, m.forward, use_reentrant=False)
+        checkpoint_unit(m)
     no_cache = disable_caches_in_training(model, warn=False)
     try:
         yield
     finally:
         for m in wrapped:
-            del m.forward  # the instance attribute: the class's forward again
+            undo_checkpoint(m)
         for handle in no_cache:
             handle.remove()
 

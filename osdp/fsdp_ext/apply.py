@@ -16,9 +16,10 @@ the root, as ``fully_shard`` expects:
   compute needs;
 * ``split: k``: the unit's large Linears become ``SplitLinear`` (k slices,
   gathered one at a time); FSDP2 leaves their weights alone;
-* ``checkpoint``: activation checkpointing of the unit (composable, so
-  module paths and state-dict keys do not change); modules that keep a
-  forward cache are called without it while training (``osdp.caches``).
+* ``checkpoint``: activation checkpointing of the unit (``osdp.recompute``:
+  module paths and state-dict keys do not change, ``torch.compile`` traces
+  it); modules that keep a forward cache are called without it while
+  training (``osdp.caches``).
 
 Before anything is changed, every rank validates the plan against the model
 and checks that all ranks hold the same plan hash; any failure is raised on
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -38,6 +40,7 @@ from osdp import comm
 from osdp.caches import disable_caches_in_training
 from osdp.distributed import all_gather_objects, world
 from osdp.plan import ROOT, Plan, PlanError, UnitPlan, display_path
+from osdp.recompute import checkpoint_unit
 from osdp.split import SplitLinear, apply_split, split_parameters, splittable_linears
 from osdp.fsdp_ext.replicate import ReplicatedParameters, replicates_with_ddp
 from osdp.units import Unit, build_units, structure_signature, unit_parameters
@@ -221,7 +224,7 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None =
                         mp_policy=mp_policy)
         module = model.get_submodule(unit.path)  # a unit that is itself a Linear was just replaced
         if decision.checkpoint:
-            _checkpoint(module)
+            checkpoint_unit(module)
         if decision.mode == "replicate" and replicate_with_ddp:
             replicated.update(owned[unit.path])
             if unit.path != ROOT or not any(isinstance(m, FSDPModule) for m in model.modules()):
@@ -283,12 +286,6 @@ def _reshard_after_forward_without_grad(module: FSDPModule, args, output):
     if not torch.is_grad_enabled():
         module.reshard()
     return output
-
-
-def _checkpoint(module: nn.Module) -> None:
-    from torch.distributed._composable import checkpoint
-
-    checkpoint(module)
 
 
 def plan_of(model: nn.Module) -> Plan:
