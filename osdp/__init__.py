@@ -7,6 +7,7 @@ lives in the ``osdp.plan`` module and is exported here as ``osdp.Plan``.
 from osdp._version import __version__
 from osdp.api import plan_of, set_requires_gradient_sync, strategy_plan, wrap
 from osdp.calibration import calibrate
+from osdp.compile import compile_units
 from osdp.device import DeviceInfo, device_preset, list_presets, parse_size
 from osdp.gradients import clip_grad_norm_
 from osdp.plan import MODES, Plan, PlanError, UnitPlan
@@ -16,6 +17,6 @@ from osdp.planner import plan  # noqa: E402 - after the osdp.plan module is load
 
 __all__ = [
     "__version__", "MODES", "BudgetTooSmall", "DeviceInfo", "Plan", "PlanError", "Unit", "UnitPlan", "calibrate",
-    "clip_grad_norm_", "device_preset", "discover_units", "list_presets", "parse_size", "plan", "plan_of",
+    "clip_grad_norm_", "compile_units", "device_preset", "discover_units", "list_presets", "parse_size", "plan", "plan_of",
     "set_requires_gradient_sync", "strategy_plan", "wrap",
 ]

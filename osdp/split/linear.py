@@ -130,6 +130,9 @@ class SplitLinear(nn.Module):
             bias.data = bias.data.to(weight.device)
         return cls(weight, bias, k, mp_policy=mp_policy)
 
+    # Not traced by torch.compile: the slice loop issues collectives on a process group from C++ (or from
+    # Python with asynchronous work handles). It runs eagerly between compiled regions: one graph break.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         compute_dtype, reduce_dtype = self.param_dtype, self.reduce_dtype
         device_type = x.device.type
