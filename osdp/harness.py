@@ -126,14 +126,15 @@ def run_jobs(
     each_round: Callable[[], None] | None = None,
     progress: Callable[[str], None] | None = None,
     loss_fn: Callable | None = None,
+    measure_peak: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Collective: train every job side by side, one step of each in turn; times and peak memory.
 
     ``time_budget_s`` is the timed seconds per job (within ``min_steps`` ..
     ``max_steps`` steps each, agreed by all ranks); ``each_round()`` runs
     ``rounds`` times spread over them. Per job: the median over steps of the
-    slowest rank's time, and the largest peak over ranks of one tracked step
-    (CPU tracking slows a step, so it is not timed).
+    slowest rank's time, and (``measure_peak``) the largest peak over ranks of
+    one tracked step (CPU tracking slows a step, so it is not timed).
     """
     trainers = {}
     for i, (name, job) in enumerate(jobs.items()):
@@ -153,7 +154,8 @@ def run_jobs(
             progress(f"step {s + 1}/{steps} of every job")
     out = {}
     for name, trainer in trainers.items():
-        peak = trainer.peak() if trainer.job.parallel else {"peak_bytes": None, "peak_breakdown": None}
+        tracked = measure_peak and trainer.job.parallel
+        peak = trainer.peak() if tracked else {"peak_bytes": None, "peak_breakdown": None}
         ranks = all_gather_objects({"times": times[name], **peak})
         out[name] = {
             # the step of a synchronised job takes as long as its slowest rank's

@@ -1,0 +1,149 @@
+"""Eager against ``torch.compile`` (Inductor) for a wrapped model: tokens/s under three plans, side by side.
+
+    python experiments/compile_bench.py --out experiments/results/compile_bench.json
+
+gpt2-mini (micro-batch 8 x 128 per rank) on 2 gloo ranks of one thread each, under DDP, FSDP (zero3) and a
+plan that splits every unit it can in 2 (zero3 elsewhere). Each plan runs eager, compiled per unit
+(``osdp.compile_units``, as torchtitan compiles each block) and compiled whole (``model.compile()``). Every
+run's model is alive at once and they take one step each in turn (``osdp.harness.run_jobs``), so all see
+the same load; compilation happens in the warm-up steps, which are not timed. A step takes as long as its
+slowest rank; a run's time is the median over its steps. Reported per plan: tokens/s of each way and the
+compiled/eager ratio; and what Dynamo compiled (graphs) and where it broke the graph, with the reasons.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+MODEL, BATCH, SEQ = "gpt2-mini", 8, 128
+PLANS = ("ddp", "fsdp", "split")
+WAYS = ("eager", "compiled-units", "compiled-model")
+
+
+def _plan(name: str, model):
+    import osdp
+    from osdp.plan import Plan, UnitPlan
+    from osdp.split import splittable_linears
+
+    if name != "split":
+        return osdp.strategy_plan(model, name)
+    modules = dict(model.named_modules())
+    units = osdp.discover_units(model)
+    return Plan([UnitPlan(u.path, "zero3", split=2 if u.path and splittable_linears(
+        modules[u.path], exclude={modules[p] for p in u.nested}, root=model) else 1) for u in units])
+
+
+def _measure(rank: int, world_size: int, steps: int, backend: str, mode: str | None) -> dict:
+    import osdp
+    from osdp import models
+    from osdp.data import synthetic_batch
+    from osdp.harness import Job, run_jobs
+    from torch._dynamo.utils import counters
+
+    config = models.get_config(MODEL, seq_len=SEQ)
+    batch = synthetic_batch(config, BATCH, SEQ, generator=torch.Generator().manual_seed(rank))
+
+    def build():
+        torch.manual_seed(0)
+        return models.build(MODEL, seq_len=SEQ)
+
+    def parallelize(plan_name: str, way: str):
+        def apply(model):
+            osdp.wrap(model, plan=_plan(plan_name, model))
+            kwargs = {"backend": backend, **({"mode": mode} if mode else {})}
+            if way == "compiled-units":
+                osdp.compile_units(model, **kwargs)
+            elif way == "compiled-model":
+                model.compile(**kwargs)
+            return model
+
+        return apply
+
+    jobs = {f"{p}/{w}": Job(build, None, batch, parallelize=parallelize(p, w)) for p in PLANS for w in WAYS}
+    counters.clear()
+    start = time.perf_counter()
+    measured = run_jobs(jobs, device=torch.device("cpu"), optimizer="adamw", time_budget_s=0.0, warmup=3,
+                        min_steps=steps, max_steps=steps, measure_peak=False)
+    breaks = collections.Counter({str(reason): n for reason, n in counters["graph_break"].items()})
+    return {
+        "runs": {name: {"step_s": m["measured_step_s"], "steps": m["steps"]} for name, m in measured.items()},
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": dict(breaks.most_common()),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def _worker(rank: int, world_size: int, port: int, args: tuple, queue) -> None:
+    from osdp.distributed import init_process_group
+
+    torch.set_num_threads(1)
+    init_process_group(rank, world_size, master_port=port, timeout_s=1800)
+    try:
+        result = _measure(rank, world_size, *args)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30, help="timed steps per run (default 30)")
+    p.add_argument("--backend", default="inductor")
+    p.add_argument("--mode", default=None, help="torch.compile mode (default: its default)")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "compile_bench.json")
+    args = p.parse_args(argv)
+    from osdp import __version__
+    from osdp.distributed import free_port
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, (args.steps, args.backend, args.mode), queue))
+             for r in range(2)]
+    for proc in procs:
+        proc.start()
+    result = queue.get(timeout=3600)
+    for proc in procs:
+        proc.join(timeout=60)
+    tokens = 2 * BATCH * SEQ  # per step, both ranks
+    rows = []
+    for plan in PLANS:
+        eager = result["runs"][f"{plan}/eager"]["step_s"]
+        for way in WAYS:
+            step_s = result["runs"][f"{plan}/{way}"]["step_s"]
+            rows.append({"plan": plan, "way": way, "step_s": step_s, "tokens_per_s": tokens / step_s,
+                         "speedup_vs_eager": eager / step_s})
+    record = {
+        "model": MODEL, "micro_batch": BATCH, "seq_len": SEQ, "world_size": 2, "threads_per_rank": 1,
+        "backend": args.backend, "mode": args.mode, "steps": args.steps, "osdp": __version__,
+        "torch": torch.__version__, "python": platform.python_version(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d %H:%M"),
+        "load_average": os.getloadavg(), "rows": rows, "graphs": result["graphs"],
+        "graph_breaks": result["graph_breaks"], "seconds": result["seconds"],
+    }
+    print(f"{MODEL}, micro-batch {BATCH} x {SEQ} per rank, 2 gloo ranks, torch.compile backend={args.backend}")
+    print(f"{'plan':<7} {'way':<16} {'step ms':>9} {'tokens/s':>10} {'vs eager':>9}")
+    for r in rows:
+        print(f"{r['plan']:<7} {r['way']:<16} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>10.0f} "
+              f"{r['speedup_vs_eager']:>8.2f}x")
+    print(f"graphs compiled (rank 0): {result['graphs']}; graph breaks by reason:")
+    for reason, n in result["graph_breaks"].items():
+        print(f"  {n:>3}  {reason[:160]}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
