@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+
+from local_ranks import rank0_result
 
 MODEL, BATCH, SEQ = "gpt2-mini", 8, 64
 
@@ -76,35 +77,14 @@ def _count(rank: int, world_size: int, micro_batches: list[int]) -> dict:
     return {"rows": rows}
 
 
-def _worker(rank: int, world_size: int, port: int, micro_batches: list[int], queue) -> None:
-    from osdp.distributed import init_process_group
-
-    torch.set_num_threads(1)
-    init_process_group(rank, world_size, master_port=port, timeout_s=120)
-    try:
-        result = _count(rank, world_size, micro_batches)
-        if rank == 0:
-            queue.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "accumulation_traffic.json")
     args = p.parse_args(argv)
     from osdp import __version__
-    from osdp.distributed import free_port
 
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, args.micro_batches, queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    result = queue.get(timeout=600)
-    for proc in procs:
-        proc.join(timeout=60)
+    result = rank0_result(_count, 2, args.micro_batches, timeout_s=600)
     record = {"model": MODEL, "batch": BATCH, "seq_len": SEQ, "world_size": 2, "osdp": __version__,
               "torch": torch.__version__, "machine": platform.processor() or platform.machine(), **result}
     print(f"{MODEL}, micro-batch {BATCH} x {SEQ} per rank split into k, 2 gloo ranks: bytes reduce-scattered "

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+
+from local_ranks import rank0_result
 
 MODEL, BATCH, SEQ = "gpt2-mini", 8, 128
 PLANS = ("ddp", "fsdp", "split")
@@ -83,19 +84,6 @@ def _measure(rank: int, world_size: int, steps: int, backend: str, mode: str | N
     }
 
 
-def _worker(rank: int, world_size: int, port: int, args: tuple, queue) -> None:
-    from osdp.distributed import init_process_group
-
-    torch.set_num_threads(1)
-    init_process_group(rank, world_size, master_port=port, timeout_s=1800)
-    try:
-        result = _measure(rank, world_size, *args)
-        if rank == 0:
-            queue.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30, help="timed steps per run (default 30)")
@@ -104,17 +92,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "compile_bench.json")
     args = p.parse_args(argv)
     from osdp import __version__
-    from osdp.distributed import free_port
 
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, (args.steps, args.backend, args.mode), queue))
-             for r in range(2)]
-    for proc in procs:
-        proc.start()
-    result = queue.get(timeout=3600)
-    for proc in procs:
-        proc.join(timeout=60)
+    result = rank0_result(_measure, 2, args.steps, args.backend, args.mode, timeout_s=3600)
     tokens = 2 * BATCH * SEQ  # per step, both ranks
     rows = []
     for plan in PLANS:
