@@ -9,6 +9,8 @@ run's model is alive at once and they take one step each in turn (``osdp.harness
 the same load; compilation happens in the warm-up steps, which are not timed. A step takes as long as its
 slowest rank; a run's time is the median over its steps. Reported per plan: tokens/s of each way and the
 compiled/eager ratio; and what Dynamo compiled (graphs) and where it broke the graph, with the reasons.
+The plain model on every rank (``alone``: no wrapping, no communication) runs eager and compiled beside
+them: what compiling does to the compute itself on this machine.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from local_ranks import rank0_result
 
 MODEL, BATCH, SEQ = "gpt2-mini", 8, 128
 PLANS = ("ddp", "fsdp", "split")
+ALONE = "alone"  # the plain model on every rank, no communication: what compiling does to the compute itself
 WAYS = ("eager", "compiled-units", "compiled-model")
 
 
@@ -42,6 +45,11 @@ def _plan(name: str, model):
     units = osdp.discover_units(model)
     return Plan([UnitPlan(u.path, "zero3", split=2 if u.path and splittable_linears(
         modules[u.path], exclude={modules[p] for p in u.nested}, root=model) else 1) for u in units])
+
+
+def _explained(reason: str) -> str:
+    lines = [line.strip() for line in reason.splitlines() if line.strip().startswith("Explanation:")]
+    return lines[0].removeprefix("Explanation:").strip() if lines else ""
 
 
 def _measure(rank: int, world_size: int, steps: int, backend: str, mode: str | None) -> dict:
@@ -60,7 +68,8 @@ def _measure(rank: int, world_size: int, steps: int, backend: str, mode: str | N
 
     def parallelize(plan_name: str, way: str):
         def apply(model):
-            osdp.wrap(model, plan=_plan(plan_name, model))
+            if plan_name != ALONE:
+                osdp.wrap(model, plan=_plan(plan_name, model))
             kwargs = {"backend": backend, **({"mode": mode} if mode else {})}
             if way == "compiled-units":
                 osdp.compile_units(model, **kwargs)
@@ -70,12 +79,15 @@ def _measure(rank: int, world_size: int, steps: int, backend: str, mode: str | N
 
         return apply
 
-    jobs = {f"{p}/{w}": Job(build, None, batch, parallelize=parallelize(p, w)) for p in PLANS for w in WAYS}
+    jobs = {f"{p}/{w}": Job(build, None, batch, parallelize=parallelize(p, w)) for p in (*PLANS, ALONE) for w in WAYS
+            if not (p == ALONE and w == "compiled-units")}
     counters.clear()
     start = time.perf_counter()
     measured = run_jobs(jobs, device=torch.device("cpu"), optimizer="adamw", time_budget_s=0.0, warmup=3,
                         min_steps=steps, max_steps=steps, measure_peak=False)
-    breaks = collections.Counter({str(reason): n for reason, n in counters["graph_break"].items()})
+    breaks = collections.Counter()
+    for reason, n in counters["graph_break"].items():  # the first line names the reason; the rest explains
+        breaks[str(reason).splitlines()[0] + " | " + _explained(str(reason))] += n
     return {
         "runs": {name: {"step_s": m["measured_step_s"], "steps": m["steps"]} for name, m in measured.items()},
         "graphs": int(counters["stats"]["unique_graphs"]),
@@ -96,9 +108,11 @@ def main(argv=None) -> int:
     result = rank0_result(_measure, 2, args.steps, args.backend, args.mode, timeout_s=3600)
     tokens = 2 * BATCH * SEQ  # per step, both ranks
     rows = []
-    for plan in PLANS:
+    for plan in (*PLANS, ALONE):
         eager = result["runs"][f"{plan}/eager"]["step_s"]
         for way in WAYS:
+            if f"{plan}/{way}" not in result["runs"]:
+                continue
             step_s = result["runs"][f"{plan}/{way}"]["step_s"]
             rows.append({"plan": plan, "way": way, "step_s": step_s, "tokens_per_s": tokens / step_s,
                          "speedup_vs_eager": eager / step_s})
@@ -117,7 +131,7 @@ def main(argv=None) -> int:
               f"{r['speedup_vs_eager']:>8.2f}x")
     print(f"graphs compiled (rank 0): {result['graphs']}; graph breaks by reason:")
     for reason, n in result["graph_breaks"].items():
-        print(f"  {n:>3}  {reason[:160]}")
+        print(f"  {n:>3}  {reason[:200]}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")
