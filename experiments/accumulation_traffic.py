@@ -27,12 +27,23 @@ from local_ranks import rank0_result
 MODEL, BATCH, SEQ = "gpt2-mini", 8, 64
 
 
+def split_everywhere(model, k: int = 2):
+    """The plan that splits every unit but the root in k where it can, zero3 everywhere."""
+    import osdp
+    from osdp.plan import ROOT, Plan, UnitPlan
+    from osdp.split import splittable_linears
+
+    modules = dict(model.named_modules())
+    return Plan([UnitPlan(u.path, "zero3", split=k if u.path != ROOT and splittable_linears(
+        modules[u.path], exclude={modules[p] for p in u.nested}, root=model) else 1)
+        for u in osdp.discover_units(model)])
+
+
 def _count(rank: int, world_size: int, micro_batches: list[int]) -> dict:
     import osdp
     from osdp import comm, models
     from osdp.data import synthetic_batch
-    from osdp.plan import Plan, UnitPlan
-    from osdp.split import set_backend, splittable_linears
+    from osdp.split import set_backend
 
     set_backend("python")
     # every reduction through osdp.comm's pairwise reduce-scatter (the same traffic as NCCL's), so that
@@ -54,10 +65,7 @@ def _count(rank: int, world_size: int, micro_batches: list[int]) -> dict:
     for k in micro_batches:
         torch.manual_seed(0)
         model = models.build(MODEL, seq_len=SEQ)
-        modules = dict(model.named_modules())
-        units = osdp.discover_units(model)
-        plan = Plan([UnitPlan(u.path, "zero3", split=2 if splittable_linears(
-            modules[u.path], exclude={modules[p] for p in u.nested}, root=model) else 1) for u in units])
+        plan = split_everywhere(model)
         osdp.wrap(model, plan=plan)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         batch = synthetic_batch(models.get_config(MODEL, seq_len=SEQ), BATCH,

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from accumulation_traffic import split_everywhere
 from local_ranks import rank0_result
 
 MODEL, BATCH, SEQ = "gpt2-mini", 8, 128
@@ -36,15 +37,8 @@ WAYS = ("eager", "compiled-units", "compiled-model")
 
 def _plan(name: str, model):
     import osdp
-    from osdp.plan import Plan, UnitPlan
-    from osdp.split import splittable_linears
 
-    if name != "split":
-        return osdp.strategy_plan(model, name)
-    modules = dict(model.named_modules())
-    units = osdp.discover_units(model)
-    return Plan([UnitPlan(u.path, "zero3", split=2 if u.path and splittable_linears(
-        modules[u.path], exclude={modules[p] for p in u.nested}, root=model) else 1) for u in units])
+    return split_everywhere(model) if name == "split" else osdp.strategy_plan(model, name)
 
 
 def _explained(reason: str) -> str:
