@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 # TorchDispatchMode is documented, but lives in a private module.
 from torch.utils._python_dispatch import (
@@ -17,9 +18,11 @@ from torch.utils._python_dispatch import (
 )
 
 __all__ = [
+    "FSDPAllGatherBase",
     "FSDPMemTracker",
     "FSDPReduceScatterBase",
     "checkpoint_wrapper",
+    "fsdp_device",
     "fsdp_reduce_scatter_comm",
     "ddp_bucket_bytes",
     "ddp_post_forward",
@@ -28,6 +31,8 @@ __all__ = [
     "init_fake_process_group",
     "is_traceable_wrapper_subclass",
     "is_traceable_wrapper_subclass_type",
+    "storage_holders",
+    "tensor_holders",
 ]
 
 
@@ -66,6 +71,22 @@ def ddp_post_forward(ddp, output):
     return ddp._post_forward(output)
 
 
+def tensor_holders(t: Any) -> int:
+    """How many references hold ``t``'s TensorImpl: Python's, views' (each keeps its base), C++ code's."""
+    return t._use_count()
+
+
+def storage_holders(t: Any) -> int:
+    """How many references hold the memory under ``t``: its TensorImpl and every other alias's."""
+    storage = t.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata) - 1  # less the Python storage object made here
+
+
+def fsdp_device(module: Any) -> Any:
+    """The device a ``fully_shard``-ed module computes and communicates on."""
+    return module._get_fsdp_state()._device
+
+
 def fsdp_reduce_scatter_comm(module: Any) -> Any:
     """The reduce-scatter object of a ``fully_shard``-ed module's parameter group (None if it has none)."""
     from torch.distributed.fsdp import FSDPModule
@@ -90,6 +111,11 @@ def __getattr__(name: str) -> Any:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
         return FSDPMemTracker
+    if name == "FSDPAllGatherBase":
+        # The interface FSDPModule.set_custom_all_gather takes (public method, private base class).
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+        return AllGather
     if name == "FSDPReduceScatterBase":
         # The interface FSDPModule.set_custom_reduce_scatter takes (public method, private base class).
         from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter

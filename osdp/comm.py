@@ -1,14 +1,15 @@
-"""The reduce-scatter every gradient reduction of osdp uses: the process group's own, or a pairwise exchange.
+"""The collectives OSDP's units make: a reduce-scatter at NCCL's traffic on gloo, and, on gloo, collectives
+that have let go of their tensors when they return.
 
-A reduce-scatter on NCCL (a ring) sends and receives (N-1)/N of the message per
-rank, as an all-gather does. Gloo's reduce-scatter costs about an all-reduce
-(its fitted per-byte cost is 1.5-1.9x the all-gather's on a shaped link, 2-3x
-on loopback: experiments/results/collectives.md), which makes sharding look
-dearer on CPU ranks than it is on GPUs, and CPU training slower than it needs
-to be. With the ``pairwise`` implementation every rank sends chunk j of its
-input to rank j and sums the N-1 chunks it receives with its own: (N-1)/N of
-the message out and in per rank, NCCL's traffic, on any backend with
-point-to-point ops.
+Reduce-scatter. A reduce-scatter on NCCL (a ring) sends and receives (N-1)/N
+of the message per rank, as an all-gather does. Gloo's reduce-scatter costs
+about an all-reduce (its fitted per-byte cost is 1.5-1.9x the all-gather's on
+a shaped link, 2-3x on loopback: experiments/results/collectives.md), which
+makes sharding look dearer on CPU ranks than it is on GPUs, and CPU training
+slower than it needs to be. With the ``pairwise`` implementation every rank
+sends chunk j of its input to rank j and sums the N-1 chunks it receives with
+its own: (N-1)/N of the message out and in per rank, NCCL's traffic, on any
+backend with point-to-point ops.
 
 The setting (``OSDP_REDUCE_SCATTER`` = ``native`` (default) or ``pairwise``, or
 :func:`set_reduce_scatter`) is read where a reduction is made, and applies to
@@ -31,24 +32,41 @@ peer's chunk is received straight into the output), fewer than gloo's own,
 which copies the whole input. Sums run in a fixed order on every rank, so the
 result is the same on all of them; it may differ from the native
 reduce-scatter's in the last bits, as any two reduction orders do.
+
+Letting go. Gloo runs a collective on a worker thread that keeps the job, and
+the tensors in it, until it has finished with it, which can be after the
+caller saw the collective complete and went on (after a quarter of 130 KiB
+all-gathers on 2 ranks here, after 70% of 16 KiB ones). The caller's last reference is then not the last one: FSDP2
+drops an all-gather's flat buffer right after copying out of it, and that
+buffer's memory stayed alive whenever the thread next ran, so a rank's peak
+held one more unit's gathered parameters in some steps and not others, past
+a budget the plan had met. :class:`Lent` hands a collective fresh aliases of
+its tensors and waits, once it completed, until no one else holds them (a
+few yields of the CPU at most): memory is then freed where the caller frees it, as
+under NCCL, and peaks are the same every step. On CPU tensors, every
+collective of this module, FSDP2's all-gathers and reduce-scatters
+(:func:`install`) and the split loop's do so.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from osdp._torch_private import FSDPReduceScatterBase
+from osdp._torch_private import FSDPAllGatherBase, FSDPReduceScatterBase, fsdp_device, tensor_holders
 
 IMPLEMENTATIONS = ("native", "pairwise")
 ENV = "OSDP_REDUCE_SCATTER"
 
-# reduce_scatter_single replaces reduce_scatter_tensor in recent torch.
+# all_gather_single and reduce_scatter_single replace the *_tensor forms in recent torch.
+native_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+LET_GO_TIMEOUT_S = 1.0  # past this, go on: the memory is freed when the worker thread runs
 
 # Point-to-point tags of pairwise reduce-scatters: one per call and group, the same on every rank
 # because every rank makes the same calls in the same order. The C++ op (csrc/split_linear.cpp)
@@ -90,6 +108,38 @@ def _is_average(op: Any) -> bool:
     if op == dist.ReduceOp.SUM:
         return False
     raise ValueError(f"the pairwise reduce-scatter sums or averages; got reduce op {op!r} (use SUM or AVG)")
+
+
+class Lent:
+    """A collective run on fresh aliases of its tensors, so that its letting go of them can be seen.
+
+    ``Lent(collective, tensors, **kwargs)`` calls ``collective(*aliases,
+    **kwargs)`` and keeps what it returns (the ``Work`` of an async call):
+    :meth:`wait` waits for it, drops it, and then waits until nothing but this
+    object holds the aliases. Keep the ``Lent``, not the ``Work``: a handle
+    held elsewhere would hold the tensors. Only CPU tensors are waited for: on
+    CUDA the caching allocator frees by stream, whoever drops the last reference.
+    """
+
+    def __init__(self, collective: Any, tensors: tuple[torch.Tensor, ...], **kwargs: Any):
+        aliases = [t.detach() for t in tensors]
+        self._held = [(a, tensor_holders(a)) for a in aliases if a.device.type == "cpu"]
+        self._work = collective(*aliases, **kwargs)
+
+    def wait(self, timeout_s: float = LET_GO_TIMEOUT_S) -> None:
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()
+        del work
+        held, self._held = self._held, []
+        deadline = time.monotonic() + timeout_s
+        while any(tensor_holders(a) > n for a, n in held) and time.monotonic() < deadline:
+            os.sched_yield()  # let the worker thread run
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """``all_gather_single(output, input, group)``, returning once the collective has let go (:class:`Lent`)."""
+    Lent(native_all_gather, (output, input), group=group).wait()
 
 
 class _Pending:
@@ -163,40 +213,68 @@ def pairwise_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any =
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
-                   group: dist.ProcessGroup | None = None, async_op: bool = False):
-    """The reduce-scatter of the current setting (see the module docstring); arguments as
-    ``torch.distributed.reduce_scatter_tensor``."""
-    if reduce_scatter_impl() == "pairwise":
-        return pairwise_reduce_scatter(output, input, op=op, group=group, async_op=async_op)
-    return native_reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+                   group: dist.ProcessGroup | None = None, async_op: bool = False, impl: str | None = None):
+    """The reduce-scatter of ``impl`` (default: the current setting, see the module docstring); arguments as
+    ``torch.distributed.reduce_scatter_tensor``. Synchronous calls return once it has let go (:class:`Lent`)."""
+    reduce = pairwise_reduce_scatter if (impl or reduce_scatter_impl()) == "pairwise" else native_reduce_scatter
+    if async_op:
+        return reduce(output, input, op=op, group=group, async_op=True)
+    Lent(reduce, (output, input), op=op, group=group).wait()
+    return None
+
+
+class FSDPAllGather(FSDPAllGatherBase):
+    """FSDP2's all-gather as :func:`all_gather` (``FSDPModule.set_custom_all_gather``): the same collective,
+    returning once gloo has let go of the flat buffer FSDP2 frees next. Asynchronous unshards (FSDP2's
+    ``set_unshard_in_backward``/prefetch with ``async_op``) take the collective as it is."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False):
+        if async_op:
+            return native_all_gather(output_tensor, input_tensor, group=group, async_op=True)
+        all_gather(output_tensor, input_tensor, group=group)
+        return None
 
 
 class FSDPReduceScatter(FSDPReduceScatterBase):
-    """FSDP2's reduce-scatter as :func:`pairwise_reduce_scatter` (``FSDPModule.set_custom_reduce_scatter``)."""
+    """FSDP2's reduce-scatter as :func:`reduce_scatter` of ``impl`` (``FSDPModule.set_custom_reduce_scatter``)."""
+
+    def __init__(self, impl: str):
+        self.impl = _check(impl, "FSDPReduceScatter")
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False):
-        return pairwise_reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op, impl=self.impl)
 
 
 def install(model: nn.Module) -> int:
-    """Give every ``fully_shard``-ed module of ``model`` the reduce-scatter of the current setting; returns how
-    many got the pairwise one (0 with ``native``: FSDP2's own stays). Call it after the last ``fully_shard``."""
+    """Give every ``fully_shard``-ed module of ``model`` the collectives of this module: on CPU, the all-gather
+    and the reduce-scatter of the current setting, both letting go when they return; on CUDA, the pairwise
+    reduce-scatter if that is the setting (else FSDP2's own). Returns how many modules got the pairwise one.
+    Call it after the last ``fully_shard``."""
     from torch.distributed.fsdp import FSDPModule
 
-    if reduce_scatter_impl() != "pairwise":
-        return 0
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for m in modules:
-        m.set_custom_reduce_scatter(FSDPReduceScatter())
-    return len(modules)
+    impl, pairwise = reduce_scatter_impl(), 0
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        on_cpu = fsdp_device(m).type == "cpu"
+        if on_cpu:
+            m.set_custom_all_gather(FSDPAllGather())
+        if on_cpu or impl == "pairwise":
+            m.set_custom_reduce_scatter(FSDPReduceScatter(impl))
+            pairwise += impl == "pairwise"
+    return pairwise
 
 
 def uses_pairwise(model: nn.Module) -> bool:
-    """Whether any ``fully_shard``-ed module of ``model`` reduces with :class:`FSDPReduceScatter`."""
+    """Whether any ``fully_shard``-ed module of ``model`` reduces with the pairwise :class:`FSDPReduceScatter`."""
     from osdp._torch_private import fsdp_reduce_scatter_comm
 
-    return any(isinstance(fsdp_reduce_scatter_comm(m), FSDPReduceScatter) for m in model.modules())
+    return any(getattr(fsdp_reduce_scatter_comm(m), "impl", None) == "pairwise" for m in model.modules())

@@ -45,7 +45,7 @@ def test_wrap_searches_once_and_every_rank_applies_the_same_plan():
 
 def _peaks_under_searched_plans(rank, world_size):
     """Plans osdp.wrap searches at budgets from the least any plan needs to what the fastest needs, each
-    trained: its measured peak per rank (one step after the optimizer's state exists)."""
+    trained: its measured peaks per rank (three steps after the optimizer's state exists)."""
     from osdp.memory import PeakMemory
     from osdp.optim import make_optimizer
 
@@ -68,13 +68,16 @@ def _peaks_under_searched_plans(rank, world_size):
         budget = int(least + fraction * (most - least))
         model = wrapped(budget)
         optimizer = make_optimizer("adamw", model.parameters())  # what the plan was priced with
-        for measured in (False, True):
+        peaks = []
+        for measured in (False, True, True, True):
             with PeakMemory("cpu", model, optimizer, *batch) if measured else contextlib.nullcontext() as meter:
                 model(*batch).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+            if measured:
+                peaks.append(meter.stats().peak_bytes)
         plan = osdp.plan_of(model)
-        out.append((budget, plan.predicted_peak_bytes, meter.stats().peak_bytes, plan.summary()))
+        out.append((budget, plan.predicted_peak_bytes, peaks, plan.summary()))
     return out
 
 
@@ -83,6 +86,7 @@ def test_a_searched_plan_measures_within_its_budget_on_two_ranks():
     assert [b for b, *_ in ranks[0]] == [b for b, *_ in ranks[1]]
     assert len({summary for *_, summary in ranks[0]}) >= 3  # the budgets give different plans
     for results in ranks:
-        for budget, predicted, measured, summary in results:
+        for budget, predicted, peaks, summary in results:
             assert predicted <= budget, (budget, predicted, summary)
-            assert measured <= budget, (budget, measured, summary)
+            # every step the same: nothing (e.g. a collective's worker thread) frees memory when it likes
+            assert len(set(peaks)) == 1 and peaks[0] <= budget, (budget, peaks, summary)

@@ -17,16 +17,10 @@ import torch.distributed as dist
 
 from osdp import comm
 
-# all_gather_single replaces all_gather_into_tensor in recent torch.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 class MemoryCounter:
-    """Live and peak bytes of the buffers the loop holds: counted when it allocates one and when it lets go.
-
-    (A collective's backend may hold a buffer a moment longer, e.g. gloo's
-    worker thread until it has finished its bookkeeping.)
-    """
+    """Live and peak bytes of the buffers the loop holds: counted when it allocates one and when it lets go
+    (after the collective given it let go too: ``osdp.comm.Lent``)."""
 
     KINDS = ("gathered", "grad")
 
@@ -88,7 +82,7 @@ class _Gatherer:
         n, q_max = group.size(), max(piece_sizes)
         count = 2 if len(piece_sizes) > 1 else 1
         self.buffers = [COUNTER.allocate("gathered", w_local.new_empty(n * q_max, w_local.shape[1], dtype=dtype)) for _ in range(count)]
-        self.work: dict[int, tuple] = {}
+        self.work: dict[int, tuple[comm.Lent, torch.Tensor]] = {}
 
     def __enter__(self) -> "_Gatherer":
         return self
@@ -109,12 +103,12 @@ class _Gatherer:
 
     def start(self, i: int) -> None:
         out = self.buffers[i % len(self.buffers)][: self.group.size() * self.sizes[i]]
-        piece = self._piece(i)
-        self.work[i] = (_all_gather(out, piece, group=self.group, async_op=True), out, piece)
+        gather = comm.Lent(comm.native_all_gather, (out, self._piece(i)), group=self.group, async_op=True)
+        self.work[i] = (gather, out)
 
     def wait(self, i: int) -> torch.Tensor:
-        work, out, _ = self.work.pop(i)
-        work.wait()
+        gather, out = self.work.pop(i)
+        gather.wait()
         return out
 
 
@@ -160,10 +154,10 @@ def backward(
     reduce_dtype = reduce_dtype or x.dtype
     grad_x = torch.zeros_like(x) if need_input_grad else None
     grad_w = w_local.new_empty(c, w_local.shape[1]) if need_weight_grad else None
-    pending: deque = deque()  # (work, unreduced input, reduced output if not written in place, offset)
+    pending: deque = deque()  # (reduction, unreduced input, reduced output if not written in place, offset)
 
-    def finish(work, unreduced, reduced, off) -> None:
-        work.wait()
+    def finish(reduction, unreduced, reduced, off) -> None:
+        reduction.wait()
         COUNTER.release("grad", unreduced)
         if reduced is not None:
             grad_w[off : off + reduced.shape[0]].copy_(reduced)
@@ -183,8 +177,8 @@ def backward(
                 in_place = reduce_dtype == grad_w.dtype
                 dst = grad_w[off : off + q] if in_place else grad_w.new_empty(q, grad_w.shape[1], dtype=reduce_dtype)
                 reduce = comm.pairwise_reduce_scatter if pairwise else comm.native_reduce_scatter
-                work = reduce(dst, unreduced, op=_avg(group), group=group, async_op=True)
-                pending.append((work, unreduced, None if in_place else dst, off))
+                reduction = comm.Lent(reduce, (dst, unreduced), op=_avg(group), group=group, async_op=True)
+                pending.append((reduction, unreduced, None if in_place else dst, off))
                 while len(pending) > 1:
                     finish(*pending.popleft())
     while pending:
@@ -220,8 +214,9 @@ def reduce_accumulated(
     pending = []
     for off, q in zip(_offsets(piece_sizes), piece_sizes):
         unreduced = by_rank[:, off : off + q].reshape(n * q, -1)  # slice i, rank-major, as backward() sends it
-        pending.append(reduce(reduced[off : off + q], unreduced, op=_avg(group), group=group, async_op=True))
-    for work in pending:
-        work.wait()
+        pending.append(comm.Lent(reduce, (reduced[off : off + q], unreduced), op=_avg(group), group=group,
+                                 async_op=True))
+    for reduction in pending:
+        reduction.wait()
     COUNTER.release("grad", accumulated)
     return reduced[: w_local.shape[0]].to(w_local.dtype)
