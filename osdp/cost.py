@@ -40,11 +40,9 @@ transient (only the largest counts)
     or recomputation runs, measured net of the root's activations that do not
     exist then (the root is never checkpointed, so this holds for every plan);
     plus FSDP2's buffers at that moment: its own gathered parameters and flat
-    all-gather output (zero3; the root's again in backward on gloo, which frees
-    it from its worker thread, possibly after the root's backward peak), the
-    buffer of the unit it prefetches and the reduce-scatter input FSDP2 keeps
-    from the unit before (both at their full size: a conservative bound, exact
-    when the neighbour is unsplit zero3);
+    all-gather output (zero3), the buffer of the unit it prefetches and the
+    reduce-scatter input FSDP2 keeps from the unit before (both at their full
+    size: a conservative bound, exact when the neighbour is unsplit zero3);
     its own reduce-scatter input when its backward ends; split Linears' two
     slice buffers and two unreduced slice gradients; the single-tensor (CPU)
     optimizer's temporaries.
@@ -269,11 +267,9 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
     prefetched, rs_previous = ctx.neighbours.get(unit.path, (0, 0))
     if enclosing:
         fwd = temp_fwd + flat
-        # zero3 gathers it again for backward and FSDP2 drops that flat buffer after the copy-out, but gloo
-        # frees a collective's buffers from its worker thread, which on a busy core (and behind the GIL) can
-        # run after the root's backward peak, the loss gradient, has come; NCCL's are freed at once
-        regathered = flat if mode == "zero3" and ctx.device.device_type == "cpu" and n > 1 else 0
-        bwd = temp_bwd + prefetched + regathered
+        # a zero3 root is gathered again for backward, and FSDP2 drops that flat buffer after the copy-out,
+        # before the root's backward peak (on gloo too: osdp.comm.Lent)
+        bwd = temp_bwd + prefetched
     else:
         own = gathered if mode == "zero3" else 0
         fwd = temp_fwd + own + flat
