@@ -1,10 +1,12 @@
 """The Plan: the one object that crosses every boundary (describe -> search -> apply).
 
 A Plan is plain data. It says, for every unit (a module path), how its
-parameters are held (``replicate``, ``zero2`` or ``zero3``), into how many
-slices its large Linears are split, and whether its activations are
-checkpointed; plus plan-wide settings (micro-batch size, mixed precision) and
-what the search predicted. It round-trips through JSON with a schema version,
+parameters are held (``replicate``, ``zero2`` or ``zero3``), over which ranks
+a sharded unit is sharded (``shard_scope``: all of them, or those of its node,
+replicated across nodes), into how many slices its large Linears are split,
+and whether its activations are checkpointed; plus plan-wide settings
+(micro-batch size, mixed precision, ranks per node) and what the search
+predicted. It round-trips through JSON with a schema version,
 and has a stable hash of the decisions so that ranks can check they agree.
 """
 
@@ -19,6 +21,10 @@ from typing import Any, Iterable
 SCHEMA_VERSION = 1
 
 MODES = ("replicate", "zero2", "zero3")
+# "world": sharded over every rank; "node": sharded over the ranks of one node and replicated across
+# nodes (FSDP2 on a (nodes, ranks_per_node) mesh: gradients reduce-scattered within the node, then
+# all-reduced across nodes), so that gathers stay on the node's links.
+SHARD_SCOPES = ("world", "node")
 MIXED_PRECISION = ("fp32", "bf16")
 SPLIT_CHOICES = (1, 2, 4, 8)  # what the search offers; a hand-written plan may use any k >= 1
 
@@ -44,11 +50,18 @@ class UnitPlan:
     mode: str = "zero3"
     split: int = 1
     checkpoint: bool = False
+    shard_scope: str = "world"
 
     def __post_init__(self) -> None:
         where = f"unit '{display_path(self.path)}'"
         if self.mode not in MODES:
             raise PlanError(f"{where}: mode '{self.mode}' does not exist; use one of {', '.join(MODES)}")
+        if self.shard_scope not in SHARD_SCOPES:
+            raise PlanError(f"{where}: shard_scope '{self.shard_scope}' does not exist; use one of "
+                            f"{', '.join(SHARD_SCOPES)}")
+        if self.shard_scope == "node" and self.mode == "replicate":
+            raise PlanError(f"{where}: shard_scope 'node' shards within a node, which a replicated unit does not "
+                            "do; use it with mode 'zero2' or 'zero3'")
         if isinstance(self.split, bool) or not isinstance(self.split, int) or self.split < 1:
             raise PlanError(f"{where}: split must be an integer >= 1 (1 = not split), got {self.split!r}")
         if not isinstance(self.checkpoint, bool):
@@ -58,9 +71,18 @@ class UnitPlan:
                 f"{where}: split={self.split} needs mode 'zero3' (a split operator gathers its "
                 f"slices one at a time, which only a fully sharded unit does); got mode '{self.mode}'"
             )
+        if self.split > 1 and self.shard_scope == "node":
+            raise PlanError(f"{where}: split={self.split} with shard_scope 'node' is not supported: a split "
+                            "Linear is sharded over every rank; use shard_scope 'world' for split units")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def label(self) -> str:
+        """``zero3@node/split2+ckpt``-style: mode, then what differs from the defaults."""
+        return (self.mode + ("@node" if self.shard_scope == "node" else "")
+                + (f"/split{self.split}" if self.split > 1 else "") + ("+ckpt" if self.checkpoint else ""))
 
 
 @dataclass
@@ -71,6 +93,7 @@ class Plan:
     batch_size: int | None = None  # micro-batch per rank; None = whatever the caller feeds
     mixed_precision: str = "fp32"
     world_size: int | None = None  # None = any
+    ranks_per_node: int | None = None  # None = any (node-scoped units take the job's own)
     model_signature: str | None = None  # structure hash of the model the plan was made for
     predicted_step_s: float | None = None
     predicted_peak_bytes: int | None = None
@@ -93,6 +116,13 @@ class Plan:
             raise PlanError(f"batch_size must be a positive integer, got {self.batch_size!r}")
         if self.world_size is not None and (not isinstance(self.world_size, int) or self.world_size < 1):
             raise PlanError(f"world_size must be a positive integer, got {self.world_size!r}")
+        if self.ranks_per_node is not None:
+            if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) \
+                    or self.ranks_per_node < 1:
+                raise PlanError(f"ranks_per_node must be a positive integer, got {self.ranks_per_node!r}")
+            if self.world_size is not None and self.world_size % self.ranks_per_node:
+                raise PlanError(f"world_size {self.world_size} is not a whole number of nodes of "
+                                f"{self.ranks_per_node} ranks")
 
     # -- construction -------------------------------------------------------------
 
@@ -148,7 +178,7 @@ class Plan:
         for raw in d.pop("units"):
             if not isinstance(raw, dict) or "path" not in raw:
                 raise PlanError(f"each unit needs at least a 'path', got {raw!r}")
-            extra = sorted(set(raw) - {"path", "mode", "split", "checkpoint"})
+            extra = sorted(set(raw) - {f.name for f in dataclasses.fields(UnitPlan)})
             if extra:
                 raise PlanError(f"unit '{display_path(raw['path'])}': unknown field(s) {extra}")
             units.append(UnitPlan(**raw))
@@ -174,14 +204,23 @@ class Plan:
 
     def decisions(self) -> dict[str, Any]:
         """What the hash covers: everything that changes how the model is run."""
-        return {
+        def unit(u: UnitPlan) -> dict[str, Any]:
+            d = u.to_dict()
+            if u.shard_scope == "world":  # the default: plans made before shard scopes keep their hash
+                del d["shard_scope"]
+            return d
+
+        out = {
             "schema_version": self.schema_version,
-            "units": [u.to_dict() for u in sorted(self.units, key=lambda u: u.path)],
+            "units": [unit(u) for u in sorted(self.units, key=lambda u: u.path)],
             "batch_size": self.batch_size,
             "mixed_precision": self.mixed_precision,
             "world_size": self.world_size,
             "model_signature": self.model_signature,
         }
+        if self.ranks_per_node is not None:
+            out["ranks_per_node"] = self.ranks_per_node
+        return out
 
     @property
     def hash(self) -> str:
@@ -191,7 +230,6 @@ class Plan:
     def summary(self) -> str:
         counts: dict[str, int] = {}
         for u in self.units:
-            key = u.mode + (f"/split{u.split}" if u.split > 1 else "") + ("+ckpt" if u.checkpoint else "")
-            counts[key] = counts.get(key, 0) + 1
+            counts[u.label] = counts.get(u.label, 0) + 1
         parts = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
         return f"Plan {self.hash}: {len(self.units)} units ({parts})"
