@@ -400,6 +400,12 @@ def _options_of(description: ModelDescription, plan: Plan | Sequence[Any]) -> li
                 f"the plan has no decision for unit '{display_path(missing[0])}' (and {len(missing) - 1} more); "
                 "plan every unit the description has"
             )
+        node_scoped = [u.path for u in plan.units if u.shard_scope == "node"]
+        if node_scoped:
+            raise PlanError(
+                f"unit '{display_path(node_scoped[0])}' is sharded within its node (shard_scope 'node'), which the "
+                "cost model does not price yet: it prices world-scoped plans only"
+            )
         by_path = {u.path: u for u in plan.units}
         default = UnitPlan(ROOT, mode="zero3")  # what osdp.wrap does with a plan that leaves the root out
         return [

@@ -130,6 +130,29 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
+RANKS_PER_NODE_ENV = "LOCAL_WORLD_SIZE"  # set by torchrun on every rank: the ranks it started on this node
+
+
+def ranks_per_node() -> int:
+    """Ranks on each node: torchrun's ``LOCAL_WORLD_SIZE`` (every rank, one node, without it).
+
+    torchrun numbers ranks node by node, so node i holds ranks
+    i * ranks_per_node ... (i + 1) * ranks_per_node - 1: the rows of a
+    (nodes, ranks_per_node) device mesh.
+    """
+    _, world_size = world()
+    value = os.environ.get(RANKS_PER_NODE_ENV)
+    if value is None:
+        return world_size
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{RANKS_PER_NODE_ENV}={value!r} is not a number of ranks") from None
+    if n < 1 or world_size % n:
+        raise ValueError(f"{RANKS_PER_NODE_ENV}={n} does not divide the world size {world_size} into whole nodes")
+    return n
+
+
 def all_gather_objects(obj: Any) -> list[Any]:
     rank, world_size = world()
     if world_size == 1:

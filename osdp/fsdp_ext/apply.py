@@ -6,6 +6,10 @@ the root, as ``fully_shard`` expects:
 * ``zero3``: ``fully_shard`` on the 1-D mesh, resharding after forward;
 * ``zero2``: the same without resharding after forward (gathered parameters
   are kept from forward until backward);
+* ``shard_scope: node`` (zero2, zero3): on the (nodes, ranks_per_node) mesh
+  instead, FSDP2's hybrid sharding: sharded within the node, replicated
+  across nodes, gradients reduce-scattered within the node and all-reduced
+  across; ranks per node are torchrun's ``LOCAL_WORLD_SIZE``;
 * ``replicate``: the parameters of every replicated unit go to one DDP
   reducer (``fsdp_ext.replicate``): bucketed all-reduces overlapped with
   backward and no second copy of the parameters, exactly as
@@ -38,7 +42,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from osdp import comm
 from osdp.caches import disable_caches_in_training
-from osdp.distributed import all_gather_objects, world
+from osdp.distributed import all_gather_objects, ranks_per_node, world
 from osdp.plan import ROOT, Plan, PlanError, UnitPlan, display_path
 from osdp.recompute import checkpoint_unit
 from osdp.split import SplitLinear, apply_split, split_parameters, splittable_linears
@@ -71,17 +75,24 @@ def ensure_process_group() -> None:
 
 
 class Meshes:
-    """The two meshes every plan needs: 1-D for sharded units, (N, 1) for replicated ones."""
+    """The meshes a plan needs: 1-D for units sharded over the world, (N, 1) for replicated ones, and
+    (nodes, ranks_per_node) for units sharded within their node (made only for plans that have one)."""
 
-    def __init__(self, device_type: str, world_size: int):
+    def __init__(self, device_type: str, world_size: int, ranks_per_node: int, node_scoped: bool):
         # Always explicit: with a gloo group on a machine with GPUs the default mesh would pick CUDA.
         self.shard: DeviceMesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=(SHARD_DIM,))
         self.replicate: DeviceMesh = init_device_mesh(
             device_type, (world_size, 1), mesh_dim_names=(REPLICATE_DIM, SHARD_DIM)
         )
+        self.node: DeviceMesh | None = None
+        if node_scoped:
+            self.node = init_device_mesh(device_type, (world_size // ranks_per_node, ranks_per_node),
+                                         mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
 
-    def for_mode(self, mode: str) -> DeviceMesh:
-        return self.replicate if mode == "replicate" else self.shard
+    def for_unit(self, decision: UnitPlan) -> DeviceMesh:
+        if decision.mode == "replicate":
+            return self.replicate
+        return self.node if decision.shard_scope == "node" else self.shard
 
 
 def mixed_precision_policy(setting: str) -> MixedPrecisionPolicy:
@@ -175,16 +186,33 @@ def validate_plan(model: nn.Module, plan: Plan, world_size: int) -> list[Unit]:
     return units
 
 
-def check_same_plan_everywhere(plan: Plan, local_error: Exception | None) -> None:
-    """Collective: raise on every rank if any rank failed validation or holds another plan."""
-    reports = all_gather_objects((plan.hash, None if local_error is None else str(local_error)))
-    failed = [(r, msg) for r, (_, msg) in enumerate(reports) if msg is not None]
+def check_topology(plan: Plan, local_ranks: int) -> None:
+    """Raise PlanError unless the job's nodes are those the plan was made for (on one node, node scope
+    is world scope)."""
+    if plan.ranks_per_node is not None and plan.ranks_per_node != local_ranks:
+        raise PlanError(
+            f"the plan was made for nodes of {plan.ranks_per_node} ranks but this job runs {local_ranks} per node "
+            "(torchrun's LOCAL_WORLD_SIZE); re-plan for this layout"
+        )
+
+
+def check_same_plan_everywhere(plan: Plan, local_error: Exception | None, local_ranks: int | None = None) -> None:
+    """Collective: raise on every rank if any rank failed validation, holds another plan, or counts another
+    number of ranks per node."""
+    reports = all_gather_objects((plan.hash, None if local_error is None else str(local_error), local_ranks))
+    failed = [(r, msg) for r, (_, msg, _) in enumerate(reports) if msg is not None]
     if failed:
         if local_error is not None:
             raise local_error
         rank, msg = failed[0]
         raise PlanError(f"rank {rank} rejected the plan: {msg}")
-    hashes = [h for h, _ in reports]
+    layouts = {n for _, _, n in reports}
+    if len(layouts) > 1:
+        raise PlanError(
+            f"ranks count different numbers of ranks per node ({sorted(layouts)}, from LOCAL_WORLD_SIZE); "
+            "launch every node with the same --nproc-per-node"
+        )
+    hashes = [h for h, _, _ in reports]
     if len(set(hashes)) > 1:
         by_hash: dict[str, list[int]] = {}
         for r, h in enumerate(hashes):
@@ -203,14 +231,21 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None =
     device = torch.device(device) if device is not None else default_device()
     plan = complete_plan(model, plan)
     error: Exception | None = None
+    local_ranks = None
     try:
+        try:
+            local_ranks = ranks_per_node()
+        except ValueError as e:
+            raise PlanError(str(e)) from None
         check_model(model, device)
         units = validate_plan(model, plan, world_size)
+        check_topology(plan, local_ranks)
     except PlanError as e:
         error = e
-    check_same_plan_everywhere(plan, error)
+    check_same_plan_everywhere(plan, error, local_ranks)
 
-    meshes = Meshes(device.type, world_size)
+    node_scoped = any(u.shard_scope == "node" for u in plan.units)
+    meshes = Meshes(device.type, world_size, local_ranks, node_scoped)
     modules = dict(model.named_modules())
     mp_policy = mixed_precision_policy(plan.mixed_precision)
     replicate_with_ddp = replicates_with_ddp(plan.mixed_precision)
@@ -234,7 +269,7 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None =
             # parameters gathered after forward (zero3 would hold memory as zero2) and prefetches nothing.
         fully_shard(
             module,
-            mesh=meshes.for_mode(decision.mode),
+            mesh=meshes.for_unit(decision),
             reshard_after_forward=decision.mode == "zero3",
             mp_policy=mp_policy,
             ignored_params=(split_parameters(module) | replicated) or None,
