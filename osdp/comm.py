@@ -67,6 +67,7 @@ ENV = "OSDP_REDUCE_SCATTER"
 native_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 LET_GO_TIMEOUT_S = 1.0  # past this, go on: the memory is freed when the worker thread runs
+_let_go = {"collectives": 0, "waited": 0, "seconds": 0.0}  # this process's Lent collectives (let_go_stats)
 
 # Point-to-point tags of pairwise reduce-scatters: one per call and group, the same on every rank
 # because every rank makes the same calls in the same order. The C++ op (csrc/split_linear.cpp)
@@ -132,9 +133,24 @@ class Lent:
             work.wait()
         del work
         held, self._held = self._held, []
-        deadline = time.monotonic() + timeout_s
-        while any(tensor_holders(a) > n for a, n in held) and time.monotonic() < deadline:
+        start = time.perf_counter()
+        waited = False
+        while any(tensor_holders(a) > n for a, n in held) and time.perf_counter() - start < timeout_s:
+            waited = True
             os.sched_yield()  # let the worker thread run
+        _let_go["collectives"] += 1
+        if waited:
+            _let_go["waited"] += 1
+            _let_go["seconds"] += time.perf_counter() - start
+
+
+def let_go_stats(reset: bool = False) -> dict[str, float]:
+    """This process's collectives run through :class:`Lent` since the last reset: how many, how many found
+    the tensors still held when they completed, and the seconds spent waiting for those."""
+    out = dict(_let_go)
+    if reset:
+        _let_go.update(collectives=0, waited=0, seconds=0.0)
+    return out
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:

@@ -152,6 +152,7 @@ def _holders_after_collectives(rank, world_size, repeats):
     }
     tensors = (out, shard, full)
     own = [storage_holders(t) for t in tensors]
+    comm.let_go_stats(reset=True)
     held = dict.fromkeys(calls, 0)
     for name, call in calls.items():
         for _ in range(repeats):
@@ -159,13 +160,16 @@ def _holders_after_collectives(rank, world_size, repeats):
             held[name] += [storage_holders(t) for t in tensors] != own
     gathered = out.view(world_size, m)
     comm.all_gather(out, torch.full((m,), float(rank)))
-    return held, [float(gathered[r].mean()) for r in range(world_size)]
+    return held, [float(gathered[r].mean()) for r in range(world_size)], comm.let_go_stats()
 
 
 def test_collectives_have_let_go_of_their_tensors_when_they_return():
     """Without letting go, 70% of these all-gathers (both ranks, 300 each) still had their buffer held by
     gloo's worker thread when they returned, and a rank's measured peak held one more unit's gathered
     parameters in some steps and not others (tests/test_wrap_search.py)."""
-    for held, gathered in run_ranks(_holders_after_collectives, 2, 300, timeout=120):
+    for held, gathered, stats in run_ranks(_holders_after_collectives, 2, 300, timeout=120):
         assert held == dict.fromkeys(held, 0)
         assert gathered == [0.0, 1.0]
+        # every call went through Lent once; those that found their tensors held waited, briefly
+        assert stats["collectives"] == 4 * 300 + 1 and stats["waited"] <= stats["collectives"]
+        assert stats["seconds"] <= stats["waited"] * comm.LET_GO_TIMEOUT_S
