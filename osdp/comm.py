@@ -36,14 +36,15 @@ reduce-scatter's in the last bits, as any two reduction orders do.
 Letting go. Gloo runs a collective on a worker thread that keeps the job, and
 the tensors in it, until it has finished with it, which can be after the
 caller saw the collective complete and went on (after a quarter of 130 KiB
-all-gathers on 2 ranks here, after 70% of 16 KiB ones). The caller's last reference is then not the last one: FSDP2
-drops an all-gather's flat buffer right after copying out of it, and that
-buffer's memory stayed alive whenever the thread next ran, so a rank's peak
-held one more unit's gathered parameters in some steps and not others, past
-a budget the plan had met. :class:`Lent` hands a collective fresh aliases of
-its tensors and waits, once it completed, until no one else holds them (a
-few yields of the CPU at most): memory is then freed where the caller frees it, as
-under NCCL, and peaks are the same every step. On CPU tensors, every
+all-gathers on 2 ranks here, after 70% of 16 KiB ones). The caller's last
+reference is then not the last one: FSDP2 drops an all-gather's flat buffer
+right after copying out of it, and that buffer's memory stayed alive
+whenever the thread next ran, so a rank's peak held one more unit's gathered
+parameters in some steps and not others, past a budget the plan had met.
+:class:`Lent` hands a collective fresh aliases of its tensors and waits, once
+it completed, until no one else holds them (a few yields of the CPU at most):
+memory is then freed where the caller frees it, as under NCCL, and peaks are
+the same every step. On CPU tensors, every
 collective of this module, FSDP2's all-gathers and reduce-scatters
 (:func:`install`) and the split loop's do so.
 """
@@ -239,13 +240,17 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any = dist.Red
     return None
 
 
-class FSDPAllGather(FSDPAllGatherBase):
-    """FSDP2's all-gather as :func:`all_gather` (``FSDPModule.set_custom_all_gather``): the same collective,
-    returning once gloo has let go of the flat buffer FSDP2 frees next. Asynchronous unshards (FSDP2's
-    ``set_unshard_in_backward``/prefetch with ``async_op``) take the collective as it is."""
+class _FreshBuffers:
+    """FSDP2's default allocation of a custom collective's buffers (``torch.empty``)."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class FSDPAllGather(_FreshBuffers, FSDPAllGatherBase):
+    """FSDP2's all-gather as :func:`all_gather` (``FSDPModule.set_custom_all_gather``): the same collective,
+    returning once gloo has let go of the flat buffer FSDP2 frees next. Asynchronous unshards (FSDP2's
+    ``set_unshard_in_backward``/prefetch with ``async_op``) take the collective as it is."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):
@@ -255,14 +260,11 @@ class FSDPAllGather(FSDPAllGatherBase):
         return None
 
 
-class FSDPReduceScatter(FSDPReduceScatterBase):
+class FSDPReduceScatter(_FreshBuffers, FSDPReduceScatterBase):
     """FSDP2's reduce-scatter as :func:`reduce_scatter` of ``impl`` (``FSDPModule.set_custom_reduce_scatter``)."""
 
     def __init__(self, impl: str):
         self.impl = _check(impl, "FSDPReduceScatter")
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False):

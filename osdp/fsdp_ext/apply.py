@@ -186,14 +186,19 @@ def validate_plan(model: nn.Module, plan: Plan, world_size: int) -> list[Unit]:
     return units
 
 
-def check_topology(plan: Plan, local_ranks: int) -> None:
-    """Raise PlanError unless the job's nodes are those the plan was made for (on one node, node scope
-    is world scope)."""
+def job_ranks_per_node(plan: Plan) -> int:
+    """This job's ranks per node (torchrun's LOCAL_WORLD_SIZE); PlanError unless they divide the world into
+    whole nodes of the size the plan was made for (on one node, node scope is world scope)."""
+    try:
+        local_ranks = ranks_per_node()
+    except ValueError as e:
+        raise PlanError(str(e)) from None
     if plan.ranks_per_node is not None and plan.ranks_per_node != local_ranks:
         raise PlanError(
             f"the plan was made for nodes of {plan.ranks_per_node} ranks but this job runs {local_ranks} per node "
             "(torchrun's LOCAL_WORLD_SIZE); re-plan for this layout"
         )
+    return local_ranks
 
 
 def check_same_plan_everywhere(plan: Plan, local_error: Exception | None, local_ranks: int | None = None) -> None:
@@ -233,13 +238,9 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None =
     error: Exception | None = None
     local_ranks = None
     try:
-        try:
-            local_ranks = ranks_per_node()
-        except ValueError as e:
-            raise PlanError(str(e)) from None
+        local_ranks = job_ranks_per_node(plan)
         check_model(model, device)
         units = validate_plan(model, plan, world_size)
-        check_topology(plan, local_ranks)
     except PlanError as e:
         error = e
     check_same_plan_everywhere(plan, error, local_ranks)
