@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -63,8 +66,19 @@ def assert_matches_reference(per_rank_results, ref, plan_names, atol=1e-5):
         rank_losses = [per_rank_results[r][i][0] for r in range(world_size)]
         global_losses = [sum(step) / world_size for step in zip(*rank_losses)]
         loss_err = max(abs(a - b) for a, b in zip(global_losses, ref_losses))
-        assert loss_err <= atol, f"{name}: loss differs from single-process training by {loss_err:.2e}"
         state = per_rank_results[0][i][1]
         assert set(state) == set(ref_state), f"{name}: state dict keys differ"
         param_err = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+        _record_differences(name, loss_err, param_err)
+        assert loss_err <= atol, f"{name}: loss differs from single-process training by {loss_err:.2e}"
         assert param_err <= atol, f"{name}: parameters differ from single-process training by {param_err:.2e}"
+
+
+def _record_differences(plan_name: str, loss_err: float, param_err: float) -> None:
+    """With OSDP_RECORD_DIFFERENCES=FILE, append one JSON line per compared plan (the test, the plan, its
+    largest loss and parameter differences): the closing reports' equality matrices come from here."""
+    path = os.environ.get("OSDP_RECORD_DIFFERENCES")
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, "plan": plan_name, "loss_diff": loss_err, "param_diff": param_err}) + "\n")
