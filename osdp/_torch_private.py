@@ -24,7 +24,10 @@ __all__ = [
     "checkpoint_wrapper",
     "fsdp_device",
     "fsdp_reduce_scatter_comm",
+    "output_tensors",
+    "queue_at_backward_end",
     "ddp_bucket_bytes",
+    "ddp_check_reducer_finalized",
     "ddp_post_forward",
     "ddp_pre_forward",
     "TorchDispatchMode",
@@ -69,6 +72,25 @@ def ddp_post_forward(ddp, output):
 
     DistributedDataParallel._active_ddp_module = None
     return ddp._post_forward(output)
+
+
+def ddp_check_reducer_finalized(ddp) -> None:
+    """Raise DDP's RuntimeError (listing the parameter indices) if a backward left buckets unreduced."""
+    ddp._check_reducer_finalized()
+
+
+def queue_at_backward_end(callback) -> None:
+    """Run ``callback`` when the running backward ends (after the callbacks queued before it)."""
+    from torch.autograd import Variable
+
+    Variable._execution_engine.queue_callback(callback)
+
+
+def output_tensors(output: Any) -> list:
+    """The tensors in a forward's output, found as ``DistributedDataParallel`` finds them."""
+    from torch.nn.parallel.distributed import _find_tensors
+
+    return list(_find_tensors(output))
 
 
 def tensor_holders(t: Any) -> int:

@@ -31,6 +31,7 @@ def wrap(
     strategy: str | None = None,
     device: torch.device | str | None = None,
     mixed_precision: str | None = None,
+    find_unused_parameters: bool = False,
     **plan_options: Any,
 ) -> nn.Module:
     """Make ``model`` data parallel in place, under a memory budget, a given plan, or a baseline.
@@ -41,6 +42,11 @@ def wrap(
       ``planning_device`` for a preset name);
     * ``wrap(model, plan=plan)``: apply a :class:`Plan` or its JSON;
     * ``wrap(model, strategy="fsdp")``: a baseline, ``ddp``, ``zero2`` or ``fsdp``.
+
+    ``find_unused_parameters`` is ``DistributedDataParallel``'s, for replicated
+    units: set it when a step may leave parameters without a gradient (a
+    module not called, a branch not taken). Without it (faster, DDP's default)
+    such a step raises from ``backward()``, before the optimizer steps.
 
     Collective: every rank of the default process group calls it the same way.
     Returns the model, now managed by FSDP2; ``osdp.plan_of(model)`` gives the
@@ -78,7 +84,7 @@ def wrap(
     if mixed_precision is not None:
         plan.mixed_precision = mixed_precision
         plan.__post_init__()
-    return apply_plan(model, plan, device=device)
+    return apply_plan(model, plan, device=device, find_unused_parameters=find_unused_parameters)
 
 
 __all__ = ["wrap", "plan_of", "set_requires_gradient_sync", "strategy_plan"]

@@ -229,8 +229,13 @@ def check_same_plan_everywhere(plan: Plan, local_error: Exception | None, local_
         )
 
 
-def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None = None) -> nn.Module:
-    """Apply ``plan`` to ``model`` in place (collective over the default process group)."""
+def apply_plan(
+    model: nn.Module, plan: Plan, device: torch.device | str | None = None, find_unused_parameters: bool = False,
+) -> nn.Module:
+    """Apply ``plan`` to ``model`` in place (collective over the default process group).
+
+    ``find_unused_parameters``: replicated units may get no gradient in a step (see ``ReplicatedParameters``).
+    """
     ensure_process_group()
     _, world_size = world()
     device = torch.device(device) if device is not None else default_device()
@@ -276,8 +281,8 @@ def apply_plan(model: nn.Module, plan: Plan, device: torch.device | str | None =
             ignored_params=(split_parameters(module) | replicated) or None,
         )
     if replicated:
-        in_order = [p for p in model.parameters() if p in replicated]  # DDP buckets them in reverse
-        setattr(model, _REPLICATED_ATTR, ReplicatedParameters(model, in_order, device))
+        in_order = {n: p for n, p in model.named_parameters() if p in replicated}  # DDP buckets them in reverse
+        setattr(model, _REPLICATED_ATTR, ReplicatedParameters(model, in_order, device, find_unused_parameters))
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.register_forward_hook(_reshard_after_forward_without_grad)

@@ -21,17 +21,21 @@ makes for a module it runs itself.
 
 from __future__ import annotations
 
+import re
 import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from osdp._torch_private import ddp_post_forward, ddp_pre_forward
+from osdp._torch_private import (
+    ddp_check_reducer_finalized, ddp_post_forward, ddp_pre_forward, output_tensors, queue_at_backward_end,
+)
 
 
 def replicates_with_ddp(mixed_precision: str) -> bool:
@@ -39,19 +43,28 @@ def replicates_with_ddp(mixed_precision: str) -> bool:
     return mixed_precision == "fp32"
 
 
-class ReplicatedParameters:
-    """One DDP reducer over ``params``, run by forward hooks on ``model`` (the root)."""
+class UnusedParametersError(RuntimeError):
+    """Replicated parameters got no gradient in a backward while unused parameters were not looked for."""
 
-    def __init__(self, model: nn.Module, params: list[nn.Parameter], device: torch.device):
-        self.params = nn.ParameterList(params)
+
+class ReplicatedParameters:
+    """One DDP reducer over ``params`` (name -> parameter), run by forward hooks on ``model`` (the root).
+
+    ``find_unused_parameters`` is DDP's: False (DDP's default, and faster: no walk of the autograd graph
+    after each forward) expects every parameter to get a gradient in every backward; a backward where one
+    does not raises ``UnusedParametersError`` from ``backward()``, before any optimizer step, naming them.
+    """
+
+    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], device: torch.device,
+                 find_unused_parameters: bool = False):
+        self.names = list(params)
+        self.params = nn.ParameterList(params.values())
         self.ddp = DistributedDataParallel(
             self.params,
             device_ids=[device] if device.type == "cuda" else None,
             # gradients are views into the buckets: one copy of them, not two
             gradient_as_bucket_view=True,
-            # a unit may sit out a step (a branch, a frozen part): without this DDP would wait for its
-            # gradients and fail the next step; measured within 1-3% of the default here
-            find_unused_parameters=True,
+            find_unused_parameters=find_unused_parameters,
         )
         if dist.get_backend(self.ddp.process_group) == "fake":
             # the fake process group (one process posing as a rank, for memory) completes an all-reduce
@@ -93,7 +106,35 @@ class ReplicatedParameters:
         return ddp_pre_forward(self.ddp, args, kwargs)
 
     def _post_forward(self, module, args, output):
-        return ddp_post_forward(self.ddp, output)
+        output = ddp_post_forward(self.ddp, output)
+        if torch.is_grad_enabled() and self.ddp.require_backward_grad_sync and not self.ddp.find_unused_parameters:
+            grads_from = [t for t in output_tensors(output) if t.requires_grad]
+            if grads_from:
+                register_multi_grad_hook(grads_from, self._check_after_backward, mode="any")
+        return output
+
+    def _check_after_backward(self, _grad) -> None:
+        # Runs as backward starts; the check must follow the reducer's own end-of-backward callback, which
+        # it queues once its last bucket is ready, so it queues itself again from the first callback.
+        queue_at_backward_end(lambda: queue_at_backward_end(self._check_reducer_finalized))
+
+    def _check_reducer_finalized(self) -> None:
+        try:
+            ddp_check_reducer_finalized(self.ddp)
+        except RuntimeError as e:
+            listed = _UNUSED_INDICES.search(str(e))
+            unused = [self.names[int(i)] for i in listed.group(1).split()] if listed else []
+            which = f" ({', '.join(unused)})" if unused else ""
+            raise UnusedParametersError(
+                f"replicated parameters got no gradient in this backward{which}: a module the forward did not "
+                "call, or a branch it did not take. Nothing was reduced or stepped with them; wrap the model with "
+                "osdp.wrap(..., find_unused_parameters=True), which looks for them after every forward, as "
+                "DistributedDataParallel does with that setting"
+            ) from None
+
+
+# DDP's message lists the parameters (indices into the reducer's list) that got no gradient on this rank
+_UNUSED_INDICES = re.compile(r"did not receive grad for rank \d+: ([\d ]+)")
 
 
 def _weak(method):
