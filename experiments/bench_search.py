@@ -44,7 +44,7 @@ def unit_costs(params: int, flops_per_sample: float, act_bytes: int, ckpt_bytes:
     full = 4 * params  # fp32 gathered bytes
     ring = (WORLD - 1) / WORLD * full / BUS_BW
     compute = 3 * flops_per_sample * batch / FLOPS
-    for o, (mode, split, ckpt) in enumerate(OPTIONS):
+    for o, (mode, split, ckpt, _) in enumerate(OPTIONS):
         ok[o] = split == 1 or (mode == "zero3" and splittable)
         work = compute * (4 / 3 if ckpt else 1.0)
         if mode == "replicate":  # bucketed all-reduce, overlaps best
