@@ -152,7 +152,8 @@ def multi_node(repeats: int, out: Path, machine: dict) -> None:
             rows.append({
                 "model": model, "device": device, "nodes": dev.topology.nodes,
                 "ranks_per_node": dev.topology.ranks_per_node, "budget_bytes": budget,
-                "batch_candidates": list(DEFAULT_BATCH_CANDIDATES), "granularities": [d.granularity for d in descriptions],
+                "batch_candidates": list(DEFAULT_BATCH_CANDIDATES),
+                "granularities": [d.granularity for d in descriptions],
                 "units": len(plan.units), "options": problem.num_options, "search_seconds": seconds,
                 "search_seconds_all": [r.search_seconds for r in results], "target_seconds": MULTI_NODE_TARGET_S,
                 "predicted_step_s": plan.predicted_step_s, "predicted_peak_bytes": plan.predicted_peak_bytes,

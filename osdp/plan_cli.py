@@ -46,7 +46,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hf-config", help="a local Transformers config.json (or its folder) to plan instead of --model")
     p.add_argument("--world-size", type=int, help=f"ranks on one node (default {DEFAULT_WORLD_SIZE}); for several "
                    "nodes give --nodes and --gpus-per-node")
-    p.add_argument("--nodes", type=int, help="nodes of the job (a multi-node preset; world size = nodes x gpus per node)")
+    p.add_argument("--nodes", type=int,
+                   help="nodes of the job (a multi-node preset; world size = nodes x gpus per node)")
     p.add_argument("--gpus-per-node", type=int, help="ranks on each node (default: the preset's GPUs per node)")
     p.add_argument("--device-mem", help="memory budget per rank, e.g. 16GiB (default: the preset's memory)")
     p.add_argument("--device", help=f"device preset (--list-devices; default {DEFAULT_DEVICE}, or "

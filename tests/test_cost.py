@@ -241,13 +241,14 @@ def test_problem_marks_impossible_options(tiny):
 
 def _model(world_size, alpha, beta, source):
     """A collective model whose collectives differ (x1, x2, x3), so that a mix-up of collectives shows."""
-    return CollectiveModel(world_size, {c: AlphaBeta(alpha * (i + 1), beta * (i + 1)) for i, c in enumerate(COLLECTIVES)},
-                           source)
+    costs = {c: AlphaBeta(alpha * (i + 1), beta * (i + 1)) for i, c in enumerate(COLLECTIVES)}
+    return CollectiveModel(world_size, costs, source)
 
 
 def three_nodes_of_four():
     """12 ranks as 3 nodes x 4, each level its own (made-up) links: fast inside, slow across, the world between."""
-    world, intra, inter = _model(12, 1e-5, 1e-9, "world"), _model(4, 1e-6, 1e-10, "intra"), _model(3, 1e-4, 1e-8, "inter")
+    world, intra = _model(12, 1e-5, 1e-9, "world"), _model(4, 1e-6, 1e-10, "intra")
+    inter = _model(3, 1e-4, 1e-8, "inter")
     return DeviceInfo("synthetic", 2**30, 12, "cuda", world, {"fp32": 1e12, "bfloat16": 1e12},
                       topology=Topology(3, 4, intra, inter))
 

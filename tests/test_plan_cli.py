@@ -156,9 +156,10 @@ def test_plan_cli_plans_8_nodes_of_8(model, device, tmp_path, capsys):
     the plan fits, says its layout, round-trips, and is at least as fast as the best plan sharding over the
     whole world only; on one 100 GbE NIC per node, sharding within the node makes it faster still."""
     budget = 12 * 2**30
-    out = tmp_path / "plan.json"
+    out, png = tmp_path / "plan.json", tmp_path / "frontier.png"
+    frontier = ["--frontier", str(png)] if device == "h100-nvlink-100gbe" else []
     code = main(["--model", model, "--nodes", "8", "--gpus-per-node", "8", "--device", device, "--device-mem", "12GiB",
-                 "--batch-size", "2", "--json", str(out)])
+                 "--batch-size", "2", "--json", str(out), *frontier])
     text = capsys.readouterr().out
     assert code == 0
     raw = json.loads(out.read_text())
@@ -180,6 +181,7 @@ def test_plan_cli_plans_8_nodes_of_8(model, device, tmp_path, capsys):
     node_scoped = [u for u in plan.units if u.shard_scope == "node"]
     if device == "h100-nvlink-100gbe":
         assert node_scoped and f"{node_scoped[0].mode}@node" in text
+        assert f"frontier drawn to {png}" in text and png.stat().st_size > 1000
         assert plan.predicted_step_s < 0.99 * world_only  # 3% on llama-1b: most of it hides behind compute
     else:  # 8 NDR NICs per node: the world ring runs at NVLink speed, and node scope only adds an all-reduce
         assert not node_scoped

@@ -75,7 +75,8 @@ def gpt2_mini_on_2_nodes_of_2():
         model = models.build("gpt2-mini")
     example = torch.zeros(BATCH, 128, dtype=torch.long, device="meta")
     device = device_preset("h100-nvlink-100gbe", 4, ranks_per_node=2)
-    description = describe_analytic(model, (example, example), device, world_size=4, batch_sizes=(BATCH,), progress=False)
+    description = describe_analytic(model, (example, example), device, world_size=4, batch_sizes=(BATCH,),
+                                    progress=False)
     return description, device
 
 
