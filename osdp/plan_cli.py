@@ -51,7 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gpus-per-node", type=int, help="ranks on each node (default: the preset's GPUs per node)")
     p.add_argument("--device-mem", help="memory budget per rank, e.g. 16GiB (default: the preset's memory)")
     p.add_argument("--device", help=f"device preset (--list-devices; default {DEFAULT_DEVICE}, or "
-                   f"{DEFAULT_MULTI_NODE_DEVICE} for several nodes)")
+                   f"{DEFAULT_MULTI_NODE_DEVICE} with --nodes or --gpus-per-node)")
     p.add_argument("--batch-size", type=int, help=f"micro-batch per rank (default: search {DEFAULT_BATCH_CANDIDATES})")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
     p.add_argument("--mixed-precision", choices=["fp32", "bf16"], default="fp32")
@@ -86,7 +86,7 @@ def device_for(args: argparse.Namespace) -> DeviceInfo:
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be a positive number, got {value}")
     nodes = 1 if args.nodes is None else args.nodes
-    args.device = args.device or (DEFAULT_MULTI_NODE_DEVICE if nodes > 1 else DEFAULT_DEVICE)
+    args.device = args.device or DEFAULT_MULTI_NODE_DEVICE
     preset = DEVICE_PRESETS[args.device]
     if not isinstance(preset, MultiNodePreset):
         if nodes > 1 or args.gpus_per_node is not None:

@@ -194,7 +194,10 @@ def test_plan_cli_plans_8_nodes_of_8(model, device, tmp_path, capsys):
      "device 'h100-nvlink' describes one level of links, not nodes joined by a network: for --nodes and "
      "--gpus-per-node use a multi-node preset (a100-nvlink-hdr200, h100-nvlink-100gbe, h100-nvlink-ndr400), "
      "or --world-size on one node"),
-    (["--nodes", "2", "--gpus-per-node", "16"], "has 8 GPUs per node: ranks_per_node must be 1 to 8, got 16"),
+    (["--nodes", "2", "--gpus-per-node", "16"],
+     "'h100-nvlink-ndr400' has 8 GPUs per node: ranks_per_node must be 1 to 8, got 16"),
+    (["--nodes", "2", "--gpus-per-node", "3", "--world-size", "8"],
+     "--world-size 8 disagrees with --nodes 2 x --gpus-per-node 3 = 6: give --world-size 6"),
     (["--nodes", "0"], "--nodes must be a positive number, got 0"),
     (["--gpus-per-node", "4", "--device", "h100-ib"], "h100-ib' describes one level of links"),
 ])
