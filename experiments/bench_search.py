@@ -10,7 +10,17 @@
 
 Costs are an analytic stand-in for the measured cost model: FLOPs at a fixed
 rate, alpha-beta collectives with partial overlap, fp32 parameters with Adam,
-activations of a non-fused attention. Run: python experiments/bench_search.py
+activations of a non-fused attention.
+
+Multi-node (``--cases multi-node``): what ``osdp plan --nodes 8 --gpus-per-node 8``
+searches for gpt2-xl and llama-1b, the real cost model on the multi-node presets
+(28 options: the 24 world-scoped and zero2/zero3 x checkpoint within the node),
+described analytically at micro-batches 1, 2, 4 and 8 and every unit
+granularity, at the preset's memory (osdp plan's default budget) and at 12 GiB
+(where replicating cannot fit); the time is the planner's ``search_seconds``
+(the plan's JSON field), best of ``--repeats``. Target: 100 ms.
+
+Run: python experiments/bench_search.py [--cases synthetic|multi-node]
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ def unit_costs(params: int, flops_per_sample: float, act_bytes: int, ckpt_bytes:
     full = 4 * params  # fp32 gathered bytes
     ring = (WORLD - 1) / WORLD * full / BUS_BW
     compute = 3 * flops_per_sample * batch / FLOPS
-    for o, (mode, split, ckpt) in enumerate(OPTIONS):
+    for o, (mode, split, ckpt, _) in enumerate(OPTIONS):
         ok[o] = split == 1 or (mode == "zero3" and splittable)
         work = compute * (4 / 3 if ckpt else 1.0)
         if mode == "replicate":  # bucketed all-reduce, overlaps best
@@ -112,10 +122,58 @@ def timed(fn, repeats: int):
     return best, out
 
 
+MULTI_NODE_CASES = [  # (model, preset) at 8 nodes x 8 GPUs
+    ("gpt2-xl", "h100-nvlink-ndr400"), ("llama-1b", "h100-nvlink-ndr400"),
+    ("gpt2-xl", "h100-nvlink-100gbe"), ("llama-1b", "h100-nvlink-100gbe"),
+]
+MULTI_NODE_TARGET_S = 0.100
+
+
+def multi_node(repeats: int, out: Path, machine: dict) -> None:
+    from osdp.device import device_preset
+    from osdp.model_source import from_reference
+    from osdp.plan_cli import DEFAULT_BATCH_CANDIDATES, describe_for
+    from osdp.planner import search
+
+    rows = []
+    header = f"{'model':<9} {'device':<19} {'budget':>10} {'units':>5} {'options':>7} {'search s':>9} " \
+             f"{'target s':>8} {'step ms':>8} {'@node':>5}  plan"
+    print(header)
+    print("-" * len(header))
+    for model, device in MULTI_NODE_CASES:
+        dev = device_preset(device, 64)
+        descriptions = describe_for(from_reference(model, None), dev, DEFAULT_BATCH_CANDIDATES, "fp32")
+        for budget in (dev.memory_bytes, 12 * GiB):
+            results = [search(descriptions, dev, DEFAULT_BATCH_CANDIDATES, budget=budget) for _ in range(repeats)]
+            seconds = min(r.search_seconds for r in results)
+            plan = results[-1].plan
+            problem = results[-1].problems[0]
+            node_scoped = sum(u.shard_scope == "node" for u in plan.units)
+            rows.append({
+                "model": model, "device": device, "nodes": dev.topology.nodes,
+                "ranks_per_node": dev.topology.ranks_per_node, "budget_bytes": budget,
+                "batch_candidates": list(DEFAULT_BATCH_CANDIDATES),
+                "granularities": [d.granularity for d in descriptions],
+                "units": len(plan.units), "options": problem.num_options, "search_seconds": seconds,
+                "search_seconds_all": [r.search_seconds for r in results], "target_seconds": MULTI_NODE_TARGET_S,
+                "predicted_step_s": plan.predicted_step_s, "predicted_peak_bytes": plan.predicted_peak_bytes,
+                "batch_size": plan.batch_size, "node_scoped_units": node_scoped, "plan": plan.summary(),
+            })
+            print(f"{model:<9} {device:<19} {format_bytes(budget):>10} {len(plan.units):>5} {problem.num_options:>7} "
+                  f"{seconds:>9.4f} {MULTI_NODE_TARGET_S:>8.3f} {plan.predicted_step_s * 1e3:>8.1f} {node_scoped:>5}  "
+                  f"{plan.summary()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine, "repeats": repeats, "results": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cases", choices=["all", "synthetic", "multi-node"], default="all")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_search.json"))
+    parser.add_argument("--multi-node-out",
+                        default=str(Path(__file__).parent / "results" / "bench_search_multi_node.json"))
     args = parser.parse_args()
 
     machine = {
@@ -125,6 +183,10 @@ def main() -> None:
         "python": platform.python_version(),
         "numpy": np.__version__,
     }
+    if args.cases in ("all", "multi-node"):
+        multi_node(args.repeats, Path(args.multi_node_out), machine)
+    if args.cases == "multi-node":
+        return
     rows = []
     header = f"{'instance':<10} {'units':>5} {'options':>7} {'batches':>7} {'levels':>7} {'resolution':>11} " \
              f"{'slack':>10} {'solve s':>8} {'target s':>8} {'frontier s':>10} {'best':>26}"

@@ -6,7 +6,7 @@ and ``build_problem``, so the search is exact under this model:
     step_s = sum_u time[u, o_u]
     peak   = base + sum_u mem[u, o_u] + max_u transient[u, o_u]
 
-Per unit u and option o = (mode, split k, checkpoint), at micro-batch b on N
+Per unit u and option o = (mode, split k, checkpoint, shard scope), at micro-batch b on N
 ranks, from the unit's description (``osdp.description``: parameter shapes,
 per-b compute times, saved activations, working-set peaks) and FSDP2's
 schedule on torch 2.13 (``docs/COST_MODEL.md`` derives each term):
@@ -42,12 +42,19 @@ transient (only the largest counts)
     plus FSDP2's buffers at that moment: its own gathered parameters and flat
     all-gather output (zero3), the buffer of the unit it prefetches and the
     reduce-scatter input FSDP2 keeps from the unit before (both at their full
-    size: a conservative bound, exact when the neighbour is unsplit zero3);
+    size: a conservative bound, exact when the neighbour is unsplit zero3
+    sharded over every rank);
     its own reduce-scatter input when its backward ends; split Linears' two
     slice buffers and two unreduced slice gradients; the single-tensor (CPU)
     optimizer's temporaries.
 base
     the calibration's measured margin.
+shard scope (on a device with a topology of several nodes)
+    a unit sharded within its node holds 1/ranks_per_node of its states,
+    gathers and reduce-scatters over the node's group (``Topology.intra``),
+    and all-reduces its reduced shard over the cross-node group
+    (``Topology.inter``); a unit sharded over every rank, and a replicated
+    one, pays the world group's costs (``DeviceInfo.collectives``).
 
 The true peak is a maximum over the schedule; this decomposition adds each
 unit's worst phase and the one largest transient, so it over-estimates and
@@ -63,11 +70,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from osdp.device import DeviceInfo
+from osdp.device import CollectiveModel, DeviceInfo
 from osdp.fsdp_ext.replicate import replicates_with_ddp
 from osdp.plan import MODES, ROOT, Plan, PlanError, UnitPlan, display_path
 from osdp.description import ModelDescription, UnitProfile
-from osdp.search.problem import OPTIONS, Problem
+from osdp.search.problem import NODE_OPTIONS, OPTIONS, Option, Problem
 
 # fp32 state tensors per parameter (momentum, Adam's two moments)
 OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}  # by osdp.optim.OPTIMIZERS
@@ -191,7 +198,10 @@ class _Context:
     optimizer_s_per_byte: float
     # per unit, FSDP buffers of its neighbours in forward order that exist during its backward
     # whatever its own option: the previous unit's all-gather output (FSDP2 prefetches it; taken as
-    # if zero3, the worst case) and the next unit's reduce-scatter input (kept until this one reduces)
+    # if zero3 sharded over every rank, the worst case: padding to a multiple of the world size is at
+    # least the padding to a multiple of ranks per node, which divide it) and the next unit's
+    # reduce-scatter input (kept until this one reduces). Taking the worst case keeps each unit's cost a
+    # function of its own option only, which the search needs
     neighbours: Mapping[str, tuple[int, int]]
     # per unit, the fraction of its parameter bytes in the bucket DDP reduces last, were every unit
     # replicated (the first units in forward order): nothing of the backward is left to hide that all-reduce
@@ -202,22 +212,50 @@ class _Context:
         return _DTYPE_BYTES[self.precision]
 
 
-def _collective(ctx: _Context, kind: str, nbytes: float, messages: int = 1) -> float:
-    if nbytes <= 0 or ctx.n == 1:
+def _collective(group: CollectiveModel, kind: str, nbytes: float, messages: int = 1) -> float:
+    if nbytes <= 0 or group.world_size == 1:
         return 0.0
-    return messages * ctx.device.collectives.time(kind, nbytes / messages)
+    return messages * group.time(kind, nbytes / messages)
 
 
-def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: _Context) -> OptionCost:
-    """Time, additive memory and transient memory of ``unit`` under ``option`` (see the module docstring)."""
-    mode, k, ckpt = (option.mode, option.split, option.checkpoint) if isinstance(option, UnitPlan) else option
+def _as_option(option: UnitPlan | Sequence[Any]) -> Option:
+    if isinstance(option, UnitPlan):
+        return Option(option.mode, option.split, option.checkpoint, option.shard_scope)
+    return Option(*option)
+
+
+def _impossible(unit: UnitProfile, option: Option) -> str | None:
+    """Why ``unit`` cannot take ``option``, or None if it can."""
+    mode, k, ckpt, scope = option
     where = f"unit '{unit.name}'"
     if k > 1 and mode != "zero3":
-        raise PlanError(f"{where}: split={k} needs mode 'zero3'")
+        return f"{where}: split={k} needs mode 'zero3'"
     if k > 1 and not unit.split_shapes:
-        raise PlanError(f"{where} cannot be split: it holds no splittable Linear")
+        return f"{where} cannot be split: it holds no splittable Linear"
     if ckpt and unit.nested:
-        raise PlanError(f"{where}: checkpointing a unit that encloses other units is not modelled")
+        return f"{where}: checkpointing a unit that encloses other units is not modelled"
+    if scope == "node" and (mode == "replicate" or k > 1):
+        return f"{where}: shard scope 'node' needs mode 'zero2' or 'zero3' without split"
+    return None
+
+
+def _shard_group(ctx: _Context, scope: str) -> tuple[int, CollectiveModel, CollectiveModel | None]:
+    """(ranks a sharded unit is sharded over, the group its gathers and reduce-scatters run on, the group its
+    reduced shard is all-reduced over, if any). Without a topology the job is one node: node scope is world
+    scope, as ``osdp.fsdp_ext.apply`` runs it."""
+    topology = ctx.device.topology
+    if scope == "world" or topology is None:
+        return ctx.n, ctx.device.collectives, None
+    return topology.ranks_per_node, topology.intra, topology.inter
+
+
+def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context) -> OptionCost:
+    """Time, additive memory and transient memory of ``unit`` under ``option`` (see the module docstring)."""
+    option = _as_option(option)
+    mode, k, ckpt, scope = option
+    reason = _impossible(unit, option)
+    if reason:
+        raise PlanError(reason)
     n, b, dt = ctx.n, ctx.b, ctx.compute_bytes
     cal, opt = ctx.calibration, ctx.optimizer
     costs = unit.costs[ctx.precision]
@@ -225,7 +263,8 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
 
     split = list(unit.split_shapes) if k > 1 else []
     fsdp_shapes = _remove(unit.param_shapes, split)
-    shard_n = 1 if mode == "replicate" else n
+    group_n, gather_group, across_nodes = _shard_group(ctx, scope)
+    shard_n = 1 if mode == "replicate" else group_n
     fsdp_padded = sum(_padded_numel(s, shard_n) for s in fsdp_shapes)
     fsdp_full = sum(math.prod(s) for s in fsdp_shapes)
     split_rows = []  # per split Linear: (rows per rank, largest slice's rows per rank, in_features, slices)
@@ -284,22 +323,26 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | tuple[str, int, bool], ctx: 
 
     # -- time --------------------------------------------------------------------
     compute = cal.compute_scale * (costs.fwd_s(b) + costs.bwd_s(b) + (costs.recompute_seconds(b) if ckpt else 0.0))
+    world = ctx.device.collectives
     if ddp:
         # DDP all-reduces 25 MiB buckets across units: each unit pays its bytes and its share of an alpha
         reduced = _REDUCE_BYTES * fsdp_full
-        comm = _collective(ctx, "all_reduce", DDP_BUCKET_BYTES) * reduced / DDP_BUCKET_BYTES if reduced else 0.0
+        comm = _collective(world, "all_reduce", DDP_BUCKET_BYTES) * reduced / DDP_BUCKET_BYTES if reduced else 0.0
     elif mode == "replicate":
-        comm = _collective(ctx, "all_reduce", _REDUCE_BYTES * fsdp_full)
+        comm = _collective(world, "all_reduce", _REDUCE_BYTES * fsdp_full)
     else:
         gathers = 2 if mode == "zero3" else 1
-        comm = gathers * _collective(ctx, "all_gather", gathered) + _collective(ctx, "reduce_scatter", rs_input)
+        comm = (gathers * _collective(gather_group, "all_gather", gathered)
+                + _collective(gather_group, "reduce_scatter", rs_input))
+        if across_nodes is not None:  # HSDP: the node's reduced shard, all-reduced with the other nodes'
+            comm += _collective(across_nodes, "all_reduce", rs_input / shard_n)
     slices = slice_bytes = 0
     split_comm = 0.0
     for rows, q, in_f, pieces in split_rows:
         weight = n * rows * in_f
         gathers = 3 if ckpt else 2  # forward, backward (input gradient), recomputed forward
-        split_comm += gathers * _collective(ctx, "all_gather", dt * weight, pieces)
-        split_comm += _collective(ctx, "reduce_scatter", _REDUCE_BYTES * weight, pieces)
+        split_comm += gathers * _collective(world, "all_gather", dt * weight, pieces)
+        split_comm += _collective(world, "reduce_scatter", _REDUCE_BYTES * weight, pieces)
         slices += (gathers + 1) * pieces
         slice_bytes += (gathers * dt + _REDUCE_BYTES) * weight
     comm += split_comm
@@ -387,8 +430,16 @@ def _ddp_last_bucket(forward_order: Sequence[tuple[str, Sequence[tuple[int, ...]
     return {path: sum(nb for p, nb in last if p == path) / totals[path] if totals[path] else 1.0 for path in totals}
 
 
-def _options_of(description: ModelDescription, plan: Plan | Sequence[Any]) -> list[tuple[str, int, bool]]:
-    """One (mode, split, checkpoint) per described unit, from a Plan or a list of options / OPTIONS indices."""
+def options_for(device: DeviceInfo) -> tuple[Option, ...]:
+    """The option table the search offers on ``device``: ``OPTIONS``, and ``NODE_OPTIONS`` when the device
+    spans several nodes (on one node, node scope is world scope: nothing to choose)."""
+    return OPTIONS + NODE_OPTIONS if device.nodes > 1 else OPTIONS
+
+
+def _options_of(
+    description: ModelDescription, plan: Plan | Sequence[Any], device: DeviceInfo,
+) -> list[Option]:
+    """One option per described unit, from a Plan, or a list of options or indices into ``options_for(device)``."""
     if isinstance(plan, Plan):
         paths = set(plan.paths)
         unknown = sorted(paths - set(description.paths))
@@ -400,21 +451,14 @@ def _options_of(description: ModelDescription, plan: Plan | Sequence[Any]) -> li
                 f"the plan has no decision for unit '{display_path(missing[0])}' (and {len(missing) - 1} more); "
                 "plan every unit the description has"
             )
-        node_scoped = [u.path for u in plan.units if u.shard_scope == "node"]
-        if node_scoped:
-            raise PlanError(
-                f"unit '{display_path(node_scoped[0])}' is sharded within its node (shard_scope 'node'), which the "
-                "cost model does not price yet: it prices world-scoped plans only"
-            )
         by_path = {u.path: u for u in plan.units}
         default = UnitPlan(ROOT, mode="zero3")  # what osdp.wrap does with a plan that leaves the root out
-        return [
-            (d.mode, d.split, d.checkpoint) for d in (by_path.get(p, default) for p in description.paths)
-        ]
+        return [_as_option(by_path.get(p, default)) for p in description.paths]
     choices = list(plan)
     if len(choices) != len(description.units):
         raise ValueError(f"{len(choices)} choices for {len(description.units)} units")
-    return [OPTIONS[int(c)] if isinstance(c, (int, np.integer)) else tuple(c) for c in choices]
+    table = options_for(device)
+    return [table[int(c)] if isinstance(c, (int, np.integer)) else _as_option(c) for c in choices]
 
 
 def predict(
@@ -430,7 +474,7 @@ def predict(
     """Step time and peak memory per rank of a plan (or one option per unit, in description order).
 
     ``batch_size`` and ``precision`` default to the plan's. For a plan whose
-    options are all in ``OPTIONS`` the numbers are exactly those of
+    options are all in ``options_for(device_info)`` the numbers are exactly those of
     ``build_problem(...)``'s ``step_time`` and ``peak`` for the same choice.
     """
     if isinstance(plan_or_choices, Plan):
@@ -440,10 +484,17 @@ def predict(
             raise PlanError(
                 f"the plan is for {plan_or_choices.world_size} ranks, the device for {device_info.world_size}"
             )
+        per_node = device_info.world_size // device_info.nodes
+        if plan_or_choices.ranks_per_node not in (None, per_node):
+            raise PlanError(
+                f"the plan is for nodes of {plan_or_choices.ranks_per_node} ranks, the device "
+                f"'{device_info.name}' has {device_info.nodes} node(s) of {per_node}; price it on a device of "
+                f"that layout (a multi-node preset with ranks_per_node={plan_or_choices.ranks_per_node})"
+            )
     if batch_size is None:
         raise ValueError("give batch_size= (the plan has none)")
     ctx = _context(description, device_info, batch_size, precision or "fp32", optimizer, calibration)
-    options = _options_of(description, plan_or_choices)
+    options = _options_of(description, plan_or_choices, device_info)
     costs = [unit_cost(u, o, ctx) for u, o in zip(description.units, options)]
     times = np.array([c.time_s for c in costs], dtype=np.float64)
     mem = np.array([c.mem_bytes for c in costs], dtype=np.int64)
@@ -479,10 +530,12 @@ def build_problem(
     precision: str = "fp32",
     optimizer: str = "adamw",
     calibration: Calibration | None = None,
-    options: Sequence[tuple[str, int, bool]] = OPTIONS,
+    options: Sequence[Option] | None = None,
 ) -> Problem:
-    """The search problem at one micro-batch size: every unit under every option, costed by ``unit_cost``."""
+    """The search problem at one micro-batch size: every unit under every option (default:
+    ``options_for(device_info)``), costed by ``unit_cost``."""
     ctx = _context(description, device_info, batch_size, precision, optimizer, calibration)
+    options = options_for(device_info) if options is None else [_as_option(o) for o in options]
     U, O = len(description.units), len(options)
     time_ = np.zeros((U, O), dtype=np.float64)
     mem = np.zeros((U, O), dtype=np.int64)
@@ -490,8 +543,7 @@ def build_problem(
     allowed = np.zeros((U, O), dtype=bool)
     for i, unit in enumerate(description.units):
         for j, option in enumerate(options):
-            mode, k, ckpt = option
-            if (k > 1 and (mode != "zero3" or not unit.split_shapes)) or (ckpt and unit.nested):
+            if _impossible(unit, option):
                 continue
             c = unit_cost(unit, option, ctx)
             time_[i, j], mem[i, j], transient[i, j], allowed[i, j] = c.time_s, c.mem_bytes, c.transient_bytes, True
@@ -506,11 +558,10 @@ def build_problem(
 def choice_of(problem: Problem, plan: Plan) -> np.ndarray:
     """The Problem's option index for each unit of ``plan`` (the root defaults to zero3)."""
     by_path = {u.path: u for u in plan.units}
-    index = {tuple(o): i for i, o in enumerate(problem.options)}
+    index = {_as_option(o): i for i, o in enumerate(problem.options)}
     choice = []
     for path in problem.units:
-        d = by_path.get(path, UnitPlan(ROOT, mode="zero3"))
-        key = (d.mode, d.split, d.checkpoint)
+        key = _as_option(by_path.get(path, UnitPlan(ROOT, mode="zero3")))
         if key not in index:
             raise PlanError(f"unit '{display_path(path)}': option {key} is not in the problem's option table")
         choice.append(index[key])
@@ -519,5 +570,5 @@ def choice_of(problem: Problem, plan: Plan) -> np.ndarray:
 
 def plan_from_choice(problem: Problem, choice: Sequence[int], **settings: Any) -> Plan:
     """A Plan taking option ``choice[u]`` for every unit of ``problem``."""
-    units = [UnitPlan(path, *problem.options[int(c)]) for path, c in zip(problem.units, choice)]
+    units = [UnitPlan(path, *_as_option(problem.options[int(c)])) for path, c in zip(problem.units, choice)]
     return Plan(units=units, batch_size=problem.batch_size, **settings)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from scipy.optimize import nnls
 
-from osdp import comm
+from osdp import comm, distributed
 from osdp.sizes import format_bytes, parse_size  # noqa: F401 - part of this module's API
 from osdp.timing import StepTimer
 
@@ -152,6 +152,52 @@ class CollectiveModel:
         )
 
 
+@dataclass(frozen=True)
+class Topology:
+    """Two levels of links: ``nodes`` nodes of ``ranks_per_node`` ranks each (torchrun's numbering: node i
+    holds ranks i * ranks_per_node ... (i + 1) * ranks_per_node - 1).
+
+    ``intra`` is the cost model of one node's group (its ranks_per_node ranks, on the node's own links);
+    ``inter`` that of one cross-node group (the ``nodes`` ranks with the same local rank, one per node),
+    priced as in a job where every local rank's cross-node group runs at once, so they share the node's
+    network links. A unit sharded within its node pays ``intra`` for its gathers and reduce-scatters and
+    ``inter`` for the all-reduce of its shard; the whole world group stays ``DeviceInfo.collectives``.
+    """
+
+    nodes: int
+    ranks_per_node: int
+    intra: CollectiveModel
+    inter: CollectiveModel
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "ranks_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"topology: {name} must be a positive integer, got {value!r}")
+        if self.intra.world_size != self.ranks_per_node:
+            raise ValueError(f"topology: the intra-node model is for {self.intra.world_size} ranks, but a node "
+                             f"holds {self.ranks_per_node}; measure or describe one node's group")
+        if self.inter.world_size != self.nodes:
+            raise ValueError(f"topology: the inter-node model is for {self.inter.world_size} ranks, but there are "
+                             f"{self.nodes} nodes; measure or describe a group of one rank per node")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
+                "intra": self.intra.to_dict(), "inter": self.inter.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Topology":
+        missing = [k for k in ("nodes", "ranks_per_node", "intra", "inter") if k not in d]
+        if missing:
+            raise ValueError(f"topology is missing {missing}")
+        return cls(int(d["nodes"]), int(d["ranks_per_node"]), CollectiveModel.from_dict(d["intra"]),
+                   CollectiveModel.from_dict(d["inter"]))
+
+
 def _group_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where the group's tensors live: CUDA for NCCL, else CPU (no group: CUDA if there is one)."""
     if dist.is_available() and dist.is_initialized():
@@ -245,6 +291,50 @@ def measure_collectives(
     return CollectiveModel.fit(world_size, samples, source)
 
 
+def measure_topology(
+    ranks_per_node: int,
+    *,
+    sizes: Sequence[int] = DEFAULT_MESSAGE_SIZES,
+    time_budget_s: float = 4.0,
+) -> Topology:
+    """Measure the collectives of the node groups and of the cross-node groups of the default process group.
+
+    Collective call on every rank. Every rank builds every subgroup, in the same
+    order (``dist.new_group`` requires it): the node groups, then the groups of
+    one rank per node. Each level is measured with all its groups at once, as a
+    job sharding within nodes runs them, so groups sharing a node's links share
+    them here too. Groups' fits differ a little; every rank takes, per
+    collective, the largest alpha and the largest beta over the groups (the
+    slowest group sets the step), so all ranks hold the identical topology.
+    """
+    world_size = dist.get_world_size()
+    if ranks_per_node < 1 or world_size % ranks_per_node:
+        raise ValueError(f"ranks_per_node={ranks_per_node} does not divide the world size {world_size} "
+                         "into whole nodes")
+    nodes, rank = world_size // ranks_per_node, dist.get_rank()
+    node_groups = [dist.new_group(list(range(i * ranks_per_node, (i + 1) * ranks_per_node)))
+                   for i in range(nodes)]
+    cross_groups = [dist.new_group(list(range(j, world_size, ranks_per_node))) for j in range(ranks_per_node)]
+    intra = measure_collectives(node_groups[rank // ranks_per_node], sizes=sizes, time_budget_s=time_budget_s)
+    dist.barrier()
+    inter = measure_collectives(cross_groups[rank % ranks_per_node], sizes=sizes, time_budget_s=time_budget_s)
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, (intra.to_dict(), inter.to_dict()))
+    for group in (*node_groups, *cross_groups):
+        dist.destroy_process_group(group)
+    # every rank of a group reports its group's model: one rank per group is enough
+    intra_models = [CollectiveModel.from_dict(out[i * ranks_per_node][0]) for i in range(nodes)]
+    inter_models = [CollectiveModel.from_dict(out[j][1]) for j in range(ranks_per_node)]
+    return Topology(nodes, ranks_per_node, _slowest(intra_models), _slowest(inter_models))
+
+
+def _slowest(models: Sequence[CollectiveModel]) -> CollectiveModel:
+    """Per collective, the largest alpha and the largest beta of same-sized groups' models."""
+    costs = {c: AlphaBeta(max(m.costs[c].alpha_s for m in models), max(m.costs[c].beta_s_per_byte for m in models))
+             for c in COLLECTIVES}
+    return CollectiveModel(models[0].world_size, costs, f"{models[0].source}, slowest of {len(models)} groups")
+
+
 # --------------------------------------------------------------------------- compute
 
 def measure_flops(
@@ -293,6 +383,9 @@ class DeviceInfo:
     collectives: CollectiveModel
     flops: Mapping[str, float] = field(default_factory=dict)  # dtype name -> achievable FLOP/s
     notes: str = ""
+    # nodes x ranks per node and the links of each level, for a job spanning several nodes; None: one
+    # level (every group of the job priced as ``collectives``)
+    topology: Topology | None = None
 
     def __post_init__(self) -> None:
         if self.memory_bytes is not None:
@@ -303,6 +396,15 @@ class DeviceInfo:
             raise ValueError(
                 f"collective model is for {self.collectives.world_size} ranks, device for {self.world_size}"
             )
+        if self.topology is not None and self.topology.world_size != self.world_size:
+            raise ValueError(
+                f"topology of {self.topology.nodes} nodes x {self.topology.ranks_per_node} ranks is "
+                f"{self.topology.world_size} ranks, device for {self.world_size}"
+            )
+
+    @property
+    def nodes(self) -> int:
+        return 1 if self.topology is None else self.topology.nodes
 
     def flops_for(self, dtype: torch.dtype | str) -> float:
         key = _dtype_name(dtype)
@@ -319,6 +421,8 @@ class DeviceInfo:
             "collectives": self.collectives.to_dict(),
             "flops": dict(self.flops),
             "notes": self.notes,
+            # only when there is one: descriptions of one level keep the dict (and the cache files) they had
+            **({"topology": self.topology.to_dict()} if self.topology is not None else {}),
         }
 
     @classmethod
@@ -334,6 +438,7 @@ class DeviceInfo:
             collectives=CollectiveModel.from_dict(d["collectives"]),
             flops={str(k): float(v) for k, v in d.get("flops", {}).items()},
             notes=str(d.get("notes", "")),
+            topology=Topology.from_dict(d["topology"]) if d.get("topology") is not None else None,
         )
 
 
@@ -344,15 +449,23 @@ def measure_device(
     time_budget_s: float = 4.0,
     name: str | None = None,
     collectives: CollectiveModel | None = None,
+    sizes: Sequence[int] = DEFAULT_MESSAGE_SIZES,
 ) -> DeviceInfo:
     """DeviceInfo for this machine, measured; collective call when a process group exists.
 
     Every rank measures its matmul rate and the slowest rank's figure is used
     (it sets the step time), so all ranks hold identical numbers. The
-    collectives are measured too (``time_budget_s``) unless given.
+    collectives are measured too (``time_budget_s``, at ``sizes``) unless given; on the
+    default group of a job spanning several nodes (torchrun's LOCAL_WORLD_SIZE
+    below the world size), so are its node and cross-node groups (``topology``).
     """
     if collectives is None:
-        collectives = measure_collectives(group, time_budget_s=time_budget_s)
+        collectives = measure_collectives(group, sizes=sizes, time_budget_s=time_budget_s)
+    topology = None
+    if group is None and collectives.world_size > 1:
+        local = distributed.ranks_per_node()
+        if local < collectives.world_size:
+            topology = measure_topology(local, sizes=sizes, time_budget_s=time_budget_s)
     device = _group_device(group)
     flops = {_dtype_name(dt): measure_flops(device, dt) for dt in dtypes}
     if collectives.world_size > 1:
@@ -365,6 +478,7 @@ def measure_device(
         name=name, memory_bytes=_device_memory(device), world_size=collectives.world_size,
         device_type=device.type, collectives=collectives, flops=flops,
         notes="measured: collectives on the live process group, FLOP/s of a large matmul",
+        topology=topology,
     )
 
 
@@ -395,7 +509,8 @@ class DevicePreset:
         if self.max_world_size is not None and world_size > self.max_world_size:
             raise ValueError(
                 f"preset {name!r} describes at most {self.max_world_size} ranks ({self.description}); "
-                f"for more ranks use a multi-node preset such as 'h100-ib'"
+                f"for more ranks use a multi-node preset ({', '.join(multi_node_presets())}; or 'h100-ib', "
+                "where every ring hop crosses the network)"
             )
         return DeviceInfo(
             name=name,
@@ -406,6 +521,73 @@ class DevicePreset:
             flops=dict(self.flops),
             notes=self.description,
         )
+
+
+@dataclass(frozen=True)
+class MultiNodePreset:
+    """Nodes of one NVLink domain (``node``: its memory, FLOP/s and intra-node figures) joined by a network.
+
+    The network is ``nics_per_node`` NICs each carrying ``nic_bus_bandwidth``
+    (bytes/s, nccl-tests' busbw of one NIC). From these:
+
+    * a node's group: the node preset's ring figures at ranks_per_node ranks;
+    * a cross-node group (one rank per node): in a job that shards within
+      nodes, all ranks_per_node such groups run at once and share the node's
+      NICs, so each gets ``nics_per_node * nic_bus_bandwidth / ranks_per_node``
+      (one NIC each on a rail-optimised node with a NIC per GPU);
+    * the world group: NCCL lays its rings node by node, one channel per NIC,
+      and every ring leaves each node once, so each node sends (N-1)/N of the
+      message through its NICs, as much as each rank sends: the world's busbw
+      is the node's whole NIC bandwidth, capped by the node's own links
+      (``min(node busbw, nics_per_node * nic_bus_bandwidth)``); its latency
+      is the node's plus the network's. (NVIDIA measures 192 GB/s all-reduce
+      busbw on DGX A100 with 8x 200 Gb/s: 8 x 24, below NVLink's ~230;
+      NVIDIA/nccl#812.)
+    """
+
+    description: str
+    node: DevicePreset
+    nic_bus_bandwidth: float
+    nics_per_node: int
+    network_latency_s: float
+
+    @property
+    def gpus_per_node(self) -> int:
+        assert self.node.max_world_size is not None
+        return self.node.max_world_size
+
+    def device_info(
+        self, name: str, world_size: int, memory: int | str | None = None, ranks_per_node: int | None = None,
+    ) -> DeviceInfo:
+        """``world_size`` ranks as nodes of ``ranks_per_node`` (default: full nodes, or one node if fewer)."""
+        per_node = self.gpus_per_node
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if ranks_per_node is None:
+            ranks_per_node = min(world_size, per_node)
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) \
+                or not 1 <= ranks_per_node <= per_node:
+            raise ValueError(f"preset {name!r} has {per_node} GPUs per node: ranks_per_node must be 1 to "
+                             f"{per_node}, got {ranks_per_node!r}")
+        if world_size % ranks_per_node:
+            raise ValueError(
+                f"preset {name!r}: {world_size} ranks are not whole nodes of {ranks_per_node} ranks; give a "
+                f"multiple of {ranks_per_node} (e.g. {(world_size // ranks_per_node + 1) * ranks_per_node}) "
+                "or the ranks per node that divide it"
+            )
+        nodes = world_size // ranks_per_node
+        one_node = self.node.device_info(name, ranks_per_node, memory)
+        if nodes == 1:
+            return replace(one_node, notes=f"one node of: {self.description}")
+        network = self.nics_per_node * self.nic_bus_bandwidth
+        inter = CollectiveModel.ring(nodes, _same(network / ranks_per_node), _same(self.network_latency_s),
+                                     f"preset {name}, across nodes")
+        world = CollectiveModel.ring(
+            world_size, {c: min(self.node.bus_bandwidth[c], network) for c in COLLECTIVES},
+            {c: self.node.latency_s[c] + self.network_latency_s for c in COLLECTIVES}, f"preset {name}",
+        )
+        return replace(one_node, world_size=world_size, collectives=world, notes=self.description,
+                       topology=Topology(nodes, ranks_per_node, one_node.collectives, inter))
 
 
 def _same(value: float) -> dict[str, float]:
@@ -453,7 +635,7 @@ MFU_FRACTION = 0.45
 # Memory: the data-sheet capacity (HBM is built in binary units, "80 GB" = 80 GiB);
 # the CUDA context and allocator fragmentation take 1-2 GiB of it, so pass an
 # explicit budget when it matters.
-DEVICE_PRESETS: dict[str, DevicePreset] = {
+DEVICE_PRESETS: dict[str, DevicePreset | MultiNodePreset] = {
     "h100-nvlink": DevicePreset(
         "8x H100 SXM5 80GB, NVLink 4 + NVSwitch (900 GB/s bidirectional per GPU)",
         "cuda", 80 * GiB,
@@ -525,12 +707,68 @@ DEVICE_PRESETS: dict[str, DevicePreset] = {
 }
 
 
+# Multi-node clusters: the NVLink nodes above joined by a network, one level each (see MultiNodePreset).
+DEVICE_PRESETS.update({
+    "h100-nvlink-ndr400": MultiNodePreset(
+        "nodes of 8x H100 SXM5 80GB (NVLink 4 + NVSwitch) joined by 8x 400 Gb/s NDR InfiniBand per node, one "
+        "ConnectX-7 NIC per GPU, rail-optimised (DGX H100 / SuperPOD layout)",
+        DEVICE_PRESETS["h100-nvlink"],
+        # "For NDR @ 400Gbps you should see 46-48GB/s per NIC" (NCCL maintainer, NVIDIA/nccl-tests#290)
+        nic_bus_bandwidth=46 * GB,
+        nics_per_node=8,
+        # nccl-tests small-message all-reduce over 2 nodes of NDR: ~46 us (NVIDIA/nccl#1244)
+        network_latency_s=50e-6,
+    ),
+    "a100-nvlink-hdr200": MultiNodePreset(
+        "nodes of 8x A100 SXM4 80GB (NVLink 3 + NVSwitch) joined by 8x 200 Gb/s HDR InfiniBand per node, one "
+        "ConnectX-6 NIC per GPU (DGX A100 / SuperPOD layout)",
+        DEVICE_PRESETS["a100-80gb-nvlink"],
+        # NCCL maintainer: "On an Nvidia DGX-A100 system we have 8x200Gbit/s IB cards and we measure 192GB/s
+        # AllReduce BusBW" (NVIDIA/nccl#812): 24 GB/s per NIC, 96% of HDR's 25 GB/s line rate
+        nic_bus_bandwidth=24 * GB,
+        nics_per_node=8,
+        # Estimate: taken as NDR's measured ~46 us (NVIDIA/nccl#1244); a switch hop (~100-200 ns) is small
+        # against NCCL's own per-collective cost, which dominates both
+        network_latency_s=50e-6,
+    ),
+    "h100-nvlink-100gbe": MultiNodePreset(
+        "nodes of 8x H100 SXM5 80GB (NVLink 4 + NVSwitch) joined by one 100 Gb/s Ethernet NIC per node "
+        "(NCCL over TCP sockets, no RDMA)",
+        DEVICE_PRESETS["h100-nvlink"],
+        # A 100 Gb/s network through NCCL's ring reached 60 Gb/s busbw (NVIDIA/nccl-tests#22, AWS's 100 Gb/s
+        # network, NCCL_ALGO ring): 7.5 GB/s, 60% of the 12.5 GB/s line rate. RoCE would reach more (~11).
+        nic_bus_bandwidth=7.5 * GB,
+        nics_per_node=1,
+        # Estimate: twice the 38-46 us of an 8-byte NCCL broadcast between two nodes over TCP sockets
+        # (NVIDIA/nccl-tests#82), for an all-reduce's reduce and broadcast passes
+        network_latency_s=100e-6,
+    ),
+})
+
+
 def list_presets() -> list[str]:
     return sorted(DEVICE_PRESETS)
 
 
-def device_preset(name: str, world_size: int, memory: int | str | None = None) -> DeviceInfo:
-    """DeviceInfo for a named preset at ``world_size`` ranks; ``memory`` overrides the capacity."""
+def multi_node_presets() -> list[str]:
+    return sorted(n for n, p in DEVICE_PRESETS.items() if isinstance(p, MultiNodePreset))
+
+
+def device_preset(
+    name: str, world_size: int, memory: int | str | None = None, *, ranks_per_node: int | None = None,
+) -> DeviceInfo:
+    """DeviceInfo for a named preset at ``world_size`` ranks; ``memory`` overrides the capacity.
+
+    A multi-node preset (``multi_node_presets()``) lays the ranks out as nodes of
+    ``ranks_per_node`` (default: its GPUs per node, or one node when fewer ranks);
+    the others describe one level of links and take no ``ranks_per_node``.
+    """
     if name not in DEVICE_PRESETS:
         raise ValueError(f"unknown device preset {name!r}; known presets: {', '.join(list_presets())}")
-    return DEVICE_PRESETS[name].device_info(name, world_size, memory)
+    preset = DEVICE_PRESETS[name]
+    if isinstance(preset, MultiNodePreset):
+        return preset.device_info(name, world_size, memory, ranks_per_node)
+    if ranks_per_node is not None:
+        raise ValueError(f"preset {name!r} describes one level of links, without nodes: ranks_per_node applies to "
+                         f"the multi-node presets ({', '.join(multi_node_presets())})")
+    return preset.device_info(name, world_size, memory)

@@ -89,6 +89,8 @@ def search(
         best.choice,
         mixed_precision=mixed_precision,
         world_size=device_info.world_size,
+        # the prediction is for this node layout (each level's links): the plan says so, and wrap checks it
+        ranks_per_node=device_info.topology.ranks_per_node if device_info.topology is not None else None,
         model_signature=model_signature,
         predicted_step_s=best.step_time,
         predicted_peak_bytes=best.peak_bytes,

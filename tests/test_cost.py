@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from osdp import models
-from osdp.cost import OPTIMIZER_STATES, Calibration, build_problem, choice_of, plan_from_choice, predict, unit_cost
-from osdp.device import device_preset
+from osdp.cost import (
+    OPTIMIZER_STATES, Calibration, build_problem, choice_of, options_for, plan_from_choice, predict, unit_cost,
+)
+from osdp.device import COLLECTIVES, AlphaBeta, CollectiveModel, DeviceInfo, Topology, device_preset
 from osdp.plan import Plan, PlanError, UnitPlan
 from osdp.profile import describe
 from osdp.data import synthetic_batch
-from osdp.search.problem import OPTIONS
+from osdp.search.problem import NODE_OPTIONS, OPTIONS, Option
 from osdp.search.solver import min_peak, solve
 
 B, T = 4, 16
@@ -41,21 +43,32 @@ CALIBRATION = Calibration(
 )
 
 
+def two_nodes(ranks_per_node=2):
+    """Nodes of A100s joined by HDR InfiniBand: two of ``ranks_per_node`` ranks."""
+    return device_preset("a100-nvlink-hdr200", 2 * ranks_per_node, ranks_per_node=ranks_per_node)
+
+
+@pytest.mark.parametrize("layout", ["one node", "two nodes"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZER_STATES))
-def test_predict_equals_the_problem_for_random_choices(tiny, precision, optimizer):
-    problem = build_problem(tiny, device(4), B, precision=precision, optimizer=optimizer, calibration=CALIBRATION)
+def test_predict_equals_the_problem_for_random_choices(tiny, precision, optimizer, layout):
+    dev = device(4) if layout == "one node" else two_nodes()
+    problem = build_problem(tiny, dev, B, precision=precision, optimizer=optimizer, calibration=CALIBRATION)
+    assert problem.options == list(options_for(dev))
     rng = np.random.default_rng(0)
+    scopes = set()
     for _ in range(25):
         choice = np.array([rng.choice(np.flatnonzero(row)) for row in problem.allowed])
         plan = plan_from_choice(problem, choice, mixed_precision=precision)
-        pred = predict(tiny, plan, device(4), optimizer=optimizer, calibration=CALIBRATION)
+        scopes |= {u.shard_scope for u in plan.units}
+        pred = predict(tiny, plan, dev, optimizer=optimizer, calibration=CALIBRATION)
         assert pred.step_s == problem.step_time(choice)
         assert pred.peak_bytes == problem.peak(choice)
         assert np.array_equal(choice_of(problem, plan), choice)
-        by_index = predict(tiny, list(choice), device(4), batch_size=B, precision=precision, optimizer=optimizer,
+        by_index = predict(tiny, list(choice), dev, batch_size=B, precision=precision, optimizer=optimizer,
                            calibration=CALIBRATION)
         assert (by_index.step_s, by_index.peak_bytes) == (pred.step_s, pred.peak_bytes)
+    assert scopes == ({"world"} if layout == "one node" else {"world", "node"})
 
 
 def test_the_solver_optimum_is_predicted_exactly(tiny):
@@ -215,9 +228,93 @@ def test_problem_marks_impossible_options(tiny):
     problem = build_problem(tiny, device(), B)
     assert problem.options == list(OPTIONS)
     root, wpe = tiny.paths.index(""), tiny.paths.index("wpe")
-    for j, (mode, k, ckpt) in enumerate(OPTIONS):
+    for j, (mode, k, ckpt, _) in enumerate(OPTIONS):
         assert problem.allowed[root, j] == (k == 1 and not ckpt)
         assert problem.allowed[wpe, j] == (k == 1)
         assert problem.allowed[0, j] == (k == 1 or mode == "zero3")
     with pytest.raises(PlanError):
         unit_cost(tiny.units[0], ("zero2", 2, False), None)
+
+
+# ----------------------------------------------------------------------------- shard scope: nodes x ranks per node
+
+
+def _model(world_size, alpha, beta, source):
+    """A collective model whose collectives differ (x1, x2, x3), so that a mix-up of collectives shows."""
+    costs = {c: AlphaBeta(alpha * (i + 1), beta * (i + 1)) for i, c in enumerate(COLLECTIVES)}
+    return CollectiveModel(world_size, costs, source)
+
+
+def three_nodes_of_four():
+    """12 ranks as 3 nodes x 4, each level its own (made-up) links: fast inside, slow across, the world between."""
+    world, intra = _model(12, 1e-5, 1e-9, "world"), _model(4, 1e-6, 1e-10, "intra")
+    inter = _model(3, 1e-4, 1e-8, "inter")
+    return DeviceInfo("synthetic", 2**30, 12, "cuda", world, {"fp32": 1e12, "bfloat16": 1e12},
+                      topology=Topology(3, 4, intra, inter))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["zero2", "zero3"])
+def test_a_node_scoped_unit_costs_the_node_s_links_and_the_node_s_shard(tiny, mode, precision):
+    """Sharded within its node of 4 (of 12 ranks): states padded to and sharded over 4 ranks; gathers and
+    reduce-scatters on the node's links; its reduced shard all-reduced over the 3 nodes."""
+    dev, mlp = three_nodes_of_four(), tiny.unit("blocks.0.mlp")
+    topo, dt, states = dev.topology, {"fp32": 4, "bf16": 2}[precision], OPTIMIZER_STATES["adamw"]
+    node_padded = sum(math.ceil(s[0] / 4) * 4 * math.prod(s[1:]) for s in mlp.param_shapes)
+    world_padded = sum(math.ceil(s[0] / 12) * 12 * math.prod(s[1:]) for s in mlp.param_shapes)
+    assert node_padded < world_padded  # 64 and 256 rows are multiples of 4, not of 12
+
+    def parts(scope):
+        plan = Plan([UnitPlan(u.path, mode, shard_scope=scope if u.path == mlp.path else "world")
+                     for u in tiny.units], batch_size=B, mixed_precision=precision)
+        return predict(tiny, plan, dev, calibration=Calibration(overlap=0.0)).breakdown["units"][mlp.path]
+
+    node, world = parts("node"), parts("world")
+    gathers = 2 if mode == "zero3" else 1
+    assert node["comm_s"] == pytest.approx(
+        gathers * topo.intra.time("all_gather", dt * node_padded)
+        + topo.intra.time("reduce_scatter", 4 * node_padded)  # gradients reduced in fp32
+        + topo.inter.time("all_reduce", 4 * node_padded / 4)  # the node's shard of them, across the 3 nodes
+    )
+    assert world["comm_s"] == pytest.approx(
+        gathers * dev.collectives.time("all_gather", dt * world_padded)
+        + dev.collectives.time("reduce_scatter", 4 * world_padded)
+    )
+    assert node["exposed_comm_s"] == node["comm_s"]  # no overlap
+    shard = node_padded // 4
+    assert node["persistent_bytes"] == 4 * shard * (1 + states) + 4 * len(mlp.param_shapes)
+    assert node["gradient_bytes"] == 4 * shard
+    assert node["held_bytes"] == (dt * node_padded if mode == "zero2" else 0)
+    own = dt * node_padded if mode == "zero3" else 0  # the gathered parameters and FSDP's flat buffer
+    world_own = dt * world_padded if mode == "zero3" else 0
+    assert node["fwd_transient_bytes"] - world["fwd_transient_bytes"] == \
+        own + dt * node_padded - world_own - dt * world_padded
+    assert node["optimizer_s"] / world["optimizer_s"] == pytest.approx(shard / (world_padded // 12), rel=1e-3)
+
+
+def test_node_scope_on_one_node_is_world_scope_and_is_not_offered(tiny):
+    """Without a topology (one node) a node-scoped unit is what osdp.wrap makes of it there: sharded over
+    every rank. The search offers node scope only where there are nodes to choose between."""
+    one = device(4)
+    node = Plan([UnitPlan(u.path, "zero3", shard_scope="node") for u in tiny.units], batch_size=B)
+    world = Plan([UnitPlan(u.path, "zero3") for u in tiny.units], batch_size=B)
+    a, b = predict(tiny, node, one, calibration=CALIBRATION), predict(tiny, world, one, calibration=CALIBRATION)
+    assert (a.step_s, a.peak_bytes) == (b.step_s, b.peak_bytes)
+    assert options_for(one) == OPTIONS and options_for(device_preset("a100-nvlink-hdr200", 8)) == OPTIONS
+    assert options_for(two_nodes()) == OPTIONS + NODE_OPTIONS
+    assert NODE_OPTIONS == (Option("zero2", 1, False, "node"), Option("zero2", 1, True, "node"),
+                            Option("zero3", 1, False, "node"), Option("zero3", 1, True, "node"))
+    # on two nodes, node scope is allowed wherever the mode and checkpointing are
+    problem = build_problem(tiny, two_nodes(), B)
+    for j, option in enumerate(problem.options[len(OPTIONS):], start=len(OPTIONS)):
+        world_j = problem.options.index(Option(option.mode, 1, option.checkpoint))
+        assert np.array_equal(problem.allowed[:, j], problem.allowed[:, world_j])
+
+
+def test_node_scoped_plans_that_cannot_be_priced_say_why(tiny):
+    units = [UnitPlan(u.path, "zero3", shard_scope="node") for u in tiny.units]
+    with pytest.raises(PlanError, match="nodes of 4 ranks, the device 'a100-nvlink-hdr200' has 2 node\\(s\\) of 2.*"
+                                        "ranks_per_node=4"):
+        predict(tiny, Plan(units, batch_size=B, ranks_per_node=4, world_size=4), two_nodes())
+    with pytest.raises(PlanError, match="shard scope 'node' needs mode 'zero2' or 'zero3' without split"):
+        unit_cost(tiny.unit("blocks.0.mlp"), ("zero3", 2, False, "node"), None)

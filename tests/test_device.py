@@ -12,11 +12,14 @@ from osdp.device import (
     AlphaBeta,
     CollectiveModel,
     DeviceInfo,
+    Topology,
     device_preset,
     format_bytes,
     list_presets,
     measure_collectives,
+    measure_device,
     measure_flops,
+    multi_node_presets,
     parse_size,
     ring_factor,
 )
@@ -191,7 +194,8 @@ def test_measure_flops_is_positive_and_quick():
 def test_presets_are_listed_and_complete():
     names = list_presets()
     assert names == sorted(DEVICE_PRESETS)
-    for expected in ("h100-nvlink", "a100-40gb-nvlink", "a100-80gb-nvlink", "v100-32gb-nvlink", "h100-ib", "cpu-loopback"):
+    for expected in ("h100-nvlink", "a100-40gb-nvlink", "a100-80gb-nvlink", "v100-32gb-nvlink", "h100-ib",
+                     "cpu-loopback", "h100-nvlink-ndr400", "a100-nvlink-hdr200", "h100-nvlink-100gbe"):
         assert expected in names
     for name in names:
         d = device_preset(name, 2)
@@ -239,3 +243,99 @@ def test_device_info_validates():
         DeviceInfo("x", 2**30, 2, "cpu", ring)
     with pytest.raises(ValueError, match="device_type"):
         DeviceInfo("x", 2**30, 1, "tpu", ring)
+
+
+# ----------------------------------------------------------------------------- nodes x ranks per node
+
+
+def test_multi_node_presets_price_each_level_on_its_links():
+    """8 nodes x 8: the node's NVLink figures inside, the NICs shared by the node's ranks across, and the world
+    ring at the node's whole NIC bandwidth (capped by NVLink), its latency the node's plus the network's."""
+    assert multi_node_presets() == ["a100-nvlink-hdr200", "h100-nvlink-100gbe", "h100-nvlink-ndr400"]
+    d = device_preset("h100-nvlink-ndr400", 64)
+    t = d.topology
+    assert (t.nodes, t.ranks_per_node, d.nodes) == (8, 8, 8)
+    assert t.intra == CollectiveModel.ring(8, {"all_gather": 360e9, "reduce_scatter": 360e9, "all_reduce": 470e9},
+                                           dict.fromkeys(COLLECTIVES, 20e-6), "preset h100-nvlink-ndr400")
+    assert t.inter.world_size == 8 and t.inter.bus_bandwidth("all_reduce") == pytest.approx(8 * 46e9 / 8)
+    assert t.inter.time("all_reduce", 2**30) == pytest.approx(50e-6 + 2**30 * 2 * 7 / 8 / 46e9)
+    assert d.collectives.world_size == 64
+    assert d.collectives.bus_bandwidth("all_gather") == pytest.approx(360e9)  # NVLink, below 8 x 46 GB/s of NICs
+    assert d.collectives.bus_bandwidth("all_reduce") == pytest.approx(368e9)  # the NICs, below NVLS's 470 GB/s
+    assert d.collectives.time("all_gather", 0) == pytest.approx(70e-6)
+    # NVIDIA's measured 192 GB/s all-reduce on DGX A100 nodes with 8x HDR is what the derivation gives
+    assert device_preset("a100-nvlink-hdr200", 16).collectives.bus_bandwidth("all_reduce") == pytest.approx(192e9)
+    eth = device_preset("h100-nvlink-100gbe", 32)  # one NIC per node, shared by the node's 8 cross-node groups
+    assert eth.topology.nodes == 4 and eth.collectives.bus_bandwidth("all_gather") == pytest.approx(7.5e9)
+    assert eth.topology.inter.bus_bandwidth("all_reduce") == pytest.approx(7.5e9 / 8)
+    # other layouts: 4 nodes of 4; one node is the node preset alone, with no topology
+    four = device_preset("h100-nvlink-ndr400", 16, ranks_per_node=4).topology
+    assert (four.nodes, four.ranks_per_node) == (4, 4)
+    assert four.inter.bus_bandwidth("all_gather") == pytest.approx(8 * 46e9 / 4)
+    one = device_preset("h100-nvlink-ndr400", 8)
+    assert one.topology is None and one.nodes == 1
+    assert one.collectives.costs == device_preset("h100-nvlink", 8).collectives.costs
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    (("h100-nvlink-ndr400", 12), {}, "12 ranks are not whole nodes of 8 ranks; give a multiple of 8 \\(e.g. 16\\)"),
+    (("h100-nvlink-ndr400", 64), {"ranks_per_node": 16}, "has 8 GPUs per node: ranks_per_node must be 1 to 8, got 16"),
+    (("h100-nvlink-ndr400", 64), {"ranks_per_node": 0}, "ranks_per_node must be 1 to 8, got 0"),
+    (("h100-nvlink", 8), {"ranks_per_node": 8}, "describes one level of links.*multi-node presets \\(a100-nvlink"),
+    (("h100-nvlink", 16), {}, "at most 8 ranks.*multi-node preset \\(a100-nvlink-hdr200, h100-nvlink-100gbe"),
+    (("h100-nvlink-ndr400", 0), {}, "world_size must be >= 1"),
+])
+def test_preset_layouts_that_cannot_be_are_refused(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        device_preset(*args, **kwargs)
+
+
+def test_topology_round_trips_and_descriptions_without_one_still_load():
+    d = device_preset("a100-nvlink-hdr200", 32, memory="40GiB")
+    raw = json.loads(json.dumps(d.to_dict()))
+    assert raw["topology"]["nodes"] == 4 and raw["topology"]["intra"]["world_size"] == 8
+    assert DeviceInfo.from_dict(raw) == d
+    # one level: no key written, and a cached description from before topologies reads as one level
+    flat = device_preset("h100-nvlink", 8)
+    assert "topology" not in flat.to_dict()
+    assert DeviceInfo.from_dict(flat.to_dict()) == flat and DeviceInfo.from_dict(flat.to_dict()).topology is None
+    assert DeviceInfo.from_dict({**flat.to_dict(), "topology": None}).topology is None
+    with pytest.raises(ValueError, match="topology is missing \\['inter'\\]"):
+        DeviceInfo.from_dict({**raw, "topology": {k: v for k, v in raw["topology"].items() if k != "inter"}})
+
+
+def test_topology_validates():
+    two, four = CollectiveModel.ring(2, dict.fromkeys(COLLECTIVES, 1e9), dict.fromkeys(COLLECTIVES, 1e-5)), \
+        CollectiveModel.ring(4, dict.fromkeys(COLLECTIVES, 1e9), dict.fromkeys(COLLECTIVES, 1e-5))
+    t = Topology(2, 2, two, two)
+    assert t.world_size == 4 and Topology.from_dict(t.to_dict()) == t
+    with pytest.raises(ValueError, match="intra-node model is for 4 ranks, but a node holds 2"):
+        Topology(2, 2, four, two)
+    with pytest.raises(ValueError, match="inter-node model is for 4 ranks, but there are 2 nodes"):
+        Topology(2, 2, two, four)
+    with pytest.raises(ValueError, match="nodes must be a positive integer, got 0"):
+        Topology(0, 2, two, CollectiveModel.zero())
+    with pytest.raises(ValueError, match="topology of 2 nodes x 2 ranks is 4 ranks, device for 8"):
+        DeviceInfo("x", 2**30, 8, "cpu", CollectiveModel.ring(8, dict.fromkeys(COLLECTIVES, 1e9),
+                                                               dict.fromkeys(COLLECTIVES, 1e-5)), topology=t)
+
+
+def _measure_two_nodes(rank, world_size):
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # as torchrun sets it on each of 2 nodes
+    d = measure_device(dtypes=(torch.float32,), time_budget_s=0.2, sizes=(4096, 1 << 20))
+    return d.to_dict()
+
+
+def test_measure_device_on_two_nodes_of_two_gloo_ranks_measures_each_level():
+    results = run_ranks(_measure_two_nodes, 4, timeout=180)
+    assert all(r == results[0] for r in results), "ranks must plan from the identical description"
+    d = DeviceInfo.from_dict(results[0])
+    t = d.topology
+    assert (d.world_size, t.nodes, t.ranks_per_node) == (4, 2, 2)
+    assert (t.intra.world_size, t.inter.world_size, d.collectives.world_size) == (2, 2, 4)
+    assert t.intra.source.startswith("measured gloo cpu 2 ranks") and t.intra.source.endswith("slowest of 2 groups")
+    for model in (t.intra, t.inter, d.collectives):
+        for c in COLLECTIVES:
+            assert 0 < model.time(c, 4096) <= model.time(c, 1 << 20) < 1.0

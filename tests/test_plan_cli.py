@@ -5,8 +5,12 @@ import json
 import pytest
 
 from osdp import models
+from osdp.cost import build_problem, predict
+from osdp.device import device_preset
+from osdp.model_source import from_reference
 from osdp.plan import Plan
-from osdp.plan_cli import main
+from osdp.plan_cli import describe_for, main
+from osdp.search import OPTIONS, solve
 
 
 def test_plan_cli_writes_a_loadable_plan_within_budget(tmp_path, capsys):
@@ -37,7 +41,8 @@ def test_plan_cli_budget_below_minimum_names_the_minimum(capsys):
     assert "memory budget 1.00 MiB" in err and "the smallest plan needs a peak of" in err and "at micro-batch 2" in err
 
 
-@pytest.mark.parametrize("flag, expected", [("--list-models", "gpt-48l-h1536"), ("--list-devices", "h100-nvlink")])
+@pytest.mark.parametrize("flag, expected", [("--list-models", "gpt-48l-h1536"), ("--list-devices", "h100-nvlink"),
+                                            ("--list-devices", "h100-nvlink-ndr400  80.00 GiB  nodes of <= 8")])
 def test_plan_cli_lists_what_it_accepts(flag, expected, capsys):
     assert main([flag]) == 0
     out = capsys.readouterr().out
@@ -138,3 +143,64 @@ def test_a_config_transformers_cannot_build_says_why(tmp_path, capsys):
     assert "cannot read a Transformers config" in capsys.readouterr().err
     assert main(["--hf-config", str(tmp_path / "missing.json")]) == 2
     assert "cannot read a Transformers config" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- several nodes
+
+
+@pytest.mark.parametrize("model, device", [
+    ("gpt2-xl", "h100-nvlink-ndr400"), ("llama-1b", "h100-nvlink-ndr400"), ("llama-1b", "h100-nvlink-100gbe"),
+])
+def test_plan_cli_plans_8_nodes_of_8(model, device, tmp_path, capsys):
+    """8 nodes x 8 GPUs at 12 GiB per rank, where replicating (16 bytes per parameter with Adam) cannot fit:
+    the plan fits, says its layout, round-trips, and is at least as fast as the best plan sharding over the
+    whole world only; on one 100 GbE NIC per node, sharding within the node makes it faster still."""
+    budget = 12 * 2**30
+    out, png = tmp_path / "plan.json", tmp_path / "frontier.png"
+    frontier = ["--frontier", str(png)] if device == "h100-nvlink-100gbe" else []
+    code = main(["--model", model, "--nodes", "8", "--gpus-per-node", "8", "--device", device, "--device-mem", "12GiB",
+                 "--batch-size", "2", "--json", str(out), *frontier])
+    text = capsys.readouterr().out
+    assert code == 0
+    raw = json.loads(out.read_text())
+    print(f"{model} on 8 x 8 {device}: searched in {raw['search_seconds'] * 1e3:.1f} ms")
+    assert raw["search_seconds"] > 0 and raw["ranks_per_node"] == 8 and raw["world_size"] == 64
+    plan = Plan.from_json(out.read_text())  # the hash checks out
+    assert plan.to_dict() == raw
+    assert plan.predicted_peak_bytes <= budget
+    assert f"8 nodes x 8 ranks of {device}" in text and "searched in" in text
+    assert any(u.mode != "replicate" for u in plan.units)
+    # the same prediction from the cost model, and the best plan without node scope, on the same description
+    dev = device_preset(device, 64)
+    descriptions = describe_for(from_reference(model, None), dev, (2,), "fp32")
+    description = next(d for d in descriptions if d.granularity == plan.meta["granularity"])
+    pred = predict(description, plan, dev)
+    assert (pred.step_s, pred.peak_bytes) == pytest.approx((plan.predicted_step_s, plan.predicted_peak_bytes))
+    world_only = min(solve(build_problem(d, dev, 2, options=OPTIONS), budget).step_time for d in descriptions)
+    assert plan.predicted_step_s <= world_only * (1 + 1e-3)  # what the grid's rounding may cost, at most
+    node_scoped = [u for u in plan.units if u.shard_scope == "node"]
+    if device == "h100-nvlink-100gbe":
+        assert node_scoped and f"{node_scoped[0].mode}@node" in text
+        assert f"frontier drawn to {png}" in text and png.stat().st_size > 1000
+        assert plan.predicted_step_s < 0.99 * world_only  # 3% on llama-1b: most of it hides behind compute
+    else:  # 8 NDR NICs per node: the world ring runs at NVLink speed, and node scope only adds an all-reduce
+        assert not node_scoped
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--nodes", "8", "--gpus-per-node", "8", "--world-size", "16"],
+     "--world-size 16 disagrees with --nodes 8 x --gpus-per-node 8 = 64: give --world-size 64, or leave it out"),
+    (["--nodes", "8", "--device", "h100-nvlink"],
+     "device 'h100-nvlink' describes one level of links, not nodes joined by a network: for --nodes and "
+     "--gpus-per-node use a multi-node preset (a100-nvlink-hdr200, h100-nvlink-100gbe, h100-nvlink-ndr400), "
+     "or --world-size on one node"),
+    (["--nodes", "2", "--gpus-per-node", "16"],
+     "'h100-nvlink-ndr400' has 8 GPUs per node: ranks_per_node must be 1 to 8, got 16"),
+    (["--nodes", "2", "--gpus-per-node", "3", "--world-size", "8"],
+     "--world-size 8 disagrees with --nodes 2 x --gpus-per-node 3 = 6: give --world-size 6"),
+    (["--nodes", "0"], "--nodes must be a positive number, got 0"),
+    (["--gpus-per-node", "4", "--device", "h100-ib"], "h100-ib' describes one level of links"),
+])
+def test_plan_cli_layouts_that_cannot_be_say_what_would(args, expected, capsys):
+    assert main(["--model", "gpt2-mini", *args]) == 2
+    assert expected in capsys.readouterr().err

@@ -11,7 +11,8 @@ from osdp.cost import build_problem
 from osdp.device import device_preset
 from osdp.planner import search
 from osdp.plan import ROOT
-from osdp.search import BudgetTooSmall, min_peak
+from osdp.search import BudgetTooSmall, Option, Problem, min_peak, solve
+from osdp.search.reference import brute_force, brute_force_min_peak, solve_milp
 
 BATCH = 2
 
@@ -59,9 +60,51 @@ def test_with_memory_for_everything_each_unit_takes_its_fastest_option(gpt2_mini
     plan = _search(description, device, 2**40)
     uniform = {}
     for mode in ("replicate", "zero2", "zero3"):
-        j = problem.options.index((mode, 1, False))
+        j = problem.options.index(Option(mode))
         uniform[mode] = problem.step_time(np.full(len(problem.units), j))
     assert plan.predicted_step_s <= min(uniform.values()) + 1e-12
     # with memory for everything, every unit takes its own fastest option (step time is additive)
     fastest = np.where(problem.allowed, problem.time, np.inf).min(axis=1).sum()
     assert plan.predicted_step_s == pytest.approx(fastest, rel=1e-12)
+
+
+@pytest.fixture(scope="module")
+def gpt2_mini_on_2_nodes_of_2():
+    """Two nodes of two H100s on one 100 GbE NIC each: the links where sharding within the node pays off."""
+    with torch.device("meta"):
+        model = models.build("gpt2-mini")
+    example = torch.zeros(BATCH, 128, dtype=torch.long, device="meta")
+    device = device_preset("h100-nvlink-100gbe", 4, ranks_per_node=2)
+    description = describe_analytic(model, (example, example), device, world_size=4, batch_sizes=(BATCH,),
+                                    progress=False)
+    return description, device
+
+
+def test_the_search_over_shard_scopes_is_exact(gpt2_mini_on_2_nodes_of_2):
+    """Against brute force on four units with every unsplit option (world and node scope), and against the MILP
+    on the whole model with all 28 options: the DP's plan is no slower than the optimum at its budget less the
+    rounding slack it reports, and never faster than the optimum at its budget."""
+    description, device = gpt2_mini_on_2_nodes_of_2
+    full = build_problem(description, device, BATCH)
+    assert len(full.options) == 28 and sum(o.scope == "node" for o in full.options) == 4
+    rows = [0, 1, 2, full.units.index(ROOT)]
+    cols = [j for j, o in enumerate(full.options) if o.split == 1]
+    ix = np.ix_(rows, cols)
+    small = Problem(full.time[ix], full.mem[ix], full.transient[ix], full.allowed[ix], base=full.base,
+                    batch_size=BATCH, units=[full.units[u] for u in rows], options=[full.options[j] for j in cols])
+    fastest = np.argmin(np.where(small.allowed, small.time, np.inf), axis=1)
+    scopes = set()
+    for budget in np.linspace(brute_force_min_peak(small), small.peak(fastest), 10).astype(int):
+        s = solve(small, int(budget))
+        best, choice = brute_force(small, int(budget))
+        tighter = brute_force(small, int(budget) - s.slack_bytes)  # None where nothing fits there
+        assert best - 1e-15 <= s.step_time <= (tighter[0] if tighter else np.inf) + 1e-15
+        assert s.peak_bytes == small.peak(s.choice) <= budget
+        scopes |= {small.options[c].scope for c in choice}
+    assert scopes == {"world", "node"}  # between the extremes the optimum shards some units within the node
+    lowest, _ = min_peak(full)
+    for budget in np.linspace(lowest, 2 * lowest, 4).astype(int):
+        s = solve(full, int(budget))
+        assert solve_milp(full, int(budget))[0] - 1e-12 <= s.step_time
+        tighter = solve_milp(full, int(budget) - s.slack_bytes)
+        assert s.step_time <= (tighter[0] if tighter else np.inf) + 1e-12

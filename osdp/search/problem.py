@@ -18,17 +18,34 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 from osdp.plan import MODES, SPLIT_CHOICES
 from osdp.sizes import format_bytes
 
-# The standard option table: (mode, split, checkpoint). Splitting only exists
-# for zero3, so a cost model marks the other (mode, split > 1) rows not allowed.
-OPTIONS: tuple[tuple[str, int, bool], ...] = tuple(
-    itertools.product(MODES, SPLIT_CHOICES, (False, True))
+
+
+class Option(NamedTuple):
+    """One way to run a unit: the fields of ``osdp.plan.UnitPlan`` but its path."""
+
+    mode: str
+    split: int = 1
+    checkpoint: bool = False
+    scope: str = "world"  # shard scope: over every rank, or within the node ("node")
+
+
+# The standard option table: (mode, split, checkpoint), sharded over every rank.
+# Splitting only exists for zero3, so a cost model marks the other (mode,
+# split > 1) rows not allowed.
+OPTIONS: tuple[Option, ...] = tuple(
+    Option(mode, k, ckpt) for mode, k, ckpt in itertools.product(MODES, SPLIT_CHOICES, (False, True))
+)
+# What a job spanning several nodes adds: units sharded within their node (zero2 and zero3, unsplit: a split
+# Linear is sharded over every rank).
+NODE_OPTIONS: tuple[Option, ...] = tuple(
+    Option(mode, 1, ckpt, "node") for mode, ckpt in itertools.product(("zero2", "zero3"), (False, True))
 )
 
 
