@@ -433,6 +433,7 @@ class CalibrationKey:
     torch: str
     profile: str = "full"
     reduce_scatter: str = "native"  # osdp.comm's implementation, which the collectives were measured with
+    ranks_per_node: int = 0  # the job's node layout (torchrun's LOCAL_WORLD_SIZE): its topology is measured
     version: int = CALIBRATION_VERSION
 
     @classmethod
@@ -447,8 +448,10 @@ class CalibrationKey:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
         from osdp import comm
 
+        from osdp.distributed import ranks_per_node
+
         return cls(hosts, name, device.type, backend, world_size, torch.get_num_threads(), interface,
-                   torch.__version__, profile, comm.reduce_scatter_impl())
+                   torch.__version__, profile, comm.reduce_scatter_impl(), min(ranks_per_node(), world_size))
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
@@ -457,6 +460,7 @@ class CalibrationKey:
         where = ", ".join(self.hosts) if len(self.hosts) <= 2 else f"{len(self.hosts)} hosts"
         return (f"{self.device} ({self.device_type}, {self.backend}), {self.world_size} ranks of {self.threads} "
                 f"thread(s) on {where}" + (f" over {self.interface}" if self.interface else "")
+                + (f" as nodes of {self.ranks_per_node}" if 0 < self.ranks_per_node < self.world_size else "")
                 + f", torch {self.torch}" + (f", {self.profile} profile" if self.profile != "full" else ""))
 
     def differences(self, other: "CalibrationKey") -> list[str]:
