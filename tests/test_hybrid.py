@@ -162,3 +162,38 @@ def test_ranks_that_disagree_on_their_node_layout_all_fail_before_any_collective
     assert all(e and "made for nodes of 4 ranks but this job runs 2 per node" in e for e in errors), errors
     errors = run_ranks(_wrap_with_layout, 4, [3, 3, 3, 3], plan.to_json(), timeout=120)
     assert all(e and "LOCAL_WORLD_SIZE=3 does not divide the world size 4" in e for e in errors), errors
+
+
+def _search_on_two_nodes(rank, world_size, budgets_over_min):
+    """osdp.wrap(device_mem=...) on 2 nodes x 2: the machine measured with its two levels of links, the
+    plans searched over both shard scopes at budgets above the least any plan needs, then trained."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    batches = toy_batches()
+    n = batches[0][0].shape[0] // world_size
+    example = tuple(t[rank * n:(rank + 1) * n] for t in batches[0])
+    try:
+        osdp.wrap(build_toy(), device_mem="1KiB", example_input=example)
+        raise AssertionError("1 KiB fits no plan")
+    except osdp.BudgetTooSmall as e:
+        least = e.min_peak_bytes
+    out = []
+    for over in budgets_over_min:
+        model = build_toy()
+        osdp.wrap(model, device_mem=int(least * over), example_input=example)
+        plan = osdp.plan_of(model)
+        losses = train(model, batches, rank, world_size)
+        state = full_state(model)  # collective
+        out.append((losses, state if rank == 0 else None, plan.to_json()))
+    return out
+
+
+def test_plans_searched_on_two_nodes_train_like_one_process():
+    budgets = (1.05, 4.0)  # tight (sharding over every rank pays) and loose
+    out = run_ranks(_search_on_two_nodes, 4, budgets, timeout=420)
+    assert_matches_reference([[(losses, state) for losses, state, _ in r] for r in out],
+                             reference(build_toy, toy_batches()), [f"searched at {b}x the least" for b in budgets])
+    for i in range(len(budgets)):
+        plans = {r[i][2] for r in out}
+        assert len(plans) == 1, "every rank applies the same plan"
+        plan = Plan.from_json(plans.pop())
+        assert plan.ranks_per_node == 2 and plan.world_size == 4  # searched for this job's node layout
