@@ -148,9 +148,9 @@ def test_a_config_transformers_cannot_build_says_why(tmp_path, capsys):
 # ---------------------------------------------------------------- several nodes
 
 
-@pytest.mark.parametrize("model, device", [
-    ("gpt2-xl", "h100-nvlink-ndr400"), ("llama-1b", "h100-nvlink-ndr400"), ("llama-1b", "h100-nvlink-100gbe"),
-])
+# gpt2-xl's 8 x 8 search time is measured by experiments/bench_search.py --cases multi-node (describing it
+# analytically takes 15 s here, more than the search it would test)
+@pytest.mark.parametrize("model, device", [("llama-1b", "h100-nvlink-ndr400"), ("llama-1b", "h100-nvlink-100gbe")])
 def test_plan_cli_plans_8_nodes_of_8(model, device, tmp_path, capsys):
     """8 nodes x 8 GPUs at 12 GiB per rank, where replicating (16 bytes per parameter with Adam) cannot fit:
     the plan fits, says its layout, round-trips, and is at least as fast as the best plan sharding over the
