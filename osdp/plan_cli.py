@@ -87,12 +87,13 @@ def device_for(args: argparse.Namespace) -> DeviceInfo:
             raise ValueError(f"{flag} must be a positive number, got {value}")
     nodes = 1 if args.nodes is None else args.nodes
     args.device = args.device or DEFAULT_MULTI_NODE_DEVICE
-    preset = DEVICE_PRESETS[args.device]
+    preset = DEVICE_PRESETS.get(args.device)
+    if preset is None:
+        return device_preset(args.device, nodes)  # raises, naming the known presets
     if not isinstance(preset, MultiNodePreset):
-        if nodes > 1 or args.gpus_per_node is not None:
-            raise ValueError(f"device '{args.device}' describes one level of links, not nodes joined by a network: "
-                             f"for --nodes and --gpus-per-node use a multi-node preset "
-                             f"({', '.join(multi_node_presets())}), or --world-size on one node")
+        raise ValueError(f"device '{args.device}' describes one level of links, not nodes joined by a network: "
+                         f"for --nodes and --gpus-per-node use a multi-node preset "
+                         f"({', '.join(multi_node_presets())}), or --world-size on one node")
     per_node = args.gpus_per_node or preset.gpus_per_node
     world_size = nodes * per_node
     if args.world_size is not None and args.world_size != world_size:
