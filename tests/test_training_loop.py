@@ -276,8 +276,10 @@ def test_bf16_parameters_with_fp32_reduction_train_as_one_process_in_bf16():
     exact = [i for i, n in enumerate(plans) if n != "split"]
     assert_matches_reference([[r[i] for i in exact] for r in out], ref, [names[i] for i in exact])
     # a split Linear rounds its product to bf16 before adding the bias, where nn.Linear's addmm rounds once:
-    # parameters agree to bf16's resolution (2**-8 relative), not to fp32's (measured: 3.7e-3)
+    # parameters agree to bf16's resolution (2**-8 relative), not to fp32's (measured: 3.7e-3), and the bf16
+    # losses (8-21 here, where bf16 steps by 1/16-1/8) to within one such step: on the machine this was written on
+    # they came out equal, on one with AVX2 and no AVX-512 the third differs by 1/32 (its bf16 matmuls round apart)
     split = list(plans).index("split")
-    assert_matches_reference([[r[split]] for r in out], ref, [names[split]], atol=1e-2)
+    assert_matches_reference([[r[split]] for r in out], ref, [names[split]], atol=1e-2, loss_rtol=2**-8)
     for name, (losses, state) in zip(plans, out[0]):  # the optimizer keeps fp32 parameters
         assert all(v.dtype == torch.float32 for v in state.values()), name

@@ -59,18 +59,22 @@ def train_under_plans(rank, world_size, build, batches, plans_json):
     return results
 
 
-def assert_matches_reference(per_rank_results, ref, plan_names, atol=1e-5):
+def assert_matches_reference(per_rank_results, ref, plan_names, atol=1e-5, loss_rtol=0.0):
+    """Every plan's losses (mean over ranks) and rank 0's full parameters within ``atol`` of one process;
+    losses also within ``loss_rtol`` of the reference loss (for low-precision losses, whose resolution grows
+    with their magnitude)."""
     ref_losses, ref_state = ref
     world_size = len(per_rank_results)
     for i, name in enumerate(plan_names):
         rank_losses = [per_rank_results[r][i][0] for r in range(world_size)]
         global_losses = [sum(step) / world_size for step in zip(*rank_losses)]
         loss_err = max(abs(a - b) for a, b in zip(global_losses, ref_losses))
+        loss_ok = all(abs(a - b) <= atol + loss_rtol * abs(b) for a, b in zip(global_losses, ref_losses))
         state = per_rank_results[0][i][1]
         assert set(state) == set(ref_state), f"{name}: state dict keys differ"
         param_err = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
         _record_differences(name, loss_err, param_err)
-        assert loss_err <= atol, f"{name}: loss differs from single-process training by {loss_err:.2e}"
+        assert loss_ok, f"{name}: loss differs from single-process training by {loss_err:.2e}"
         assert param_err <= atol, f"{name}: parameters differ from single-process training by {param_err:.2e}"
 
 
