@@ -137,3 +137,24 @@ def test_calibrate_on_two_ranks_is_cached_and_read_back(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "calibration of" in proc.stdout and f"cached in {path}" in proc.stdout
     assert json.loads(out.read_text()) == json.loads(json.dumps(record))
+
+
+def _calibrate_on_a_machine_with_spreads(rank, world_size, cache, spreads):
+    """calibrate() where the fixed step's measured spread is, call after call, ``spreads`` (the rest real)."""
+    import osdp.calibration as cal
+
+    os.environ["OSDP_CACHE_DIR"] = cache
+    real, given = cal.measure_compute_scale, iter(spreads)
+    cal.measure_compute_scale = lambda device, spec, rounds: {**real(device, spec, 3), "spread": next(given)}
+    cal.BUSY_WAIT_S = 0.0
+    cal.PROFILES["tiny"] = dataclasses.replace(cal.PROFILES["tiny"], busy_spread=1.3)
+    record = cal.calibrate(torch.device("cpu"), progress=False)
+    cached = cal.cached_calibration(CalibrationKey.current(torch.device("cpu")))
+    return record.details["busy"], record.details["busy_spread"], cached is not None, len(list(given))
+
+
+def test_a_calibration_measured_on_a_busy_machine_is_measured_again_and_never_cached(tmp_path):
+    # busy at first (2.0x, over the profile's 1.3x): measured again, quiet (1.1x); busy by the end (1.6x): the
+    # job plans with it, the cache does not get it (a quiet one is cached: test_calibrate_on_two_ranks_...)
+    out = run_ranks(_calibrate_on_a_machine_with_spreads, 2, str(tmp_path), [2.0, 1.1, 1.6, 9.0], timeout=300)
+    assert out[0] == out[1] == (True, 1.6, False, 1)  # both ranks decided alike; one spread left unused
