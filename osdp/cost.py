@@ -432,8 +432,11 @@ def _ddp_last_bucket(forward_order: Sequence[tuple[str, Sequence[tuple[int, ...]
 
 def options_for(device: DeviceInfo) -> tuple[Option, ...]:
     """The option table the search offers on ``device``: ``OPTIONS``, and ``NODE_OPTIONS`` when the device
-    spans several nodes (on one node, node scope is world scope: nothing to choose)."""
-    return OPTIONS + NODE_OPTIONS if device.nodes > 1 else OPTIONS
+    spans several nodes of several ranks (on one node, node scope is world scope; on nodes of one rank, it
+    is replicate: nothing to choose)."""
+    t = device.topology
+    several = t is not None and t.nodes > 1 and t.ranks_per_node > 1
+    return OPTIONS + NODE_OPTIONS if several else OPTIONS
 
 
 def _options_of(

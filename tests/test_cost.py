@@ -302,6 +302,7 @@ def test_node_scope_on_one_node_is_world_scope_and_is_not_offered(tiny):
     assert (a.step_s, a.peak_bytes) == (b.step_s, b.peak_bytes)
     assert options_for(one) == OPTIONS and options_for(device_preset("a100-nvlink-hdr200", 8)) == OPTIONS
     assert options_for(two_nodes()) == OPTIONS + NODE_OPTIONS
+    assert options_for(two_nodes(ranks_per_node=1)) == OPTIONS  # a node of one rank: node scope is replicate
     assert NODE_OPTIONS == (Option("zero2", 1, False, "node"), Option("zero2", 1, True, "node"),
                             Option("zero3", 1, False, "node"), Option("zero3", 1, True, "node"))
     # on two nodes, node scope is allowed wherever the mode and checkpointing are
