@@ -3,8 +3,9 @@
     from baselines import BASELINES, build_baseline
     model = build_baseline("fsdp2+ac", model, "cpu")   # train the module it returns
 
-``BASELINES``, each what its name says, built from PyTorch alone (no
-``osdp.wrap``, no ``apply_plan``, no plan):
+``BASELINES`` (one node) and ``MULTI_NODE_BASELINES`` (several), each what
+its name says, built from PyTorch alone (no ``osdp.wrap``, no
+``apply_plan``, no plan):
 
 - ``torch-ddp``: ``torch.nn.parallel.DistributedDataParallel`` with its
   defaults (25 MiB gradient buckets, all-reduces overlapped with backward);
@@ -13,9 +14,15 @@
   not), as torchtitan applies it;
 - ``fsdp2-zero2``: the same with ``reshard_after_forward=False`` everywhere
   (ZeRO-2: gathered parameters kept from forward to backward);
-- ``torch-ddp+ac``, ``fsdp2+ac``, ``fsdp2-zero2+ac``: each with full
-  activation checkpointing of every block first (``checkpoint_wrapper``,
-  non-reentrant), torchtitan's "full" AC.
+- ``fsdp2-hsdp``: FSDP2's hybrid sharding as torchtitan applies it:
+  ``fully_shard`` on each block, then on the root, over a 2-D mesh
+  (nodes, ranks per node) named ("replicate", "shard"): parameters sharded
+  within each node, replicated across nodes; gradients reduce-scattered
+  within the node, then all-reduced across nodes. The node layout is
+  torchrun's (``LOCAL_WORLD_SIZE``, read by ``osdp.distributed.ranks_per_node``);
+- ``torch-ddp+ac``, ``fsdp2+ac``, ``fsdp2-zero2+ac``, ``fsdp2-hsdp+ac``: each
+  with full activation checkpointing of every block first
+  (``checkpoint_wrapper``, non-reentrant), torchtitan's "full" AC.
 
 A transformer block is an entry of the model's block list
 (:func:`transformer_blocks`): the reference models' ``model.blocks``, and in
@@ -32,14 +39,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from osdp import comm
 from osdp._torch_private import checkpoint_wrapper
+from osdp.distributed import ranks_per_node
 
+# one node: the single-node experiments (sweep.py, bench_modes.py)
 BASELINES = ("torch-ddp", "fsdp2", "fsdp2-zero2", "torch-ddp+ac", "fsdp2+ac", "fsdp2-zero2+ac")
+# several nodes (sweep_nodes.py): ZeRO-2 gives way to hybrid sharding, the strategy people pick across nodes
+MULTI_NODE_BASELINES = ("torch-ddp", "fsdp2", "fsdp2-hsdp", "torch-ddp+ac", "fsdp2+ac", "fsdp2-hsdp+ac")
+ALL_BASELINES = tuple(dict.fromkeys(BASELINES + MULTI_NODE_BASELINES))
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
@@ -59,7 +71,7 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
 
 
 def build_baseline(name: str, model: nn.Module, device_type: str = "cpu") -> nn.Module:
-    """Make ``model`` data parallel as baseline ``name`` (one of ``BASELINES``); returns the module to train.
+    """Make ``model`` data parallel as baseline ``name`` (one of ``ALL_BASELINES``); returns the module to train.
 
     ``model``: materialized on its device, the same initial weights on every
     rank. Collective over the default process group: call it on every rank.
@@ -68,8 +80,8 @@ def build_baseline(name: str, model: nn.Module, device_type: str = "cpu") -> nn.
     ``fully_shard``). With ``+ac`` the blocks in the model's block list are
     replaced by their checkpoint wrappers (state-dict keys do not change).
     """
-    if name not in BASELINES:
-        raise ValueError(f"unknown baseline {name!r}; use one of {', '.join(BASELINES)}")
+    if name not in ALL_BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; use one of {', '.join(ALL_BASELINES)}")
     kind, _, ac = name.partition("+")
     blocks = transformer_blocks(model)
     if ac:
@@ -78,10 +90,22 @@ def build_baseline(name: str, model: nn.Module, device_type: str = "cpu") -> nn.
     if kind == "torch-ddp":
         device_ids = [torch.cuda.current_device()] if device_type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))  # explicit: see DESIGN.md section 4
+    mesh = data_parallel_mesh(device_type, hybrid=kind == "fsdp2-hsdp")
     options = {"reshard_after_forward": False} if kind == "fsdp2-zero2" else {}
     for block in blocks:
         fully_shard(block, mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **options)
     comm.install(model)
     return model
+
+
+def data_parallel_mesh(device_type: str, hybrid: bool = False) -> DeviceMesh:
+    """The FSDP2 baselines' mesh: 1-D over the world, or with ``hybrid`` the 2-D (nodes, ranks per node)
+    mesh of hybrid sharding, named ("replicate", "shard") as torchtitan's data-parallel dimensions are.
+    Always explicit: with a gloo group on a machine with GPUs the default mesh would pick CUDA (DESIGN.md
+    section 4)."""
+    world_size = dist.get_world_size()
+    if not hybrid:
+        return init_device_mesh(device_type, (world_size,))
+    per_node = ranks_per_node()  # torchrun numbers ranks node by node: node i is row i of the mesh
+    return init_device_mesh(device_type, (world_size // per_node, per_node), mesh_dim_names=("replicate", "shard"))

@@ -1,4 +1,4 @@
-"""A bandwidth-limited link between two ranks: network namespaces, a veth pair, ``tc`` token bucket.
+"""A bandwidth-limited link between two "nodes": network namespaces, a veth pair, ``tc`` token bucket.
 
 Why: per step a rank does about F*T FLOPs for its T tokens and moves bytes in
 proportion to the parameters, so the communication share of a step scales
@@ -9,6 +9,15 @@ ranks in two network namespaces joined by a veth pair whose egress, on both
 ends, is shaped with ``tc qdisc ... tbf rate R``, R chosen so that this
 machine's per-core FLOP/s divided by R is the GPU node's ratio
 (``rate_for_ratio``).
+
+Each namespace is a node and holds one rank or several (one torchrun per
+namespace starts them; ``run.launch``). Every rank binds its namespace's veth
+address (``GLOO_SOCKET_IFNAME``). Two ranks of one namespace then talk
+between two local addresses, which the kernel routes over that namespace's
+loopback (its ``local`` routing table: ``route_device``), unshaped, as GPUs in
+a node talk over NVLink; ranks of different namespaces talk through the veth,
+shaped, as nodes talk over their NICs. The tbf shapes a namespace's egress as
+a whole: its ranks share the rate as a node's GPUs share its NICs.
 
 Everything here is private to the run: two namespaces named
 ``osdpx<pid>r<n>a`` / ``...b`` (unique per process and link), the veth ends
@@ -157,10 +166,12 @@ def _install_handlers() -> None:
 
 @dataclass
 class VethLink:
-    """Two namespaces joined by a veth pair, each end's egress shaped to ``rate_bit`` bit/s (None: unshaped).
+    """Two namespaces (nodes) joined by a veth pair, each end's egress shaped to ``rate_bit`` bit/s (None:
+    unshaped); the rate is the node's, shared by the ranks in it.
 
-    Use as a context manager; ``namespaces[i]`` and ``addresses[i]`` are rank
-    i's; ``exec_prefix(i)`` runs a command there. Only 2 ranks.
+    Use as a context manager; ``namespaces[i]`` and ``addresses[i]`` are node
+    i's; ``exec_prefix(i)`` runs a command there (one rank, or a torchrun
+    starting the node's ranks).
     """
 
     rate_bit: int | None
@@ -214,12 +225,18 @@ class VethLink:
             if self.namespaces:
                 _live.pop(self.namespaces[0], None)
 
-    def exec_prefix(self, rank: int) -> list[str]:
-        return ["ip", "netns", "exec", self.namespaces[rank]]
+    def exec_prefix(self, node: int) -> list[str]:
+        return ["ip", "netns", "exec", self.namespaces[node]]
 
-    def qdisc(self, rank: int) -> str:
-        r = _ip("netns", "exec", self.namespaces[rank], "tc", "qdisc", "show", "dev", self.ifname, check=False)
+    def qdisc(self, node: int) -> str:
+        r = _ip("netns", "exec", self.namespaces[node], "tc", "qdisc", "show", "dev", self.ifname, check=False)
         return r.stdout.strip()
+
+    def route_device(self, node: int, address: str) -> str:
+        """The interface node ``node`` sends to ``address`` through: ``lo`` for its own address (unshaped),
+        the veth for the other node's (shaped)."""
+        words = _ip("-n", self.namespaces[node], "route", "get", address).stdout.split()
+        return words[words.index("dev") + 1]
 
     def describe(self) -> dict:
         return {
@@ -235,21 +252,21 @@ class VethLink:
 def run_in_namespaces(link: VethLink, commands: list[list[str]], env: dict[str, str],
                       on_line: Callable[[int, str], None] | None = None,
                       timeout_s: float | None = None) -> list[int]:
-    """Start ``commands[i]`` in rank i's namespace (GLOO_SOCKET_IFNAME set), wait for all; their exit codes.
+    """Start ``commands[i]`` in node i's namespace (GLOO_SOCKET_IFNAME set), wait for all; their exit codes.
 
     If one fails, the others are terminated (then killed) so nothing waits
-    forever on a dead peer. Output lines go to ``on_line(rank, line)``.
+    forever on a dead peer. Output lines go to ``on_line(node, line)``.
     """
     procs = []
     try:
-        for rank, cmd in enumerate(commands):
-            procs.append(spawn(link.exec_prefix(rank) + cmd, {**env, "GLOO_SOCKET_IFNAME": link.ifname}))
+        for node, cmd in enumerate(commands):
+            procs.append(spawn(link.exec_prefix(node) + cmd, {**env, "GLOO_SOCKET_IFNAME": link.ifname}))
         readers = []
-        for rank, p in enumerate(procs):
-            def pump(rank=rank, p=p):
+        for node, p in enumerate(procs):
+            def pump(node=node, p=p):
                 for line in p.stdout:
                     if on_line:
-                        on_line(rank, line.rstrip("\n"))
+                        on_line(node, line.rstrip("\n"))
             t = threading.Thread(target=pump, daemon=True)
             t.start()
             readers.append(t)
@@ -312,4 +329,6 @@ if __name__ == "__main__":
         with VethLink(rate_bit=500_000_000) as link:
             print(link.describe())
             print(link.qdisc(0))
+            print("node 0 reaches its own address over", link.route_device(0, link.addresses[0]),
+                  "and node 1's over", link.route_device(0, link.addresses[1]))
         print("namespaces left:", [n for n in list_namespaces() if n.startswith(PREFIX)] or "none")

@@ -31,6 +31,8 @@ STYLE = {  # strategy -> (colour, marker, label)
     "fsdp2+ac": ("tab:pink", "v", "FSDP2 + AC"),
     "fsdp2-zero2": ("tab:orange", "^", "FSDP2 ZeRO-2"),
     "fsdp2-zero2+ac": ("tab:olive", "^", "FSDP2 ZeRO-2 + AC"),
+    "fsdp2-hsdp": ("tab:purple", "D", "FSDP2 HSDP per block"),
+    "fsdp2-hsdp+ac": ("tab:gray", "D", "FSDP2 HSDP + AC"),
     "fairscale": ("tab:brown", "x", "fairscale FSDP"),
     "osdp-uniform-ddp": ("0.55", "1", "OSDP units, replicate all (ablation)"),
     "osdp-uniform-zero2": ("0.55", "2", "OSDP units, zero2 all (ablation)"),
@@ -66,8 +68,8 @@ def load_rows(folder: Path) -> list[dict[str, Any]]:
 
 
 def plot_throughput(rows: list[dict[str, Any]], model: str, links: list[dict[str, Any]], path: Path,
-                    note: str = "") -> None:
-    fig = Figure(figsize=(6.2 * len(links), 8.5), layout="constrained")
+                    note: str = "", ranks: str = "2 CPU ranks (gloo)") -> None:
+    fig = Figure(figsize=(max(8.5, 6.2 * len(links)), 8.5), layout="constrained")  # one link: room for the titles
     axes = fig.subplots(2, len(links), sharex="col", squeeze=False, height_ratios=[3, 2])
     for col, link in enumerate(links):
         top, bottom = axes[0][col], axes[1][col]
@@ -100,7 +102,7 @@ def plot_throughput(rows: list[dict[str, Any]], model: str, links: list[dict[str
                 bottom.plot(*zip(*peaks), color=colour, marker=marker, linestyle=style, label=label)
         lo, hi = budgets[0] / MiB, budgets[-1] / MiB
         bottom.plot([lo, hi], [lo, hi], color="black", linewidth=0.8, label="budget")
-        top.set_title(f"{model}, 2 CPU ranks (gloo)\n{link.get('label', link['name'])}", fontsize=9)
+        top.set_title(f"{model}, {ranks}\n{link.get('label', link['name'])}", fontsize=9)
         top.set_ylabel("tokens/s per rank (median; bars: spread over repeats)")
         top.set_ylim(bottom=0)
         top.grid(alpha=0.3)

@@ -3,12 +3,13 @@
     python experiments/run.py --model gpt2-mini --strategy fsdp2+ac --json fsdp2-ac.json
     python experiments/run.py --model gpt2-mini --budget 60MiB --link gpu-ratio --json osdp.json
     python experiments/run.py --probe-link gpu-ratio     # the link's fitted collectives; nothing is trained
+    python experiments/run.py --nproc 4 --link inter-node-ratio --strategy fsdp2-hsdp   # 2 nodes x 2 ranks
 
 Strategies (a record's ``strategy``):
 
-- the baselines of ``baselines.py`` (``BASELINES``): ``torch-ddp``,
-  ``fsdp2``, ``fsdp2-zero2`` and each ``+ac``, built as users write them,
-  without OSDP's planner;
+- the baselines of ``baselines.py`` (``ALL_BASELINES``): ``torch-ddp``,
+  ``fsdp2``, ``fsdp2-zero2``, ``fsdp2-hsdp`` and each ``+ac``, built as users
+  write them, without OSDP's planner;
 - ``osdp`` at a budget: what ``osdp.wrap(model, device_mem=B,
   example_input=...)`` plans (the same ``describe`` call and
   ``planner.search``, on the collectives measured on this run's process
@@ -36,6 +37,11 @@ no communication, takes its turns too: a run's ``efficiency`` is its step time
 over the compute-only one, the median over repeats of the ratio within a
 repeat (the physical limit is 1.0).
 
+Links (``resolve_link``): ``loopback``; ``gpu-ratio`` and ``inter-node-ratio``,
+two network namespaces joined by a shaped veth (``netns.py``), each namespace
+a node of nproc / 2 ranks (one torchrun per namespace, torchrun's
+``LOCAL_WORLD_SIZE`` telling osdp the layout); ``tbf:RATE``.
+
 Every reduction is a reduce-scatter of ``osdp.comm`` (``reduce_scatter`` in
 the spec, default ``pairwise``: NCCL's traffic on gloo), for every strategy
 alike; the result says which.
@@ -58,7 +64,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import netns  # noqa: E402
-from baselines import BASELINES  # noqa: E402
+from baselines import ALL_BASELINES  # noqa: E402
 
 # OSDP's uniform plans (an ablation): strategy -> osdp.strategy_plan's name
 ABLATIONS = {"osdp-uniform-ddp": "ddp", "osdp-uniform-zero2": "zero2", "osdp-uniform-fsdp": "fsdp"}
@@ -69,13 +75,16 @@ TWINS = {
     f"osdp-{mode}{'+ac' if ac else ''}": (mode, ac) for mode in ("replicate", "zero3", "zero2") for ac in (False, True)
 }
 EXTRA_STRATEGIES = ("fairscale",)
-STRATEGIES = (*BASELINES, *ABLATIONS, *TWINS, *EXTRA_STRATEGIES)
+STRATEGIES = (*ALL_BASELINES, *ABLATIONS, *TWINS, *EXTRA_STRATEGIES)
 COMPUTE_ONLY = "compute-only"  # the plain model, no communication: the efficiency reference
 MIN_STEPS = 20  # timed steps per run and repeat, at least
 DEFAULT_REDUCE_SCATTER = "pairwise"  # osdp.comm: NCCL's traffic on gloo, for every strategy alike
 # The GPU node whose compute-to-communication ratio the shaped link reproduces: osdp.device's
 # h100-nvlink preset, achievable bf16 FLOP/s (45% of 989 TFLOP/s) over all-gather busbw (360 GB/s).
 GPU_RATIO_PRESET = "h100-nvlink"
+# The network between two emulated nodes (sweep_nodes.py): the H100 nodes of osdp.device's multi-node preset,
+# joined by 8x 400 Gb/s NDR InfiniBand (inter_node_flop_per_byte).
+INTER_NODE_PRESET = "h100-nvlink-ndr400"
 DEFAULT_PORT = 29531
 
 
@@ -84,6 +93,23 @@ def gpu_flop_per_byte(preset: str = GPU_RATIO_PRESET) -> float:
 
     p = DEVICE_PRESETS[preset]
     return p.flops["bfloat16"] / p.bus_bandwidth["all_gather"]
+
+
+def inter_node_flop_per_byte(preset: str = INTER_NODE_PRESET) -> float:
+    """FLOP per byte a rank sends across nodes on ``preset``: its achievable bf16 FLOP/s over the bus bandwidth
+    of its cross-node group while every local rank's group runs at once (the preset's ``topology.inter``, as
+    hybrid sharding runs them), on two full nodes.
+
+    h100-nvlink-ndr400: 0.45 x 989 TFLOP/s = 445 TFLOP/s per GPU; 8 NICs x 46 GB/s busbw per node, shared by
+    its 8 GPUs: 46 GB/s per rank; 445.05e12 / 46e9 = 9,675 FLOP/byte. It is also a node's FLOP/s over its NICs'
+    bytes/s (8 x 445 TFLOP/s over 368 GB/s). Inside the node, over NVLink's 360 GB/s, it is 1,236
+    (``gpu_flop_per_byte``): the network is 7.8x scarcer.
+    """
+    from osdp.device import DEVICE_PRESETS, device_preset
+
+    per_node = DEVICE_PRESETS[preset].gpus_per_node
+    info = device_preset(preset, 2 * per_node, ranks_per_node=per_node)
+    return info.flops["bfloat16"] / info.topology.inter.bus_bandwidth("all_gather")
 
 
 def core_flops(repeats: int = 5) -> float:
@@ -101,9 +127,11 @@ def core_flops(repeats: int = 5) -> float:
         torch.set_num_threads(threads)
 
 
-def resolve_link(name: str, *, flops: float | None = None, ratio: float | None = None) -> dict[str, Any]:
+def resolve_link(name: str, *, flops: float | None = None, ratio: float | None = None,
+                 ranks_per_node: int = 2) -> dict[str, Any]:
     """``loopback``; ``gpu-ratio`` (veth + tbf at the rate giving this core's FLOP/s / bytes/s = the GPU
-    node's ratio); or ``tbf:RATE`` with RATE like 600mbit."""
+    node's ratio); ``inter-node-ratio`` (veth + tbf between two nodes of ``ranks_per_node`` ranks, at the rate
+    giving each rank the GPU cluster's FLOP/byte across nodes); or ``tbf:RATE`` with RATE like 600mbit."""
     if name == "loopback":
         return {"name": "loopback", "kind": "loopback", "label": "loopback (gloo over 127.0.0.1)"}
     if name == "gpu-ratio":
@@ -115,6 +143,22 @@ def resolve_link(name: str, *, flops: float | None = None, ratio: float | None =
             "target_flop_per_byte": ratio, "core_flops": flops, "ratio_of": GPU_RATIO_PRESET,
             "label": f"veth + tbf {rate / 1e6:.0f} Mbit/s ({ratio:.0f} FLOP/byte, as {GPU_RATIO_PRESET})",
         }
+    if name == "inter-node-ratio":
+        flops = flops or core_flops()
+        ratio = ratio or inter_node_flop_per_byte()
+        # Ranks beyond the cores share them (4 single-threaded ranks on 2 cores: half a core each while all
+        # compute), and the link must be as scarce against the compute a rank gets as the network is on GPUs.
+        rank_flops = flops * min(1.0, (os.cpu_count() or 1) / (2 * ranks_per_node))
+        per_rank = netns.rate_for_ratio(rank_flops, ratio)
+        # tbf shapes a namespace's egress, which its ranks share as a node's GPUs share its NICs (their
+        # cross-node groups run at once): the node gets the rate of all its ranks
+        rate = per_rank * ranks_per_node
+        return {
+            "name": "inter-node-ratio", "kind": "veth", "rate_bit_per_s": rate, "level": "inter",
+            "ranks_per_node": ranks_per_node, "target_flop_per_byte": ratio, "core_flops": flops,
+            "rank_flops": rank_flops, "ratio_of": INTER_NODE_PRESET,
+            "label": inter_node_label(rate, ranks_per_node, ratio),
+        }
     if name.startswith("tbf:"):
         text = name[4:].lower()
         for suffix, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1)):
@@ -124,7 +168,12 @@ def resolve_link(name: str, *, flops: float | None = None, ratio: float | None =
         else:
             raise ValueError(f"link rate {text!r}: use e.g. tbf:600mbit")
         return {"name": name, "kind": "veth", "rate_bit_per_s": rate, "label": f"veth + tbf {rate / 1e6:.0f} Mbit/s"}
-    raise ValueError(f"unknown link {name!r}: loopback, gpu-ratio or tbf:RATE")
+    raise ValueError(f"unknown link {name!r}: loopback, gpu-ratio, inter-node-ratio or tbf:RATE")
+
+
+def inter_node_label(rate_bit_per_s: int, ranks_per_node: int, ratio: float) -> str:
+    return (f"veth + tbf {rate_bit_per_s / 1e6:.0f} Mbit/s per node, {rate_bit_per_s / ranks_per_node / 1e6:.0f} "
+            f"per rank ({ratio:.0f} FLOP/byte across nodes, as {INTER_NODE_PRESET})")
 
 
 # --------------------------------------------------------------------------- the worker (every rank)
@@ -292,7 +341,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     runs: dict[str, Any] = {}
     requests: list[dict[str, Any]] = []
     for s in spec.get("strategies", []):
-        if s in BASELINES:
+        if s in ALL_BASELINES:
             runs[s] = Job(build, None, batch, parallelize=functools.partial(build_baseline, s, device_type=device.type))
             requests.append({"strategy": s, "key": s})
         elif s in ABLATIONS:
@@ -319,33 +368,42 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     per_run_s = float(spec.get("time_per_run_s", 1.5))
     min_steps = int(spec.get("min_steps", MIN_STEPS))
     jobs_at_once = int(spec.get("jobs_at_once") or 0)  # models alive at once in run_jobs (0: all)
+    # groups of runs alive and stepped together, one group after another (bench_modes' pairs: a run and its
+    # twin step in turn, so each pair of their steps saw the same host); the rest of the runs form one group
+    paired: list[list[str]] = [list(g) for g in spec.get("groups") or []]
     measured: dict[str, dict[str, Any]] = {}
 
-    def note(key: str, step_s: float, steps: int, per_rank: list[dict[str, Any]]) -> None:
-        m = measured.setdefault(key, {"rounds": [], "steps": [], "per_rank_peak": None})
+    def note(key: str, step_s: float, steps: int, per_rank: list[dict[str, Any]], each: list[float]) -> None:
+        m = measured.setdefault(key, {"rounds": [], "steps": [], "each": [], "per_rank_peak": None})
         m["rounds"].append(step_s)
         m["steps"].append(steps)
+        m["each"].append(each)
         peaks = [(x.get("peak_bytes"), x.get("peak_breakdown")) for x in per_rank]
         if m["per_rank_peak"] is None or max(p or 0 for p, _ in peaks) > max(p or 0 for p, _ in m["per_rank_peak"]):
             m["per_rank_peak"] = peaks  # the repeat with the highest peak, all its ranks
 
     def measure(keys: list[str], r: int) -> None:
-        """Collective: repeat ``r`` of ``keys`` with osdp.harness.run_jobs (every model alive, one step of each in
-        turn, so all see the same load), fairscale (CUDA only) after it."""
+        """Collective: repeat ``r`` of ``keys`` with osdp.harness.run_jobs (every model of a group alive, one step of
+        each in turn, so all see the same load; by default one group of all), fairscale (CUDA only) after it."""
         ours = [k for k in keys if runs[k] != "fairscale"]
-        groups = [ours[i:i + jobs_at_once] for i in range(0, len(ours), jobs_at_once)] if jobs_at_once else [ours]
+        if paired:  # each group alone, in the rotated order, its own members' order alternating between repeats
+            groups = [g if r % 2 == 0 else g[::-1] for g in (paired[(i + r) % len(paired)] for i in range(len(paired)))]
+        elif jobs_at_once:
+            groups = [ours[i:i + jobs_at_once] for i in range(0, len(ours), jobs_at_once)]
+        else:
+            groups = [ours]
         for group in filter(None, groups):
             out = run_jobs({k: runs[k] for k in group}, device=device, optimizer=optimizer, time_budget_s=per_run_s,
                            min_steps=min_steps, rounds=1)
             for k in group:
-                note(k, out[k]["measured_step_s"], out[k]["steps"], out[k]["per_rank"])
+                note(k, out[k]["measured_step_s"], out[k]["steps"], out[k]["per_rank"], out[k]["step_s_each"])
         for k in keys:
             if runs[k] == "fairscale":
                 mine = run_fairscale(build, batch, unit_paths=description.paths, device=device, time_budget_s=per_run_s,
                                      measure_memory=True, min_steps=min_steps)
                 ranks = all_gather_objects(mine)
-                note(k, statistics.median(max(ts) for ts in zip(*(x["step_s"] for x in ranks))), len(mine["step_s"]),
-                     ranks)
+                each = [max(ts) for ts in zip(*(x["step_s"] for x in ranks))]
+                note(k, statistics.median(each), len(mine["step_s"]), ranks, each)
         say(f"repeat {r + 1}/{rounds} ({time.perf_counter() - started:.0f} s): " + ", ".join(
             f"{k} {tokens / measured[k]['rounds'][-1]:,.0f}" for k in keys) + " tokens/s per rank")
 
@@ -383,6 +441,13 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
             request.update(key=None, status="budget too small", needs_bytes=payload)
         requests.append(request)
     keys = list(runs)
+    if paired:
+        grouped = {k for g in paired for k in g}
+        unknown = grouped - set(keys)
+        if unknown:
+            raise ValueError(f"groups name runs this spec does not have: {sorted(unknown)}")
+        rest = [k for k in keys if k not in grouped and runs[k] != "fairscale"]
+        paired += [rest] if rest else []
     say(f"{len(keys)} runs (compute-only included), {rounds} repeats of at least {min_steps} timed steps each")
     for r in range(rounds):
         shift = r % len(keys)  # rotate the order between repeats
@@ -414,12 +479,22 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     link.update(measured_busbw_bytes_per_s={c: device_info.collectives.bus_bandwidth(c)
                                             for c in ("all_gather", "reduce_scatter", "all_reduce")},
                 measured_flop_per_byte=flops / busbw if flops and busbw else None)
+    topology = device_info.topology
+    if topology is not None:  # several nodes: each level's links, as the planner priced them
+        for level in ("intra", "inter"):
+            model = getattr(topology, level)
+            link[f"measured_{level}_busbw_bytes_per_s"] = {c: model.bus_bandwidth(c)
+                                                          for c in ("all_gather", "reduce_scatter", "all_reduce")}
+        inter_busbw = topology.inter.bus_bandwidth("all_gather")
+        link["measured_inter_flop_per_byte"] = flops / inter_busbw if flops and inter_busbw else None
     return {
         "records": records,
         "model": model_name,
         "config": dict(vars(config)),
         "link": link,
         "reduce_scatter": reduce_scatter,
+        "nodes": device_info.nodes,
+        "ranks_per_node": world_size // device_info.nodes,
         "lowest_budget_bytes": lowest,
         "ddp_needs_bytes": ddp_needs,
         "compute_only": {"step_s_rounds": compute_rounds, "step_s_median": statistics.median(compute_rounds),
@@ -447,6 +522,7 @@ def summarize_run(m: dict[str, Any], compute_rounds: list[float], tokens: int) -
     return {
         "step_s_median": med,
         "step_s_rounds": per_round,
+        "step_s_each": m["each"],  # per repeat, every timed step (slowest rank), in order
         "step_s_min": min(per_round),
         "step_s_max": max(per_round),
         "tokens_per_s": tokens / med,
@@ -482,6 +558,8 @@ def worker_main(spec_path: Path, out_path: Path) -> int:
     import torch.distributed as dist
 
     spec = json.loads(spec_path.read_text())
+    if spec.get("one_node"):  # torchrun set LOCAL_WORLD_SIZE=1 in each namespace; the node is all the ranks
+        os.environ["LOCAL_WORLD_SIZE"] = os.environ["WORLD_SIZE"]
     try:
         result = work(spec)
         if result is not None:
@@ -497,14 +575,20 @@ def worker_main(spec_path: Path, out_path: Path) -> int:
 
 def launch(spec: dict[str, Any], *, nproc: int = 2, on_line: Callable[[str], None] = print,
            timeout_s: float | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run ``spec`` on ``nproc`` local ranks over ``spec['link']`` (loopback: torchrun --standalone; veth: one
-    torchrun per namespace, static rendezvous on the veth address); the result of rank 0."""
+    """Run ``spec`` on ``nproc`` local ranks over ``spec['link']``; the result of rank 0.
+
+    loopback: torchrun --standalone, one node. veth: two nodes of nproc / 2 ranks, one torchrun per
+    namespace (static rendezvous on node 0's veth address), which gives its ranks WORLD_SIZE, RANK,
+    LOCAL_RANK and LOCAL_WORLD_SIZE (the node layout osdp reads); gloo binds the veth address."""
     link = spec.get("link") or {"kind": "loopback"}
     env = dict(env or os.environ)
     env["OSDP_REDUCE_SCATTER"] = spec.get("reduce_scatter", DEFAULT_REDUCE_SCATTER)  # osdp.comm, on every rank
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
+    # two namespaces of one rank each, on a link that shapes a node's own interconnect (gpu-ratio, tbf:RATE; not
+    # inter-node-ratio), are the two ranks of one emulated node: osdp is told so, or it would plan two levels
+    spec = {**spec, "one_node": link["kind"] == "veth" and nproc == 2 and link.get("level") != "inter"}
     with tempfile.TemporaryDirectory(prefix="osdp-run-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
@@ -514,14 +598,15 @@ def launch(spec: dict[str, Any], *, nproc: int = 2, on_line: Callable[[str], Non
             code = _run_local(cmd, env, on_line, timeout_s)
             codes = [code]
         elif link["kind"] == "veth":
-            if nproc != 2:
-                raise ValueError("the veth link joins exactly 2 ranks")
+            if nproc < 2 or nproc % 2:
+                raise ValueError(f"the veth link joins two nodes of as many ranks: nproc must be even, got {nproc}")
+            per_node = nproc // 2
             with netns.VethLink(rate_bit=link.get("rate_bit_per_s")) as veth:
                 cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={i}",
-                         "--nproc-per-node=1", f"--master-addr={veth.addresses[0]}", f"--master-port={DEFAULT_PORT}",
-                         *worker] for i in range(2)]
-                codes = netns.run_in_namespaces(veth, cmds, env, lambda r, line: on_line(line), timeout_s)
-                link_desc = veth.describe()
+                         f"--nproc-per-node={per_node}", f"--master-addr={veth.addresses[0]}",
+                         f"--master-port={DEFAULT_PORT}", *worker] for i in range(2)]
+                codes = netns.run_in_namespaces(veth, cmds, env, lambda node, line: on_line(line), timeout_s)
+                link_desc = {**veth.describe(), "ranks_per_namespace": per_node}
             spec.setdefault("link_setup", link_desc)
         else:
             raise ValueError(f"unknown link kind {link['kind']!r}")
@@ -534,38 +619,58 @@ def launch(spec: dict[str, Any], *, nproc: int = 2, on_line: Callable[[str], Non
 
 
 def probe_link(link: dict[str, Any], *, reduce_scatter: str = DEFAULT_REDUCE_SCATTER,
-               env: dict[str, str] | None = None, on_line: Callable[[str], None] = print) -> dict[str, Any]:
-    """The collectives and FLOP/s measured on 2 ranks over ``link`` (``osdp.device.measure_device``), nothing
-    trained: the ``device_info`` dict."""
+               env: dict[str, str] | None = None, on_line: Callable[[str], None] = print,
+               nproc: int = 2) -> dict[str, Any]:
+    """The collectives and FLOP/s measured on ``nproc`` ranks over ``link`` (``osdp.device.measure_device``;
+    on two nodes of several ranks also each level's, ``topology``), nothing trained: the ``device_info`` dict."""
     spec = {"model": "gpt2-tiny", "batch_size": 1, "link": link, "link_probe": True, "collective_time_s": 2.0,
             "reduce_scatter": reduce_scatter}
-    return launch(spec, env=env, on_line=on_line)["device_info"]
+    return launch(spec, env=env, on_line=on_line, nproc=nproc)["device_info"]
+
+
+def link_nproc(link: dict[str, Any]) -> int:
+    """Ranks a run over ``link`` takes: two nodes of the link's ranks per node (2 ranks, one per namespace,
+    for the single-node links)."""
+    return 2 * int(link.get("ranks_per_node", 1))
+
+
+def shaped_busbw(link: dict[str, Any], device_info: dict[str, Any]) -> float:
+    """The all-gather bus bandwidth the link's rate sets: the world group's, or for an ``inter`` link that of
+    the cross-node groups, measured all at once (``osdp.device.measure_topology``)."""
+    from osdp.device import CollectiveModel
+
+    if link.get("level") == "inter":
+        collectives = device_info["topology"]["inter"]
+    else:
+        collectives = device_info["collectives"]
+    return CollectiveModel.from_dict(collectives).bus_bandwidth("all_gather")
 
 
 def calibrate_gpu_ratio(link: dict[str, Any], *, env: dict[str, str] | None = None,
                         on_line: Callable[[str], None] = print, tolerance: float = 0.10, max_probes: int = 5,
                         reduce_scatter: str = DEFAULT_REDUCE_SCATTER) -> dict[str, Any]:
-    """Adjust a ``gpu-ratio`` link's tbf rate until the core's FLOP/s over gloo's measured all-gather bus
-    bandwidth on it is the target FLOP per byte within ``tolerance``.
+    """Adjust a ``gpu-ratio`` or ``inter-node-ratio`` link's tbf rate until the FLOP/s a rank gets (the core's,
+    or its share of one, ``rank_flops``) over gloo's measured all-gather bus bandwidth on it (``shaped_busbw``:
+    the world's, or the cross-node groups') is the target FLOP per byte within ``tolerance``.
 
     Probe, scale the rate by wanted / measured bandwidth, probe again: TCP,
     tbf and gloo each take a share of the nominal rate, and not in proportion
     to it. Stops at the first probe within tolerance; otherwise keeps the
     closest of ``max_probes``. Every probe is in ``calibration``.
     """
-    from osdp.device import CollectiveModel
-
     target = link["target_flop_per_byte"]
-    want = link["core_flops"] / target  # bytes/s of all-gather busbw
+    flops = link.get("rank_flops") or link["core_flops"]  # the compute a rank gets (resolve_link)
+    want = flops / target  # bytes/s of all-gather busbw
     rate, probes = link["rate_bit_per_s"], []
     for _ in range(max_probes):
-        info = probe_link({**link, "rate_bit_per_s": rate}, reduce_scatter=reduce_scatter, env=env, on_line=on_line)
-        busbw = CollectiveModel.from_dict(info["collectives"]).bus_bandwidth("all_gather")
+        info = probe_link({**link, "rate_bit_per_s": rate}, reduce_scatter=reduce_scatter, env=env, on_line=on_line,
+                          nproc=link_nproc(link))
+        busbw = shaped_busbw(link, info)
         probes.append({"rate_bit_per_s": rate, "all_gather_busbw_bytes_per_s": busbw,
-                       "flop_per_byte": link["core_flops"] / busbw, "device_info": info})
+                       "flop_per_byte": flops / busbw, "device_info": info})
         on_line(f"calibration: tbf {rate / 1e6:.0f} Mbit/s -> all-gather busbw {busbw / 1e6:.1f} MB/s, "
-                f"{link['core_flops'] / busbw:.0f} FLOP/byte (target {target:.0f})")
-        if abs(link["core_flops"] / busbw / target - 1) <= tolerance:
+                f"{flops / busbw:.0f} FLOP/byte (target {target:.0f})")
+        if abs(flops / busbw / target - 1) <= tolerance:
             break
         rate = int(rate * want / busbw)
     best = min(probes, key=lambda p: abs(p["flop_per_byte"] / target - 1))
@@ -576,22 +681,32 @@ def calibrate_gpu_ratio(link: dict[str, Any], *, env: dict[str, str] | None = No
             "calibrated": abs(best["flop_per_byte"] / target - 1) <= tolerance,
             "calibration": [{k: v for k, v in p.items() if k != "device_info"} for p in probes],
             "probe_device_info": best["device_info"],
-            "label": f"veth + tbf {rate / 1e6:.0f} Mbit/s ({target:.0f} FLOP/byte, "
+            "label": inter_node_label(rate, link["ranks_per_node"], target) if link.get("level") == "inter" else
+                     f"veth + tbf {rate / 1e6:.0f} Mbit/s ({target:.0f} FLOP/byte, "
                      f"as {link.get('ratio_of', GPU_RATIO_PRESET)})"}
 
 
 def collective_table(device_info: dict[str, Any]) -> str:
-    """The fitted alpha and beta of each collective, its bus bandwidth, and beta against the all-gather's."""
+    """The fitted alpha and beta of each collective, its bus bandwidth, and beta against the all-gather's: of the
+    world group and, on several nodes, of a node's group and a cross-node group."""
     from osdp.device import COLLECTIVES, CollectiveModel
 
-    model = CollectiveModel.from_dict(device_info["collectives"])
-    ag = model.costs["all_gather"].beta_s_per_byte
-    lines = [f"{'collective':<15} {'alpha (us)':>10} {'beta (ns/B)':>12} {'busbw (MB/s)':>13} {'beta / AG':>10}"]
-    for c in COLLECTIVES:
-        ab = model.costs[c]
-        lines.append(f"{c:<15} {ab.alpha_s * 1e6:>10.1f} {ab.beta_s_per_byte * 1e9:>12.3f} "
-                     f"{model.bus_bandwidth(c) / 1e6:>13.1f} {ab.beta_s_per_byte / ag if ag else float('nan'):>10.2f}")
-    return "\n".join(lines) + f"\n({model.source})"
+    groups = [("world", device_info["collectives"])]
+    if device_info.get("topology"):
+        groups += [("in a node", device_info["topology"]["intra"]), ("across nodes", device_info["topology"]["inter"])]
+    lines = []
+    for name, collectives in groups:
+        model = CollectiveModel.from_dict(collectives)
+        ag = model.costs["all_gather"].beta_s_per_byte
+        lines.append(f"{'collective':<15} {'alpha (us)':>10} {'beta (ns/B)':>12} {'busbw (MB/s)':>13} "
+                     f"{'beta / AG':>10}   {name}, {model.world_size} ranks")
+        for c in COLLECTIVES:
+            ab = model.costs[c]
+            lines.append(f"{c:<15} {ab.alpha_s * 1e6:>10.1f} {ab.beta_s_per_byte * 1e9:>12.3f} "
+                         f"{model.bus_bandwidth(c) / 1e6:>13.1f} "
+                         f"{ab.beta_s_per_byte / ag if ag else float('nan'):>10.2f}")
+        lines.append(f"({model.source})")
+    return "\n".join(lines)
 
 
 def _run_local(cmd: list[str], env: dict[str, str], on_line: Callable[[str], None], timeout_s: float | None) -> int:
@@ -628,7 +743,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--link", default="loopback", help="loopback, gpu-ratio, or tbf:RATE (e.g. tbf:600mbit)")
+    ap.add_argument("--link", default="loopback",
+                    help="loopback, gpu-ratio, inter-node-ratio (two nodes of nproc / 2 ranks) or tbf:RATE (e.g. "
+                         "tbf:600mbit)")
     ap.add_argument("--rounds", type=int, default=3, help="repeats (medians are reported)")
     ap.add_argument("--time-per-run", type=float, default=2.0, help="seconds of timed steps per repeat")
     ap.add_argument("--min-steps", type=int, default=MIN_STEPS, help="timed steps per repeat, at least")
@@ -640,14 +757,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker_main(args.worker, args.out)
     if args.probe_link:
-        link = resolve_link(args.probe_link)
-        if link["name"] == "gpu-ratio":
+        link = resolve_link(args.probe_link, ranks_per_node=max(1, args.nproc // 2))
+        if link["name"] in ("gpu-ratio", "inter-node-ratio"):
             link = calibrate_gpu_ratio(link, reduce_scatter=args.reduce_scatter)
             info = link.pop("probe_device_info")
             print(f"{link['label']}: {link['probe_flop_per_byte']:.0f} FLOP/byte measured "
                   f"({'within' if link['calibrated'] else 'NOT within'} 10% of the target)")
         else:
-            info = probe_link(link, reduce_scatter=args.reduce_scatter)
+            info = probe_link(link, reduce_scatter=args.reduce_scatter, nproc=args.nproc)
         print(f"{link.get('label', link['name'])}, {args.reduce_scatter} reduce-scatter:\n{collective_table(info)}")
         if args.json:
             args.json.write_text(json.dumps({"link": link, "device_info": info, "reduce_scatter": args.reduce_scatter},
@@ -660,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
         "strategies": [args.strategy or "fsdp2"] if not args.budget else [],
         "budgets": [parse_size(args.budget)] if args.budget else [],
         "rounds": args.rounds, "time_per_run_s": args.time_per_run, "min_steps": args.min_steps,
-        "reduce_scatter": args.reduce_scatter, "link": resolve_link(args.link),
+        "reduce_scatter": args.reduce_scatter, "link": resolve_link(args.link, ranks_per_node=max(1, args.nproc // 2)),
     }
     # what osdp.wrap would do on this machine: its cached calibration, measured first if there is none
     launch({**spec, "calibrate": "if missing"}, nproc=args.nproc)

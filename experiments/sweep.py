@@ -57,7 +57,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -145,12 +145,12 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+def write_csv(rows: list[dict[str, Any]], path: Path, columns: Sequence[str] = CSV_COLUMNS) -> None:
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_COLUMNS})
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in columns})
 
 
 # --------------------------------------------------------------------------- comparison and targets
@@ -166,19 +166,19 @@ def paired_ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
     return statistics.median(x / y for x, y in zip(ra, rb))
 
 
-def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per budget of one (model, link): OSDP against the fastest of the baselines whose measured peak fits."""
+def compare(rows: list[dict[str, Any]], baselines: Sequence[str] = BASELINES) -> list[dict[str, Any]]:
+    """Per budget of one (model, link): OSDP against the fastest of the ``baselines`` whose measured peak fits."""
     out = []
     for budget in sorted({r["budget_bytes"] for r in rows if r["strategy"] == "osdp"}):
         at = {r["strategy"]: r for r in rows if r["budget_bytes"] == budget}
         osdp = at["osdp"]
-        fitting = [at[s] for s in (*BASELINES, "fairscale") if s in at and at[s]["fits"] and at[s]["tokens_per_s"]]
+        fitting = [at[s] for s in (*baselines, "fairscale") if s in at and at[s]["fits"] and at[s]["tokens_per_s"]]
         best = max(fitting, key=lambda r: r["tokens_per_s"], default=None)
         t = osdp["tokens_per_s"] if osdp["fits"] else None
         out.append({
             "budget_bytes": budget,
             "osdp": osdp,
-            "baselines": {s: at[s] for s in (*BASELINES, "fairscale") if s in at},
+            "baselines": {s: at[s] for s in (*baselines, "fairscale") if s in at},
             "ablation": {s: at[s] for s in ABLATIONS if s in at},
             "best": best,
             "vs_best": paired_ratio(osdp, best) if (t and best) else None,

@@ -133,7 +133,8 @@ def run_jobs(
     ``time_budget_s`` is the timed seconds per job (within ``min_steps`` ..
     ``max_steps`` steps each, agreed by all ranks); ``each_round()`` runs
     ``rounds`` times spread over them. Per job: the median over steps of the
-    slowest rank's time, and (``measure_peak``) the largest peak over ranks of
+    slowest rank's time (and that time for each step, in order: the jobs' i-th
+    steps ran one after another, so they pair), and (``measure_peak``) the largest peak over ranks of
     one tracked step (CPU tracking slows a step, so it is not timed).
     """
     trainers = {}
@@ -161,6 +162,7 @@ def run_jobs(
             # the step of a synchronised job takes as long as its slowest rank's
             "measured_step_s": statistics.median(max(t[0] for t in ts) for ts in zip(*(r["times"] for r in ranks))),
             "measured_fwd_bwd_s": statistics.median(max(t[1] for t in ts) for ts in zip(*(r["times"] for r in ranks))),
+            "step_s_each": [max(t[0] for t in ts) for ts in zip(*(r["times"] for r in ranks))],  # in step order
             "measured_peak_bytes": max((r["peak_bytes"] or 0) for r in ranks),
             "steps": steps,
             "per_rank": [{k: v for k, v in r.items() if k != "times"} for r in ranks],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -98,6 +99,47 @@ def test_each_baseline_is_what_its_name_says_and_trains_like_one_process():
             assert info["sharded_after_forward"] == [not name.startswith("fsdp2-zero2")] * n, name
     per_rank = [[out[r][name][:2] for name in baselines.BASELINES] for r in range(2)]
     assert_matches_reference(per_rank, reference(build, batches), list(baselines.BASELINES))
+
+
+def _hybrid_on_two_nodes(rank, world_size, batches):
+    """The HSDP baselines on 2 nodes x 2 ranks (LOCAL_WORLD_SIZE=2, as torchrun sets it on each node)."""
+    from osdp import comm
+    from training_check import full_state, train
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    comm.set_reduce_scatter("pairwise")
+    out = {}
+    for name in ("fsdp2-hsdp", "fsdp2-hsdp+ac"):
+        model = build_reference(MODEL)
+        blocks = baselines.transformer_blocks(model)
+        built = baselines.build_baseline(name, model, "cpu")
+        info = _structure(built, blocks)
+        info["n_blocks"] = len(blocks)
+        # every parameter's mesh: its ranks, dimension names and placements
+        info["meshes"] = {(str(p.device_mesh.mesh.tolist()), p.device_mesh.mesh_dim_names,
+                           tuple(str(x) for x in p.placements)) for p in built.parameters()}
+        losses = train(built, batches, rank, world_size)
+        state = full_state(built)  # collective: every rank takes part
+        out[name] = (losses, state if rank == 0 else None, info)
+    return out
+
+
+def test_hybrid_sharding_baselines_on_two_nodes_are_hsdp_and_train_like_one_process():
+    batches = reference_batches(MODEL)
+    out = run_ranks(_hybrid_on_two_nodes, 4, batches, timeout=300)
+    names = ["fsdp2-hsdp", "fsdp2-hsdp+ac"]
+    assert set(names) <= set(baselines.MULTI_NODE_BASELINES) and not set(names) & set(baselines.BASELINES)
+    for name in names:
+        info = out[0][name][2]
+        n = info["n_blocks"]
+        # one fully_shard per block, then the root, all on the (nodes, ranks per node) mesh: node i is row i,
+        # parameters replicated across the rows and sharded along them
+        assert not info["ddp"] and info["sharded_blocks"] == n and info["root_sharded"], name
+        assert info["fsdp_modules"] == n + 1 and info["pairwise"], name
+        assert info["meshes"] == {("[[0, 1], [2, 3]]", ("replicate", "shard"), ("R", "S(0)"))}, name
+        assert info["checkpointed_blocks"] == (n if name.endswith("+ac") else 0), name
+    per_rank = [[out[r][name][:2] for name in names] for r in range(4)]
+    assert_matches_reference(per_rank, reference(functools.partial(build_reference, MODEL), batches), names)
 
 
 def test_transformer_blocks_of_a_hugging_face_model_and_a_model_without_blocks():

@@ -18,6 +18,7 @@ sys.path.insert(0, str(EXPERIMENTS))
 import netns  # noqa: E402
 import run as run_mod  # noqa: E402
 import sweep  # noqa: E402
+import sweep_nodes  # noqa: E402
 
 MiB = 2**20
 
@@ -73,7 +74,7 @@ def result(tiny):
     ddp_plan = osdp.strategy_plan(model, "ddp", **settings)
     ddp_needs = predict(description, ddp_plan, info).peak_bytes
     records = []
-    for i, s in enumerate(run_mod.BASELINES):  # torch-ddp fastest and largest, the others below it
+    for i, s in enumerate(sweep.BASELINES):  # torch-ddp fastest and largest, the others below it
         records.append(_record(s, None, None, ddp_needs - 50_000 * i, 1000.0 - 10 * i))
     for s, mode in run_mod.ABLATIONS.items():
         plan = osdp.strategy_plan(model, mode, **settings)
@@ -114,7 +115,7 @@ def test_csv_schema_and_does_not_fit(result, tmp_path):
     assert header == sweep.CSV_COLUMNS and {"efficiency", "compute_step_s", "timed_steps", "reduce_scatter"} <= set(header)
     budgets = sorted({r["budget_bytes"] for r in result["records"] if r["strategy"] == "osdp"})
     # every baseline and ablation at every budget: none dropped
-    for s in (*run_mod.BASELINES, *run_mod.ABLATIONS, "osdp"):
+    for s in (*sweep.BASELINES, *run_mod.ABLATIONS, "osdp"):
         assert sorted(int(r["budget_bytes"]) for r in table if r["strategy"] == s) == budgets, s
     for r in table:
         needs = int(r["needs_bytes"]) if r["needs_bytes"] else None
@@ -177,6 +178,7 @@ def test_a_sweep_part_end_to_end_on_two_ranks(tmp_path):
 
     spec = {"model": "gpt2-tiny", "batch_size": 2, "seq_len": 32, "link": run_mod.resolve_link("loopback"),
             "strategies": ["torch-ddp", "fsdp2+ac", "osdp-uniform-fsdp"], "auto_budgets": 2, "rounds": 2,
+            "groups": [["torch-ddp", "osdp-uniform-fsdp"]],  # as bench_modes pairs twins; the rest one group
             "time_per_run_s": 0.05, "min_steps": 2, "collective_time_s": 0.5}
     lines = []
     env = dict(os.environ, OSDP_CACHE_DIR=str(tmp_path / "cache"))  # tests' tiny calibration profile
@@ -195,6 +197,10 @@ def test_a_sweep_part_end_to_end_on_two_ranks(tmp_path):
         assert m["peak_bytes"] > 0 and 0 < m["efficiency"] and len(m["efficiency_rounds"]) == 2, r["strategy"]
         assert ("predicted_peak_bytes" in r) == (r["strategy"] != "torch-ddp" and r["strategy"] != "fsdp2+ac")
     ddp = next(r for r in records if r["strategy"] == "torch-ddp")
+    uniform = next(r for r in records if r["strategy"] == "osdp-uniform-fsdp")
+    # a group's members step in turn, as many steps each: their i-th steps pair
+    assert [len(x) for x in ddp["measured"]["step_s_each"]] == [len(x) for x in uniform["measured"]["step_s_each"]]
+    assert [len(x) for x in ddp["measured"]["step_s_each"]] == ddp["measured"]["timed_steps"]
     params = sum(p.numel() * 4 for p in models.build("gpt2-tiny", seq_len=32).parameters())
     # DDP's buckets (counted by osdp.memory from DDP's record) and the gradients the optimizer steps on
     assert all(x["peak_breakdown"]["gradients"] >= params for x in ddp["measured"]["per_rank"])
@@ -247,6 +253,52 @@ def test_gpu_ratio_rate():
     assert link["kind"] == "veth" and link["rate_bit_per_s"] == 600_000_000
 
 
+def test_inter_node_link_rate(monkeypatch):
+    # h100-nvlink-ndr400: 0.45 x 989 TFLOP/s bf16 per GPU over 46 GB/s per rank across nodes (8 NICs, 8 GPUs)
+    assert run_mod.inter_node_flop_per_byte() == pytest.approx(0.45 * 989e12 / 46e9)
+    monkeypatch.setattr(run_mod.os, "cpu_count", lambda: 2)
+    link = run_mod.resolve_link("inter-node-ratio", flops=100e9, ratio=10_000, ranks_per_node=2)
+    # 4 ranks on 2 cores get half a core each: 50 GFLOP/s at 10,000 FLOP/byte is 5 MB/s per rank, and the
+    # namespace's egress carries both ranks of the node
+    assert link["rank_flops"] == 50e9 and link["rate_bit_per_s"] == 2 * 40_000_000
+    assert link["level"] == "inter" and run_mod.link_nproc(link) == 4
+    assert run_mod.link_nproc(run_mod.resolve_link("gpu-ratio", flops=100e9)) == 2  # one rank per namespace
+
+
+def test_two_node_summary_targets_and_figures(result, tmp_path):
+    """sweep_nodes' report of a made-up part: the multi-node baselines, OSDP against the best and against FSDP2
+    across the world, the targets, the files."""
+    hybrid = {"fsdp2-zero2": "fsdp2-hsdp", "fsdp2-zero2+ac": "fsdp2-hsdp+ac"}
+    records = [{**r, "world_size": 4, "link": "inter-node-ratio", "strategy": hybrid.get(r["strategy"], r["strategy"])}
+               for r in result["records"] if not r["strategy"].startswith("osdp-uniform")]
+    part = {**result, "records": records, "nodes": 2, "ranks_per_node": 2,
+            "link": {"name": "inter-node-ratio", "label": "veth", "measured_busbw_bytes_per_s": {"all_gather": 4e6},
+                     "measured_inter_busbw_bytes_per_s": {"all_gather": 2e6}},
+            "device_info": {"flops": {"float32": 2e10}},
+            "machine": {"cpu": "cpu", "cores": 2, "platform": "linux", "python": "3", "torch": "2"}}
+    meta = {"profile": "test", "command": "x", "date": "today", "seconds": 60, "machine": part["machine"],
+            "rounds": 2, "min_steps": 3, "time_per_run_s": 0.3, "reduce_scatter": "pairwise", "osdp_source": "x",
+            "link": {"label": "veth", "target_flop_per_byte": 9675.0, "ratio_of": "h100-nvlink-ndr400"},
+            "parts": [{"model": "gpt2-tiny", "link": "inter-node-ratio", "load_before": [1.0], "load_after": [1.0]}]}
+    (tmp_path / "runs.json").write_text(json.dumps({"meta": meta, "results": [part]}))
+    sweep_nodes.report(tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())["gpt2-tiny"]
+    top = summary["budgets"][-1]
+    # at the top budget every baseline fits: torch-ddp is the best, fsdp2 the faster FSDP2 across the world
+    assert top["best"] == "torch-ddp" and top["vs_best"] == pytest.approx(1.1)
+    assert top["fsdp_world"] == "fsdp2" and top["vs_fsdp_world"] == pytest.approx(1100 / 990)
+    assert top["hsdp"] == "fsdp2-hsdp" and top["vs_hsdp"] == pytest.approx(1100 / 980)
+    v = summary["verdicts"]
+    assert not v["vs_fsdp_world_ok"] and v["vs_fsdp_world_max"] == pytest.approx(1100 / 990)  # below 1.2
+    assert not v["peak_within_budget_ok"]  # the made-up over-budget point
+    with (tmp_path / "sweep.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {r["nodes"] for r in rows} == {"2"} and "fsdp2-hsdp+ac" in {r["strategy"] for r in rows}
+    text = (tmp_path / "summary.md").read_text()
+    assert "| OSDP / FSDP2 world |" in text and "across nodes 2.0 MB/s" in text
+    assert (tmp_path / "throughput_gpt2-tiny.png").stat().st_size > 10_000
+
+
 @pytest.mark.skipif(netns.missing_tools() is not None, reason=f"{netns.missing_tools()}")
 def test_veth_link_setup_and_teardown():
     try:
@@ -261,6 +313,9 @@ def test_veth_link_setup_and_teardown():
         out = subprocess.run(link.exec_prefix(1) + ["ip", "-4", "addr", "show", "dev", netns.IFNAME],
                              capture_output=True, text=True).stdout
         assert "10.77.0.2/24" in out
+        # a node's ranks reach each other over its loopback (unshaped), the other node through the shaped veth
+        assert link.route_device(0, link.addresses[0]) == "lo" == link.route_device(1, link.addresses[1])
+        assert link.route_device(0, link.addresses[1]) == netns.IFNAME == link.route_device(1, link.addresses[0])
     finally:
         link.__exit__(None, None, None)
     assert not set(names) & set(netns.list_namespaces())
@@ -386,3 +441,52 @@ def test_sigterm_removes_namespaces_and_stops_ranks():
         time.sleep(0.1)
     else:
         pytest.fail(f"process {pid} started in the namespace is still running")
+
+
+def test_bench_modes_ratio_is_the_median_over_paired_steps():
+    """A twin pair's speed ratio pairs each native step with the OSDP step taken beside it, over every repeat;
+    the bracketed per-repeat figures are the same medians within each repeat."""
+    import bench_modes
+
+    def record(strategy, each, peak):
+        flat = [t for r in each for t in r]
+        return {"strategy": strategy, "measured": {
+            "step_s_each": each, "step_s_median": statistics.median(flat), "peak_bytes": peak, "efficiency": 0.5}}
+
+    native_each = [[1.0, 2.0, 1.0], [1.2, 1.0]]
+    osdp_each = [[1.0, 1.0, 2.0], [1.0, 1.0]]  # slower on its own steps 3, faster in repeat 2
+    records = []
+    for ours, native in bench_modes.PAIRS:
+        records += [record(ours, osdp_each, 100), record(native, native_each, 100)]
+    rows = bench_modes.pair_rows({"model": "m", "link": {"name": "loopback"}, "records": records})
+    ratios = [1.0, 2.0, 0.5, 1.2, 1.0]
+    assert len(rows) == len(bench_modes.PAIRS)
+    for row in rows:
+        assert row["speed_ratio"] == pytest.approx(statistics.median(ratios))
+        assert row["speed_ratio_rounds"] == pytest.approx([1.0, 1.1])
+        assert row["paired_steps"] == 5 and row["peak_ratio"] == 1.0 and row["meets_targets"]
+
+
+def test_bench_modes_report_is_rebuilt_from_the_parts_a_run_saved(tmp_path):
+    import bench_modes
+
+    def part(model, link, native_s):
+        records = []
+        for ours, native in bench_modes.PAIRS:
+            for strategy, each in ((ours, [[1.0, 1.0]]), (native, [[native_s, native_s]])):
+                records.append({"strategy": strategy, "measured": {
+                    "step_s_each": each, "step_s_median": each[0][0], "peak_bytes": 2**20, "efficiency": 0.5}})
+        return {"model": model, "link": {"name": link}, "records": records, "machine": {"cpu": "Some CPU", "cores": 2},
+                "rounds": 1, "min_steps": 2, "reduce_scatter": "pairwise", "loadavg_before": [0.5], "seconds": 60.0}
+
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "part-1-m-loopback.json").write_text(json.dumps(part("m", "loopback", 1.0)))
+    (parts / "part-2-m-gpu-ratio.json").write_text(json.dumps(part("m", "gpu-ratio", 0.9)))
+    assert bench_modes.main(["--from-runs", str(parts), "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench_modes.json").read_text())
+    assert [(r["link"], r["speed_ratio"]) for r in report["pairs"]] == \
+        [("loopback", 1.0)] * len(bench_modes.PAIRS) + [("gpu-ratio", 0.9)] * len(bench_modes.PAIRS)
+    assert not report["all_met"] and report["seconds"] == 120.0
+    md = (tmp_path / "bench_modes.md").read_text()
+    assert md.count("| missed |") == len(bench_modes.PAIRS) and "2 min." in md
