@@ -50,7 +50,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import osdp.split as split
 from osdp._torch_private import TorchDispatchMode
-from osdp.distributed import free_port, init_process_group
+from osdp.local_ranks import run_local_ranks
 from osdp.machine import machine_info
 from osdp.timing import StepTimer
 
@@ -379,15 +379,8 @@ def report(rows: list[dict], info: dict, out: Path) -> None:
     print(f"\nwrote {out}")
 
 
-def worker(rank: int, world_size: int, port: int, args, queue) -> None:
-    torch.set_num_threads(args.threads)
-    init_process_group(rank, world_size, master_port=port, backend="gloo")
-    try:
-        rows = run(rank, world_size, args)
-        if rank == 0:
-            queue.put((rows, machine(args, world_size)))
-    finally:
-        dist.destroy_process_group()
+def run_and_describe(rank: int, world_size: int, args) -> tuple[list, dict]:
+    return run(rank, world_size, args), machine(args, world_size)
 
 
 def main() -> None:
@@ -422,29 +415,8 @@ def main() -> None:
 
     if args.device == "cuda":
         raise SystemExit("on GPUs, launch with torchrun (one process per GPU)")
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
-    for proc in procs:
-        proc.start()
-    import queue as queue_module
-
-    while True:
-        try:
-            rows, info = queue.get(timeout=1.0)
-            break
-        except queue_module.Empty:
-            failed = [r for r, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
-            if failed:
-                for proc in procs:
-                    proc.kill()
-                raise SystemExit(f"rank(s) {failed} failed")
-    for proc in procs:
-        proc.join()
+    rows, info = run_local_ranks(run_and_describe, args.world_size, args, timeout_s=3600,
+                                 collective_timeout_s=600, threads=args.threads)[0]
     report(rows, info, args.out)
 
 
