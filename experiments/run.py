@@ -233,19 +233,19 @@ def block_list_path(model) -> str:
 def twin_plan(descriptions, mode: str, ac: bool, blocks: str, device_info, calibration, optimizer: str,
               settings: dict):
     """OSDP's plan with every unit in ``mode`` (checkpointing the units inside the blocks with ``ac``), at
-    the granularity whose plan the cost model predicts faster: what its search picks when memory is no limit."""
+    the granularity its search would pick when memory is no limit (``osdp.planner.choose_granularity``)."""
     from osdp.cost import predict
     from osdp.plan import Plan, UnitPlan
+    from osdp.planner import choose_granularity
 
-    best = None
+    plans = []
     for d in descriptions:
         plan = Plan([UnitPlan(u.path, mode, checkpoint=ac and u.path.startswith(blocks + "."))
                      for u in d.units], **settings)
         plan.meta["granularity"] = d.granularity
         step = predict(d, plan, device_info, optimizer=optimizer, calibration=calibration).step_s
-        if best is None or step < best[0]:
-            best = (step, plan)
-    return best[1]
+        plans.append((d, plan, 1 / step))
+    return plans[choose_granularity([(d, speed) for d, _, speed in plans])][1]
 
 
 def param_fraction(description, plan, mode: str) -> float:

@@ -57,8 +57,8 @@ def search(
 
     Several descriptions of one model, one per unit granularity
     (``planning_descriptions``), let the search choose the unit size too: the
-    fastest plan over all of them wins. BudgetTooSmall only if none fits,
-    naming the smallest minimum.
+    plan with the fewest units among those within ``GRANULARITY_TOLERANCE`` of
+    the fastest wins. BudgetTooSmall only if none fits, naming the smallest minimum.
     """
     if isinstance(descriptions, ModelDescription):
         descriptions = [descriptions]
@@ -82,7 +82,7 @@ def search(
         seconds += time.perf_counter() - start
     if not found:
         raise min(too_small, key=lambda e: e.min_peak_bytes)
-    best, description, problems = max(found, key=lambda f: f[0].samples_per_s)
+    best, description, problems = found[choose_granularity([(d, b.samples_per_s) for b, d, _ in found])]
     problem = next(p for p in problems if p.batch_size == best.batch_size)
     plan = plan_from_choice(
         problem,
@@ -103,9 +103,27 @@ def search(
             "slack_bytes": best.slack_bytes,
             "predicted_samples_per_s": best.samples_per_s,
             "granularity": description.granularity,
+            # what each granularity's best plan was predicted to do: why this one was taken
+            "samples_per_s_by_granularity": {d.granularity: b.samples_per_s for b, d, _ in found},
         },
     )
     return SearchResult(plan, description, all_problems, seconds)
+
+
+# A finer unit granularity is taken only where it is predicted faster than a coarser one by more than this.
+# The cost model prices the two within a few percent on small transformers, and there its per-unit costs, fitted
+# on the calibration nets, miss part of what a unit costs: on gpt2-mini (2 CPU ranks, loopback and gpu-ratio
+# links) attention and MLP apart ran 4-9% slower than whole blocks, predicted a little faster
+# (experiments/results/bench_modes/bench_modes.md). Fewer units is also what PyTorch's own per-block wrapping runs.
+GRANULARITY_TOLERANCE = 0.05
+
+
+def choose_granularity(candidates: Sequence[tuple[ModelDescription, float]]) -> int:
+    """Which of ``(description, predicted speed)`` (one per granularity, higher faster) to take: the one with
+    the fewest units among those within ``GRANULARITY_TOLERANCE`` of the fastest."""
+    fastest = max(speed for _, speed in candidates)
+    close = [i for i, (_, speed) in enumerate(candidates) if speed >= (1 - GRANULARITY_TOLERANCE) * fastest]
+    return min(close, key=lambda i: (len(candidates[i][0].units), -candidates[i][1]))
 
 
 def planning_description(

@@ -108,3 +108,55 @@ def test_the_search_over_shard_scopes_is_exact(gpt2_mini_on_2_nodes_of_2):
         assert solve_milp(full, int(budget))[0] - 1e-12 <= s.step_time
         tighter = solve_milp(full, int(budget) - s.slack_bytes)
         assert s.step_time <= (tighter[0] if tighter else np.inf) + 1e-12
+
+
+@pytest.fixture(scope="module")
+def gpt2_mini_both_granularities():
+    with torch.device("meta"):
+        model = models.build("gpt2-mini")
+    example = torch.zeros(BATCH, 128, dtype=torch.long, device="meta")
+    device = device_preset("a100-40gb-nvlink", 4)
+    descriptions = [describe_analytic(model, (example, example), device, world_size=4, batch_sizes=(BATCH,),
+                                      granularity=g, progress=False) for g in ("sub-block", "block")]
+    return descriptions, device
+
+
+def test_the_search_takes_the_coarsest_granularity_within_the_tolerance_of_the_fastest(gpt2_mini_both_granularities):
+    from osdp.planner import GRANULARITY_TOLERANCE
+
+    descriptions, device = gpt2_mini_both_granularities
+    fine, coarse = descriptions
+    assert len(coarse.units) < len(fine.units)
+    minimum = min(min_peak(build_problem(d, device, BATCH))[0] for d in descriptions)
+    chosen = set()
+    for budget in np.geomspace(minimum, 64 * minimum, 12):
+        # the reference: each granularity searched alone
+        alone = {}
+        for d in descriptions:
+            try:
+                alone[d.granularity] = search(d, device, (BATCH,), budget=int(budget)).plan
+            except BudgetTooSmall:
+                pass
+        fastest = max(p.meta["predicted_samples_per_s"] for p in alone.values())
+        close = [g for g in ("block", "sub-block")
+                 if g in alone and alone[g].meta["predicted_samples_per_s"] >= (1 - GRANULARITY_TOLERANCE) * fastest]
+        plan = search(descriptions, device, (BATCH,), budget=int(budget)).plan
+        assert plan.meta["granularity"] == close[0], (budget, {g: p.meta["predicted_samples_per_s"] for g, p in alone.items()})
+        assert plan.predicted_step_s == alone[close[0]].predicted_step_s
+        assert plan.meta["samples_per_s_by_granularity"] == pytest.approx(
+            {g: p.meta["predicted_samples_per_s"] for g, p in alone.items()})
+        chosen.add(plan.meta["granularity"])
+    assert chosen == {"block", "sub-block"}  # tight budgets take attention and MLP apart, loose ones whole blocks
+
+
+def test_a_finer_granularity_is_taken_only_when_predicted_faster_by_more_than_the_tolerance(
+        gpt2_mini_both_granularities):
+    from osdp.planner import GRANULARITY_TOLERANCE, choose_granularity
+
+    fine, coarse = gpt2_mini_both_granularities[0]
+    within, beyond = 1 / (1 - GRANULARITY_TOLERANCE) - 1e-3, 1 / (1 - GRANULARITY_TOLERANCE) + 1e-3
+    assert choose_granularity([(fine, 1.0), (coarse, 1.0)]) == 1
+    assert choose_granularity([(fine, within), (coarse, 1.0)]) == 1  # fine a little faster: whole blocks
+    assert choose_granularity([(fine, beyond), (coarse, 1.0)]) == 0
+    assert choose_granularity([(coarse, 1.0), (fine, beyond)]) == 1  # whatever the order
+    assert choose_granularity([(fine, 1.0), (coarse, 0.5)]) == 0
