@@ -43,13 +43,14 @@ def _rank_main(rank: int, world_size: int, port: int, options: dict[str, Any], f
     try:
         init_process_group(rank, world_size, master_port=port, timeout_s=options["collective_timeout_s"])
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+        # Rank 0 hosts the TCP store: had it exited as soon as its own function returned, a peer still in
+        # gloo's rendezvous would read "connection closed" instead of its own result or error. A rank that
+        # finished waits until the caller has heard from all; one that failed goes at once, as a crashed
+        # process would, so that its peers see their connections close.
+        release.wait(timeout=options["collective_timeout_s"])
     except BaseException as e:  # noqa: BLE001 - every failure goes to the caller, with its rank
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
-        # Rank 0 hosts the TCP store: had it exited as soon as its own function returned, a peer still in
-        # gloo's rendezvous would read "connection closed" instead of its own result or error. Every rank
-        # waits until the caller has heard from all of them.
-        release.wait(timeout=options["collective_timeout_s"])
         if dist.is_initialized():
             dist.destroy_process_group()
 
