@@ -59,7 +59,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from osdp._torch_private import FSDPAllGatherBase, FSDPReduceScatterBase, fsdp_device, tensor_holders
+from osdp._torch_private import (
+    FSDPAllGatherBase, FSDPReduceScatterBase, fsdp_device, storage_holders, tensor_holders,
+)
 
 IMPLEMENTATIONS = ("native", "pairwise")
 ENV = "OSDP_REDUCE_SCATTER"
@@ -125,7 +127,14 @@ class Lent:
 
     def __init__(self, collective: Any, tensors: tuple[torch.Tensor, ...], **kwargs: Any):
         aliases = [t.detach() for t in tensors]
-        self._held = [(a, tensor_holders(a)) for a in aliases if a.device.type == "cpu"]
+        on_cpu = [a for a in aliases if a.device.type == "cpu"]
+        if kwargs.get("async_op"):
+            # the caller may make views of these tensors before it waits: count the aliases' holders
+            self._held = [(tensor_holders, a, tensor_holders(a)) for a in on_cpu]
+        else:
+            # gloo's job can hold a view of its own (one more TensorImpl on the memory, freed a moment after
+            # the aliases): count the memory's holders, which nothing else adds to before the wait
+            self._held = [(storage_holders, a, storage_holders(a)) for a in on_cpu]
         self._work = collective(*aliases, **kwargs)
 
     def wait(self, timeout_s: float = LET_GO_TIMEOUT_S) -> None:
@@ -136,13 +145,27 @@ class Lent:
         held, self._held = self._held, []
         start = time.perf_counter()
         waited = False
-        while any(tensor_holders(a) > n for a, n in held) and time.perf_counter() - start < timeout_s:
+        while any(holders(a) > n for holders, a, n in held) and time.perf_counter() - start < timeout_s:
             waited = True
             os.sched_yield()  # let the worker thread run
+        if waited and held and held[0][0] is tensor_holders:
+            # the job let go of the aliases a moment ago: give it as long again to drop the views it made
+            _settle([a for _, a, _ in held], deadline=start + timeout_s)
         _let_go["collectives"] += 1
         if waited:
             _let_go["waited"] += 1
             _let_go["seconds"] += time.perf_counter() - start
+
+
+def _settle(tensors: list[torch.Tensor], deadline: float) -> None:
+    """Yield to other threads while the memory under ``tensors`` loses holders (until ``deadline``)."""
+    counts = [storage_holders(t) for t in tensors]
+    while time.perf_counter() < deadline:
+        os.sched_yield()
+        now = [storage_holders(t) for t in tensors]
+        if now == counts:
+            return
+        counts = now
 
 
 def let_go_stats(reset: bool = False) -> dict[str, float]:

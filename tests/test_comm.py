@@ -168,7 +168,7 @@ def test_collectives_have_let_go_of_their_tensors_when_they_return():
     gloo's worker thread when they returned, and a rank's measured peak held one more unit's gathered
     parameters in some steps and not others (tests/test_wrap_search.py)."""
     for held, gathered, stats in run_ranks(_holders_after_collectives, 2, 300, timeout=120):
-        assert held == dict.fromkeys(held, 0)
+        assert held == dict.fromkeys(held, 0), (held, stats)
         assert gathered == [0.0, 1.0]
         # every call went through Lent once; those that found their tensors held waited, briefly
         assert stats["collectives"] == 4 * 300 + 1 and stats["waited"] <= stats["collectives"]
