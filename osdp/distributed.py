@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("OSDP_COLLECTIVE_TIMEOUT_S", "300"))
+DEFAULT_TIMEOUT_S = 300.0
 
 
 def collective_timeout_s() -> float:
@@ -50,9 +50,10 @@ def init_process_group(
     master_addr: str = "127.0.0.1",
     master_port: int,
     backend: str = "gloo",
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
 ) -> None:
-    """Join a process group on an explicit TCP store with a collective timeout."""
+    """Join a process group on an explicit TCP store with a collective timeout (None: ``collective_timeout_s()``)."""
+    timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
     store = dist.TCPStore(
         master_addr, master_port, world_size, is_master=(rank == 0),
         timeout=datetime.timedelta(seconds=timeout_s),

@@ -34,8 +34,25 @@ def _pin(rank: int) -> None:
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
 
+# Imported once by the fork server that every rank is forked from, instead of by each spawned rank (about
+# 2.5 seconds a rank, most of a short multi-rank test). osdp reads its settings (OSDP_*) when called, not
+# when imported, so the ranks see their caller's.
+PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.nn.parallel", "osdp"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def _rank_main(rank: int, world_size: int, port: int, options: dict[str, Any], fn: Callable, args: tuple,
                results, release) -> None:
+    # a rank forks from the fork server, started with the environment and directory of its first caller:
+    # take this caller's
+    os.environ.clear()
+    os.environ.update(options["environ"])
+    os.chdir(options["cwd"])
     os.environ["OMP_NUM_THREADS"] = str(options["threads"])
     torch.set_num_threads(options["threads"])
     if options["pin"]:
@@ -65,9 +82,10 @@ def run_local_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float 
     all are shown); past ``timeout_s`` every rank is killed and ``TimeoutError``
     raised. ``threads`` per rank; ``pin`` puts each rank on a core of its own.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results, release = ctx.Queue(), ctx.Event()
-    options = {"threads": threads, "pin": pin, "collective_timeout_s": collective_timeout_s}
+    options = {"threads": threads, "pin": pin, "collective_timeout_s": collective_timeout_s,
+               "environ": dict(os.environ), "cwd": os.getcwd()}
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, options, fn, args, results, release))
              for r in range(world_size)]
