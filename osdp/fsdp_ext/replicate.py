@@ -96,10 +96,14 @@ class ReplicatedParameters:
         self.ddp.require_backward_grad_sync = requires_gradient_sync
 
     def _note_buckets(self, *_) -> None:
+        # DDP rebuilds its buckets after the first step, and a new bucket can take a freed one's address:
+        # the entry of a bucket that is gone is replaced, not kept (its storage was then never counted)
+        self._buckets = {key: ref for key, ref in self._buckets.items() if ref() is not None}
         for p in self.params:
             if p.grad is not None:
                 storage = p.grad.untyped_storage()
-                if storage._cdata not in self._buckets:
+                ref = self._buckets.get(storage._cdata)
+                if ref is None or ref() is not storage:
                     self._buckets[storage._cdata] = weakref.ref(storage)
 
     def _pre_forward(self, module, args, kwargs):
