@@ -157,8 +157,8 @@ def _bucket_storages_each_step(rank, world_size):
         torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
         grads = {p.grad.untyped_storage()._cdata for p in model.parameters() if p.grad is not None}
         optimizer.step()  # its pre-hook notes the buckets
+        optimizer.zero_grad(set_to_none=True)  # the buckets stay, the gradients' views go
         known.append(({s._cdata for s in reducer_storages(model)}, grads))
-        optimizer.zero_grad(set_to_none=True)
     with PeakMemory("cpu", model, optimizer, x, y) as meter:  # the buckets are memory, between steps too
         torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
         optimizer.step()
