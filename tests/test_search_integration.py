@@ -17,13 +17,18 @@ from osdp.search.reference import brute_force, brute_force_min_peak, solve_milp
 BATCH = 2
 
 
-@pytest.fixture(scope="module")
-def gpt2_mini_on_4_gpus():
+def _gpt2_mini_on_4_gpus(granularity="sub-block"):
     with torch.device("meta"):
         model = models.build("gpt2-mini")
     example = torch.zeros(BATCH, 128, dtype=torch.long, device="meta")
     device = device_preset("a100-40gb-nvlink", 4)
-    description = describe_analytic(model, (example, example), device, world_size=4, batch_sizes=(BATCH,), progress=False)
+    return describe_analytic(model, (example, example), device, world_size=4, batch_sizes=(BATCH,),
+                             granularity=granularity, progress=False), device
+
+
+@pytest.fixture(scope="module")
+def gpt2_mini_on_4_gpus():
+    description, device = _gpt2_mini_on_4_gpus()
     minimum, _ = min_peak(build_problem(description, device, BATCH))
     return description, device, minimum
 
@@ -112,13 +117,8 @@ def test_the_search_over_shard_scopes_is_exact(gpt2_mini_on_2_nodes_of_2):
 
 @pytest.fixture(scope="module")
 def gpt2_mini_both_granularities():
-    with torch.device("meta"):
-        model = models.build("gpt2-mini")
-    example = torch.zeros(BATCH, 128, dtype=torch.long, device="meta")
-    device = device_preset("a100-40gb-nvlink", 4)
-    descriptions = [describe_analytic(model, (example, example), device, world_size=4, batch_sizes=(BATCH,),
-                                      granularity=g, progress=False) for g in ("sub-block", "block")]
-    return descriptions, device
+    (fine, device), (coarse, _) = (_gpt2_mini_on_4_gpus(g) for g in ("sub-block", "block"))
+    return [fine, coarse], device
 
 
 def test_the_search_takes_the_coarsest_granularity_within_the_tolerance_of_the_fastest(gpt2_mini_both_granularities):
