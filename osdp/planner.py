@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from osdp.cost import Calibration, build_problem, plan_from_choice
+from osdp.cost import Calibration, build_problems, plan_from_choice
 from osdp.device import DeviceInfo, device_preset, parse_size
 from osdp.distributed import broadcast_object, world
 from osdp.plan import Plan
@@ -33,7 +33,7 @@ from osdp.units import GRANULARITIES, structure_signature
 class SearchResult:
     plan: Plan
     description: ModelDescription  # the description (unit granularity) the plan was found in
-    problems: list[Problem]  # one per candidate micro-batch size and description
+    problems: list[Problem]  # per candidate micro-batch size and description: osdp.cost.build_problems
     search_seconds: float
 
     def frontier(self, max_peak: int | None = None) -> list[FrontierPoint]:
@@ -69,21 +69,21 @@ def search(
     seconds = 0.0
     for description in descriptions:
         problems = [
-            build_problem(description, device_info, b, precision=mixed_precision, optimizer=optimizer,
-                          calibration=calibration)
-            for b in batch_sizes
+            p for b in batch_sizes
+            for p in build_problems(description, device_info, b, precision=mixed_precision, optimizer=optimizer,
+                                    calibration=calibration)
         ]
         all_problems += problems
         start = time.perf_counter()
         try:
-            found.append((sweep_batch_sizes(problems, budget).best, description, problems))
+            sweep = sweep_batch_sizes(problems, budget)
+            found.append((sweep.best, description, problems[sweep.best_index]))
         except BudgetTooSmall as e:  # names the minimum and its batch size
             too_small.append(e)
         seconds += time.perf_counter() - start
     if not found:
         raise min(too_small, key=lambda e: e.min_peak_bytes)
-    best, description, problems = found[choose_granularity([(d, b.samples_per_s) for b, d, _ in found])]
-    problem = next(p for p in problems if p.batch_size == best.batch_size)
+    best, description, problem = found[choose_granularity([(d, b.samples_per_s) for b, d, _ in found])]
     plan = plan_from_choice(
         problem,
         best.choice,

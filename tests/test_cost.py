@@ -10,7 +10,8 @@ import torch
 
 from osdp import models
 from osdp.cost import (
-    OPTIMIZER_STATES, Calibration, build_problem, choice_of, options_for, plan_from_choice, predict, unit_cost,
+    OPTIMIZER_STATES, UNIFORM_MODES, Calibration, build_problem, build_problems, choice_of, options_for,
+    plan_from_choice, predict, uniform_mode_of, unit_cost,
 )
 from osdp.device import COLLECTIVES, AlphaBeta, CollectiveModel, DeviceInfo, Topology, device_preset
 from osdp.plan import Plan, PlanError, UnitPlan
@@ -62,6 +63,7 @@ def test_predict_equals_the_problem_for_random_choices(tiny, precision, optimize
         plan = plan_from_choice(problem, choice, mixed_precision=precision)
         scopes |= {u.shard_scope for u in plan.units}
         pred = predict(tiny, plan, dev, optimizer=optimizer, calibration=CALIBRATION)
+        assert uniform_mode_of([problem.options[c] for c in choice]) is None  # else priced as below
         assert pred.step_s == problem.step_time(choice)
         assert pred.peak_bytes == problem.peak(choice)
         assert np.array_equal(choice_of(problem, plan), choice)
@@ -69,6 +71,28 @@ def test_predict_equals_the_problem_for_random_choices(tiny, precision, optimize
                            calibration=CALIBRATION)
         assert (by_index.step_s, by_index.peak_bytes) == (pred.step_s, pred.peak_bytes)
     assert scopes == ({"world"} if layout == "one node" else {"world", "node"})
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", UNIFORM_MODES)
+def test_a_plan_all_in_one_mode_is_priced_with_its_true_neighbours(tiny, precision, mode):
+    """Every unit replicated, or every unit zero2: no all-gather is prefetched in backward, and DDP (fp32
+    replicate) keeps no reduce-scatter input. ``predict`` and that mode's own problem agree exactly; the
+    general problem charges the neighbours' worst case on top, and nothing else differs."""
+    dev = device(4)
+    problems = build_problems(tiny, dev, B, precision=precision, calibration=CALIBRATION)
+    general, own = problems[0], problems[1 + UNIFORM_MODES.index(mode)]
+    assert {general.options[j].mode for j in np.flatnonzero(own.allowed.any(axis=0))} == {mode}
+    rng = np.random.default_rng(1)
+    for _ in range(10):
+        choice = np.array([rng.choice(np.flatnonzero(row)) for row in own.allowed])
+        pred = predict(tiny, plan_from_choice(own, choice, mixed_precision=precision), dev, calibration=CALIBRATION)
+        assert (pred.step_s, pred.peak_bytes) == (own.step_time(choice), own.peak(choice))
+        assert general.step_time(choice) == own.step_time(choice)
+        assert np.array_equal(general.mem[np.arange(len(choice)), choice], own.mem[np.arange(len(choice)), choice])
+        assert general.peak(choice) > own.peak(choice)
+    zero3 = Plan([UnitPlan(u.path, "zero3") for u in tiny.units], batch_size=B, mixed_precision=precision)
+    assert predict(tiny, zero3, dev, calibration=CALIBRATION).peak_bytes == general.peak(choice_of(general, zero3))
 
 
 def test_the_solver_optimum_is_predicted_exactly(tiny):
@@ -319,3 +343,25 @@ def test_node_scoped_plans_that_cannot_be_priced_say_why(tiny):
         predict(tiny, Plan(units, batch_size=B, ranks_per_node=4, world_size=4), two_nodes())
     with pytest.raises(PlanError, match="shard scope 'node' needs mode 'zero2' or 'zero3' without split"):
         unit_cost(tiny.unit("blocks.0.mlp"), ("zero3", 2, False, "node"), None)
+
+
+def test_the_search_takes_ddp_at_the_peak_ddp_is_predicted(tiny):
+    """At a budget of exactly DDP's predicted peak, the worst-case neighbours would push DDP out of the budget;
+    priced as it runs, DDP fits, and the search finds a plan at least as fast."""
+    from dataclasses import replace
+
+    from osdp.planner import search
+
+    dev = device(4)
+    sharding_dear = replace(CALIBRATION, unit_overhead_s={"replicate": 1e-4, "zero2": 1e-2, "zero3": 1e-2})
+    ddp = Plan([UnitPlan(u.path, "replicate") for u in tiny.units], batch_size=B)
+    expected = predict(tiny, ddp, dev, calibration=sharding_dear)
+    general = build_problem(tiny, dev, B, calibration=sharding_dear)
+    assert general.peak(choice_of(general, ddp)) > expected.peak_bytes
+    assert solve(general, expected.peak_bytes).step_time > expected.step_s  # the general problem alone: slower
+    found = search(tiny, dev, [B], budget=expected.peak_bytes, calibration=sharding_dear).plan
+    assert {u.mode for u in found.units} == {"replicate"}
+    assert found.predicted_step_s <= expected.step_s
+    assert found.predicted_peak_bytes <= expected.peak_bytes
+    again = predict(tiny, found, dev, calibration=sharding_dear)
+    assert (again.step_s, again.peak_bytes) == (found.predicted_step_s, found.predicted_peak_bytes)

@@ -86,6 +86,7 @@ class Sweep:
     best: Solution
     candidates: list[Candidate]
     search_seconds: float
+    best_index: int = 0  # the problem (and candidate) ``best`` solves
 
 
 def min_peak(problem: Problem) -> tuple[int, np.ndarray]:
@@ -350,9 +351,10 @@ def sweep_batch_sizes(
     """Solve each micro-batch size's problem and keep the one with the most samples/s.
 
     Throughput ``batch_size / step_time``, not step time, decides: a larger
-    batch with a longer step can be the faster way through the data. Raises
-    ``BudgetTooSmall`` naming the batch size with the smallest need when no
-    candidate fits.
+    batch with a longer step can be the faster way through the data. Several
+    problems may share a batch size (the same model with other options or
+    prices); the first of equally fast ones is kept. Raises ``BudgetTooSmall``
+    naming the batch size with the smallest need when no candidate fits.
     """
     if not problems:
         raise ValueError("no batch-size candidates to search")
@@ -364,9 +366,10 @@ def sweep_batch_sizes(
             candidates.append(Candidate(p.batch_size, sol, sol.min_peak_bytes))
         except BudgetTooSmall as e:
             candidates.append(Candidate(p.batch_size, None, e.min_peak_bytes))
-    feasible = [c.solution for c in candidates if c.solution is not None]
+    feasible = [i for i, c in enumerate(candidates) if c.solution is not None]
     if not feasible:
         smallest = min(candidates, key=lambda c: c.min_peak_bytes)
         raise BudgetTooSmall(budget, smallest.min_peak_bytes, smallest.batch_size)
-    best = max(feasible, key=lambda s: s.samples_per_s)
-    return Sweep(best=best, candidates=candidates, search_seconds=_time.perf_counter() - start)
+    best = max(feasible, key=lambda i: candidates[i].solution.samples_per_s)
+    return Sweep(best=candidates[best].solution, candidates=candidates,
+                 search_seconds=_time.perf_counter() - start, best_index=best)
