@@ -247,6 +247,17 @@ def _impossible(unit: UnitProfile, option: Option) -> str | None:
     return None
 
 
+def _link_share(group: CollectiveModel, world: CollectiveModel) -> float:
+    """How much of the per-byte runtime cost a unit whose collectives run on ``group`` pays: the calibration
+    fits it on units sharded over the world, where it grows with the world's links (gloo's in-training
+    behaviour beyond the alpha-beta model), so a unit on another group pays it in proportion to that group's
+    all-gather per-byte cost (1 on the world itself)."""
+    if group is world:
+        return 1.0
+    beta, world_beta = group.costs["all_gather"].beta_s_per_byte, world.costs["all_gather"].beta_s_per_byte
+    return beta / world_beta if world_beta > 0 else 1.0
+
+
 def _shard_group(ctx: _Context, scope: str) -> tuple[int, CollectiveModel, CollectiveModel | None]:
     """(ranks a sharded unit is sharded over, the group its gathers and reduce-scatters run on, the group its
     reduced shard is all-reduced over, if any). Without a topology the job is one node: node scope is world
@@ -355,7 +366,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         slice_bytes += (gathers * dt + _REDUCE_BYTES) * weight
     comm += split_comm
     overlap = cal.overlap_for(ctx.device)
-    per_byte = cal.unit_s_per_byte.get(mode, 0.0) * 4 * fsdp_full
+    per_byte = cal.unit_s_per_byte.get(mode, 0.0) * 4 * fsdp_full * _link_share(gather_group, world)
     hideable = 0.0
     if ddp:  # DDP's all-reduce, gloo's in-training cost of it included, runs while backward goes on
         # the all-reduce alone: DDP copies gradients into its buckets on the backward's thread

@@ -365,3 +365,24 @@ def test_the_search_takes_ddp_at_the_peak_ddp_is_predicted(tiny):
     assert found.predicted_peak_bytes <= expected.peak_bytes
     again = predict(tiny, found, dev, calibration=sharding_dear)
     assert (again.step_s, again.peak_bytes) == (found.predicted_step_s, found.predicted_peak_bytes)
+
+
+def test_a_node_scoped_unit_pays_the_per_byte_runtime_cost_on_its_own_links(tiny):
+    """The calibration fits the per-byte runtime cost on units sharded over the world; a unit sharded within
+    its node pays it in proportion to its node's all-gather per-byte cost."""
+    from dataclasses import replace
+
+    dev = two_nodes()
+    share = dev.topology.intra.costs["all_gather"].beta_s_per_byte / dev.collectives.costs["all_gather"].beta_s_per_byte
+    assert share < 1  # NVLink inside a node, InfiniBand across
+    with_cost = replace(CALIBRATION, unit_s_per_byte={"replicate": 0.0, "zero2": 5e-9, "zero3": 7e-9})
+    without = replace(CALIBRATION, unit_s_per_byte={"replicate": 0.0, "zero2": 0.0, "zero3": 0.0})
+    mlp = tiny.unit("blocks.0.mlp")
+    nbytes = 4 * sum(math.prod(s) for s in mlp.param_shapes)
+    for mode in ("zero2", "zero3"):
+        for scope in ("world", "node"):
+            plan = Plan([UnitPlan(u.path, mode, shard_scope=scope) for u in tiny.units], batch_size=B)
+            paid = [predict(tiny, plan, dev, calibration=c).breakdown["units"][mlp.path]["overhead_s"]
+                    for c in (with_cost, without)]
+            expected = with_cost.unit_s_per_byte[mode] * nbytes * (share if scope == "node" else 1.0)
+            assert paid[0] - paid[1] == pytest.approx(expected, rel=1e-9)
