@@ -23,7 +23,8 @@ time
     reduces last, after the whole backward); FSDP2's runtime
     overheads measured once per machine (``Calibration``): per unit by mode,
     per byte of the unit by mode (copies into and out of collective buffers,
-    fresh buffers, gloo's behaviour in training beyond the alpha-beta model),
+    fresh buffers, gloo's behaviour in training beyond the alpha-beta model;
+    a node-scoped unit pays it in proportion to its node's link),
     per parameter, per checkpointed unit, per slice and per byte of slices,
     and split slices' gathers competing with compute for the cores; the
     optimizer step on the unit's shard.
