@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -149,17 +150,15 @@ def test_directions(tiny):
 def test_checkpointing_costs_the_measured_recompute(tiny):
     """A checkpointed unit adds its measured recompute time (or its forward, when none was measured)
     plus the calibrated per-unit overhead, nothing else, where no collective is exposed."""
-    import dataclasses
-
     from osdp.description import Affine
 
     mlp = "blocks.0.mlp"
     costs = tiny.unit(mlp).costs["fp32"]
-    measured = dataclasses.replace(costs, recompute_s=Affine(1e-3, 2e-4))
-    units = [dataclasses.replace(u, costs={**u.costs, "fp32": measured}) if u.path == mlp else u for u in tiny.units]
-    described = dataclasses.replace(tiny, units=units)
-    unmeasured = dataclasses.replace(tiny, units=[
-        dataclasses.replace(u, costs={**u.costs, "fp32": dataclasses.replace(costs, recompute_s=None)})
+    measured = replace(costs, recompute_s=Affine(1e-3, 2e-4))
+    units = [replace(u, costs={**u.costs, "fp32": measured}) if u.path == mlp else u for u in tiny.units]
+    described = replace(tiny, units=units)
+    unmeasured = replace(tiny, units=[
+        replace(u, costs={**u.costs, "fp32": replace(costs, recompute_s=None)})
         if u.path == mlp else u for u in tiny.units])
     cal = Calibration(overlap=0.0, checkpoint_overhead_s=5e-5)
 
@@ -348,8 +347,6 @@ def test_node_scoped_plans_that_cannot_be_priced_say_why(tiny):
 def test_the_search_takes_ddp_at_the_peak_ddp_is_predicted(tiny):
     """At a budget of exactly DDP's predicted peak, the worst-case neighbours would push DDP out of the budget;
     priced as it runs, DDP fits, and the search finds a plan at least as fast."""
-    from dataclasses import replace
-
     from osdp.planner import search
 
     dev = device(4)
@@ -370,8 +367,6 @@ def test_the_search_takes_ddp_at_the_peak_ddp_is_predicted(tiny):
 def test_a_node_scoped_unit_pays_the_per_byte_runtime_cost_on_its_own_links(tiny):
     """The calibration fits the per-byte runtime cost on units sharded over the world; a unit sharded within
     its node pays it in proportion to its node's all-gather per-byte cost."""
-    from dataclasses import replace
-
     dev = two_nodes()
     share = dev.topology.intra.costs["all_gather"].beta_s_per_byte / dev.collectives.costs["all_gather"].beta_s_per_byte
     assert share < 1  # NVLink inside a node, InfiniBand across
