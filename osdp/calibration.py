@@ -61,7 +61,7 @@ from osdp.machine import cpu_model, host
 from osdp.plan import MODES, ROOT, Plan, UnitPlan
 from osdp.profile import cache_dir, describe_once
 
-CALIBRATION_VERSION = 7  # bump when what is measured changes: older cache entries are not read
+CALIBRATION_VERSION = 8  # bump when what is measured changes: older cache entries are not read
 PROFILE_ENV = "OSDP_CALIBRATION_PROFILE"
 
 

@@ -14,7 +14,8 @@ schedule on torch 2.13 (``docs/COST_MODEL.md`` derives each term):
 time
     forward + backward compute (+ the measured recompute when checkpointed); the
     collectives of the mode on the device's alpha-beta model (zero3: two
-    all-gathers and a reduce-scatter, zero2: one and one, replicate: an
+    all-gathers and a reduce-scatter, except the root's one, which stays
+    gathered from forward to backward as FSDP2's root does; zero2: one and one, replicate: an
     all-reduce, split k: the split weights in k slices each way), of which the
     part the device cannot hide behind the unit's compute (``overlap``: 0 with
     gloo, where FSDP2's collectives block; 1 on CUDA streams; DDP's bucketed
@@ -326,8 +327,8 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     prefetched, rs_previous = ctx.neighbours.get(unit.path, (0, 0))
     if enclosing:
         fwd = temp_fwd + flat
-        # a zero3 root is gathered again for backward, and FSDP2 drops that flat buffer after the copy-out,
-        # before the root's backward peak (on gloo too: osdp.comm.Lent)
+        # the root stays gathered into backward (any mode), and FSDP2 dropped its flat buffer after the
+        # copy-out in forward (on gloo too: osdp.comm.Lent)
         bwd = temp_bwd + prefetched
     else:
         own = gathered if mode == "zero3" else 0
@@ -351,7 +352,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     elif mode == "replicate":
         comm = _collective(world, "all_reduce", _REDUCE_BYTES * fsdp_full)
     else:
-        gathers = 2 if mode == "zero3" else 1
+        gathers = 2 if UnitPlan(unit.path, mode).reshards_after_forward else 1
         comm = (gathers * _collective(gather_group, "all_gather", gathered)
                 + _collective(gather_group, "reduce_scatter", rs_input))
         if across_nodes is not None:  # HSDP: the node's reduced shard, all-reduced with the other nodes'

@@ -79,6 +79,15 @@ class UnitPlan:
         return dataclasses.asdict(self)
 
     @property
+    def reshards_after_forward(self) -> bool:
+        """Whether the unit's gathered parameters are freed after its forward: zero3's, except the root's.
+
+        The root's forward encloses every other unit's, so its parameters are gathered through the whole
+        forward in any mode; freeing them after forward would only gather them again as backward starts.
+        FSDP2 keeps its root gathered for the same reason, so a zero3 root runs as FSDP2's does."""
+        return self.mode == "zero3" and self.path != ROOT
+
+    @property
     def label(self) -> str:
         """``zero3@node/split2+ckpt``-style: mode, then what differs from the defaults."""
         return (self.mode + ("@node" if self.shard_scope == "node" else "")

@@ -147,6 +147,29 @@ def test_directions(tiny):
     assert bf16.breakdown["totals"]["activation_bytes"] < zero3.breakdown["totals"]["activation_bytes"]
 
 
+def test_a_zero3_root_is_gathered_once_per_step_as_its_blocks_twice(tiny):
+    """FSDP2 keeps its root gathered from forward to backward (osdp too): the root pays one all-gather in
+    zero3 as in zero2, a block two; the root's memory is the same in both."""
+    dev, serial = device(8), Calibration(overlap=0.0)
+
+    def padded_bytes(path):
+        return 4 * sum(math.ceil(s[0] / 8) * 8 * math.prod(s[1:]) for s in tiny.unit(path).param_shapes)
+
+    def collectives(path, gathers):
+        nbytes = padded_bytes(path)
+        return (gathers * dev.collectives.time("all_gather", nbytes)
+                + dev.collectives.time("reduce_scatter", nbytes))
+
+    units = {}
+    for root_mode in ("zero2", "zero3"):
+        plan = Plan([UnitPlan(u.path, "zero3" if u.path else root_mode) for u in tiny.units], batch_size=B)
+        units[root_mode] = predict(tiny, plan, dev, calibration=serial).breakdown["units"]
+    assert units["zero3"][""]["comm_s"] == pytest.approx(collectives("", 1))
+    assert units["zero3"]["blocks.0.attn"]["comm_s"] == pytest.approx(collectives("blocks.0.attn", 2))
+    without_option = [{k: v for k, v in units[m][""].items() if k != "option"} for m in ("zero2", "zero3")]
+    assert without_option[0] == without_option[1]  # time and memory
+
+
 def test_checkpointing_costs_the_measured_recompute(tiny):
     """A checkpointed unit adds its measured recompute time (or its forward, when none was measured)
     plus the calibrated per-unit overhead, nothing else, where no collective is exposed."""

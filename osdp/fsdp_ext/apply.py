@@ -5,7 +5,8 @@ the root, as ``fully_shard`` expects:
 
 * ``zero3``: ``fully_shard`` on the 1-D mesh, resharding after forward;
 * ``zero2``: the same without resharding after forward (gathered parameters
-  are kept from forward until backward);
+  are kept from forward until backward); the root runs this way in zero3 too,
+  as FSDP2's root does (``UnitPlan.reshards_after_forward``);
 * ``shard_scope: node`` (zero2, zero3): on the (nodes, ranks_per_node) mesh
   instead, FSDP2's hybrid sharding: sharded within the node, replicated
   across nodes, gradients reduce-scattered within the node and all-reduced
@@ -276,7 +277,7 @@ def apply_plan(
         fully_shard(
             module,
             mesh=meshes.for_unit(decision),
-            reshard_after_forward=decision.mode == "zero3",
+            reshard_after_forward=decision.reshards_after_forward,
             mp_policy=mp_policy,
             ignored_params=(split_parameters(module) | replicated) or None,
         )
