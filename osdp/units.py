@@ -8,7 +8,10 @@ A unit is a module whose parameters are gathered, sharded and reduced together
   transformer sub-block; at ``granularity="block"`` a module holding two or
   more such sub-blocks (the transformer block) is the unit instead;
 * a parameter-owning leaf whose parent is not such a module (an embedding, a
-  head) is a unit;
+  head) is a unit; at ``granularity="block"`` only if it is at least as large
+  as the smallest block: a small one (a position embedding) stays with the
+  root, where a per-block ``fully_shard`` leaves it, rather than paying two
+  all-gathers and a reduce-scatter of its own;
 * norm-like modules, whose parameters are all one-dimensional, are never units
   of their own: their few bytes stay with the enclosing unit (usually the root)
   rather than paying a collective each;
@@ -227,7 +230,20 @@ def discover_units(
     smaller ones need less memory gathered at a time. The planner searches both.
     """
     paths = _resolve_sharing(model, _candidates(model, granularity), call_counts)
+    if granularity == "block":
+        paths = _without_small_leaves(model, paths)
     return build_units(model, paths)
+
+
+def _without_small_leaves(model: nn.Module, paths: set[str]) -> set[str]:
+    """``paths`` less the leaf modules smaller than the smallest unit with children (none if there is none)."""
+    modules = dict(model.named_modules())
+    numel = {u.path: u.numel for u in build_units(model, paths)}
+    leaves = {p for p in paths if not any(True for _ in modules[p].children())}
+    blocks = [numel[p] for p in paths - leaves]
+    if not blocks:
+        return paths
+    return {p for p in paths if p not in leaves or numel[p] >= min(blocks)}
 
 
 def count_calls(model: nn.Module, run) -> dict[str, int]:

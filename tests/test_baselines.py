@@ -151,3 +151,46 @@ def test_transformer_blocks_of_a_hugging_face_model_and_a_model_without_blocks()
         baselines.transformer_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
     with pytest.raises(ValueError, match="unknown baseline 'ddp'"):
         baselines.build_baseline("ddp", build_reference(MODEL))
+
+
+def _collectives_per_step(rank, world_size, batches):
+    """All-gathers and reduce-scatters in one training step (after a first one): OSDP's zero3 and zero2
+    plans in whole blocks, as the search takes them when memory is no limit, and their native twins."""
+    import osdp
+    from osdp import comm
+    from osdp.plan import Plan
+    from training_check import train
+
+    comm.set_reduce_scatter("pairwise")
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+
+    def counting(name, collective):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return collective(*args, **kwargs)
+        return counted
+
+    comm.native_all_gather = counting("all_gather", comm.native_all_gather)  # under every FSDP2 all-gather
+    comm.reduce_scatter = counting("reduce_scatter", comm.reduce_scatter)
+    out = {}
+    for strategy, native in (("fsdp", "fsdp2"), ("zero2", "fsdp2-zero2")):
+        model = build_reference(MODEL)
+        paths = [u.path for u in osdp.discover_units(model, granularity="block")]
+        twins = {strategy: osdp.wrap(model, plan=Plan.for_strategy(paths, strategy)),
+                 native: baselines.build_baseline(native, build_reference(MODEL), "cpu")}
+        for name, built in twins.items():
+            train(built, batches[:1], rank, world_size)
+            before = dict(counts)
+            train(built, batches[1:2], rank, world_size)
+            out[name] = {k: counts[k] - before[k] for k in counts}
+    return out
+
+
+def test_osdp_in_whole_blocks_makes_the_collectives_of_per_block_fully_shard():
+    # the position embedding stays with the root (not a unit of its own) and a zero3 root is not gathered
+    # again for backward: one all-gather per step, as FSDP2 keeps its root
+    batches = reference_batches(MODEL)
+    out = run_ranks(_collectives_per_step, 2, batches, timeout=300)[0]
+    blocks = 2
+    assert out["fsdp"] == out["fsdp2"] == {"all_gather": 2 * blocks + 1, "reduce_scatter": blocks + 1}, out
+    assert out["zero2"] == out["fsdp2-zero2"] == {"all_gather": blocks + 1, "reduce_scatter": blocks + 1}, out
