@@ -44,6 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run  # noqa: E402
+from osdp.machine import machine_info  # noqa: E402
 
 PAIRS = [
     ("osdp-replicate", "torch-ddp"),
@@ -152,7 +153,7 @@ def write_report(results: list[dict[str, Any]], args: argparse.Namespace, comman
     """bench_modes.json and .md in ``args.out`` from the parts measured so far."""
     rows = [row for result in results for row in pair_rows(result)]
     args.out.mkdir(parents=True, exist_ok=True)
-    machine = results[0]["machine"] if results else run.machine_info()
+    machine = results[0]["machine"] if results else machine_info()
     rounds = sorted({r["rounds"] for r in results})
     summary = {
         "pairs": rows, "targets": {"min_speed_ratio": MIN_SPEED_RATIO, "max_peak_ratio": MAX_PEAK_RATIO},

@@ -536,24 +536,6 @@ def summarize_run(m: dict[str, Any], compute_rounds: list[float], tokens: int) -
     }
 
 
-def machine_info(device=None) -> dict[str, Any]:
-    import torch
-
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-        "torch": torch.__version__, "device": str(device) if device is not None else None,
-        "threads_per_rank": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "loadavg_at_end": os.getloadavg(),
-    }
-
-
 def worker_main(spec_path: Path, out_path: Path) -> int:
     import torch.distributed as dist
 

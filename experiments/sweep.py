@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"sweep: [{n}/{total}] done in {(time.time() - t0) / 60:.1f} min", flush=True)
 
     meta = {"osdp_source": source_state(), "profile": profile_name, "command": command, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-            "seconds": time.time() - start, "machine": results[0]["machine"] if results else run_mod.machine_info(),
+            "seconds": time.time() - start, "machine": results[0]["machine"] if results else machine_info(),
             "world_size": 2, "rounds": rounds, "time_per_run_s": per_run, "min_steps": args.min_steps,
             "reduce_scatter": args.reduce_scatter, "budgets": budgets, "parts": parts, "links": links,
             "calibrations": calibrations}
