@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 
+from osdp.machine import machine_info
 from osdp.search import OPTIONS, Problem, pareto_frontier, plot_frontier, sweep_batch_sizes
 from osdp.search.problem import format_bytes
 
@@ -176,13 +175,7 @@ def main() -> None:
                         default=str(Path(__file__).parent / "results" / "bench_search_multi_node.json"))
     args = parser.parse_args()
 
-    machine = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-    }
+    machine = {**machine_info(), "numpy": np.__version__}
     if args.cases in ("all", "multi-node"):
         multi_node(args.repeats, Path(args.multi_node_out), machine)
     if args.cases == "multi-node":

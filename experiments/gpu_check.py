@@ -41,7 +41,6 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -55,6 +54,7 @@ from typing import Any, Callable
 
 import torch
 
+from osdp.machine import machine_info
 from osdp.timing import StepTimer
 
 EXPERIMENTS = Path(__file__).resolve().parent
@@ -376,8 +376,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     remaining = lambda: args.time_limit - (time.perf_counter() - start)  # noqa: E731
     record: dict[str, Any] = {
         "device": name, "dry_run": args.dry_run, "torch": torch.__version__, "cuda": torch.version.cuda,
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-                    "gpu_memory_bytes": torch.cuda.get_device_properties(device).total_memory
+        "machine": {**machine_info(device), "gpu_memory_bytes": torch.cuda.get_device_properties(device).total_memory
                     if device.type == "cuda" else None},
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         "notes": [

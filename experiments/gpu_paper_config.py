@@ -39,7 +39,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import platform
 import statistics
 import sys
 import time
@@ -212,6 +211,7 @@ def experiment(args: argparse.Namespace) -> dict[str, Any]:
     from osdp.analytic import describe_analytic
     from osdp.cost import predict
     from osdp.device import parse_size
+    from osdp.machine import machine_info
 
     import warnings
 
@@ -271,9 +271,7 @@ def experiment(args: argparse.Namespace) -> dict[str, Any]:
         model=args.model, world_size=args.world_size, rank=args.rank, seq_len=seq_len,
         mixed_precision=args.mixed_precision, preset=args.preset, note=NOTE, runs=runs, paper=PAPER,
         device_info=info.to_dict(),
-        machine={"platform": platform.platform(), "torch": torch.__version__, "device": str(device),
-                 "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                 "date": time.strftime("%Y-%m-%d %H:%M %Z")},
+        machine={**machine_info(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
         seconds=time.perf_counter() - start,
     )
     return record

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -71,8 +70,9 @@ def main() -> None:
     for r in rows:
         print(f"{r['plan']:6} {r['rank']:>4} {r['step_ms']:8.1f} {r['collectives_per_step']:11.1f} "
               f"{r['waited_per_step']:10.1f} {r['wait_ms_per_step']:8.3f} {r['wait_ms_per_step'] / r['step_ms']:7.2%}")
-    machine = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "ranks": 2, "threads_per_rank": 1,
+    from osdp.machine import machine_info
+
+    machine = {**machine_info(), "ranks": 2, "threads_per_rank": 1,
                "model": MODEL, "micro_batch": BATCH, "seq_len": SEQ, "warmup_steps": WARMUP, "steps": STEPS}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")

@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import signal
 import statistics
 import sys
@@ -45,6 +44,7 @@ from osdp import checkpoint, models
 from osdp.data import CorpusLoader, synthetic_batch
 from osdp.distributed import all_gather_objects, init_from_env, launch_local, peer_failures, warn_shared_store
 from osdp.fsdp_ext.apply import complete_plan
+from osdp.machine import machine_info
 from osdp.memory import PeakMemory
 from osdp.optim import make_optimizer
 from osdp.plan import Plan
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "predicted_step_s": plan.predicted_step_s,
         "measured_step_s": max(r["median_step_s"] for r in per_rank),  # the job runs at its slowest rank's pace
         "per_rank": per_rank,
-        "machine": {"platform": platform.platform(), "device": str(device), "torch": torch.__version__},
+        "machine": machine_info(device),
     }
     if rank == 0:
         rows = [[r["rank"], f"{r['median_step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}",
