@@ -64,7 +64,7 @@ sys.path.insert(0, str(HERE))
 
 import run as run_mod  # noqa: E402
 from baselines import BASELINES  # noqa: E402
-from osdp.machine import machine_info  # noqa: E402
+from osdp.machine import machine_info, source_commit  # noqa: E402
 
 RESULTS = HERE / "results"
 # model -> (micro-batch per rank, sequence length)
@@ -315,19 +315,6 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
 # --------------------------------------------------------------------------- the sweep
 
 
-def source_state() -> str:
-    """The commit the sweep ran, and whether osdp/ had uncommitted changes."""
-    import subprocess
-
-    def git(*a: str) -> str:
-        r = subprocess.run(["git", "-C", str(HERE.parent), *a], capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else ""
-
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "osdp")
-    return head + (" with uncommitted changes in osdp/" if dirty else "")
-
-
 def wait_for_quiet(minutes: float) -> None:
     if minutes <= 0:
         return
@@ -437,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                               "load_after": os.getloadavg(), "seconds": time.time() - t0})
                 print(f"sweep: [{n}/{total}] done in {(time.time() - t0) / 60:.1f} min", flush=True)
 
-    meta = {"osdp_source": source_state(), "profile": profile_name, "command": command, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+    meta = {"osdp_source": source_commit() or "unknown", "profile": profile_name, "command": command, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
             "seconds": time.time() - start, "machine": results[0]["machine"] if results else machine_info(),
             "world_size": 2, "rounds": rounds, "time_per_run_s": per_run, "min_steps": args.min_steps,
             "reduce_scatter": args.reduce_scatter, "budgets": budgets, "parts": parts, "links": links,

@@ -55,6 +55,7 @@ sys.path.insert(0, str(HERE))
 import run as run_mod  # noqa: E402
 import sweep  # noqa: E402
 from baselines import MULTI_NODE_BASELINES  # noqa: E402
+from osdp.machine import source_commit  # noqa: E402
 
 NODES, RANKS_PER_NODE = 2, 2
 WORLD_SIZE = NODES * RANKS_PER_NODE
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                           "seconds": time.time() - t0})
             print(f"sweep-nodes: [{n}/{len(models)}] done in {(time.time() - t0) / 60:.1f} min", flush=True)
 
-    meta = {"osdp_source": sweep.source_state(), "profile": profile_name, "command": command,
+    meta = {"osdp_source": source_commit() or "unknown", "profile": profile_name, "command": command,
             "date": time.strftime("%Y-%m-%d %H:%M %Z"), "seconds": time.time() - start,
             "machine": results[0]["machine"], "world_size": WORLD_SIZE, "nodes": NODES,
             "ranks_per_node": RANKS_PER_NODE, "rounds": rounds, "time_per_run_s": per_run, "min_steps": min_steps,

@@ -14,9 +14,9 @@ schedule on torch 2.13 (``docs/COST_MODEL.md`` derives each term):
 time
     forward + backward compute (+ the measured recompute when checkpointed); the
     collectives of the mode on the device's alpha-beta model (zero3: two
-    all-gathers and a reduce-scatter, except the root's one, which stays
-    gathered from forward to backward as FSDP2's root does; zero2: one and one, replicate: an
-    all-reduce, split k: the split weights in k slices each way), of which the
+    all-gathers and a reduce-scatter, but one all-gather for the root, which
+    stays gathered from forward to backward as FSDP2's root does; zero2: one
+    and one; replicate: an all-reduce; split k: the split weights in k slices each way), of which the
     part the device cannot hide behind the unit's compute (``overlap``: 0 with
     gloo, where FSDP2's collectives block; 1 on CUDA streams; DDP's bucketed
     all-reduce runs on gloo's thread while backward goes on, so a calibrated
@@ -82,7 +82,7 @@ import numpy as np
 
 from osdp.device import CollectiveModel, DeviceInfo
 from osdp.fsdp_ext.replicate import replicates_with_ddp
-from osdp.plan import MODES, ROOT, Plan, PlanError, UnitPlan, display_path
+from osdp.plan import MODES, ROOT, Plan, PlanError, UnitPlan, display_path, reshards_after_forward
 from osdp.description import ModelDescription, UnitProfile
 from osdp.search.problem import NODE_OPTIONS, OPTIONS, Option, Problem
 
@@ -352,7 +352,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     elif mode == "replicate":
         comm = _collective(world, "all_reduce", _REDUCE_BYTES * fsdp_full)
     else:
-        gathers = 2 if UnitPlan(unit.path, mode).reshards_after_forward else 1
+        gathers = 2 if reshards_after_forward(unit.path, mode) else 1
         comm = (gathers * _collective(gather_group, "all_gather", gathered)
                 + _collective(gather_group, "reduce_scatter", rs_input))
         if across_nodes is not None:  # HSDP: the node's reduced shard, all-reduced with the other nodes'

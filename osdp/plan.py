@@ -42,6 +42,15 @@ def display_path(path: str) -> str:
     return path if path != ROOT else "<root>"
 
 
+def reshards_after_forward(path: str, mode: str) -> bool:
+    """Whether a unit's gathered parameters are freed after its forward: zero3's, except the root's.
+
+    The root's forward encloses every other unit's, so its parameters are gathered through the whole
+    forward in any mode; freeing them after forward would only gather them again as backward starts.
+    FSDP2 keeps its root gathered for the same reason, so a zero3 root runs as FSDP2's does."""
+    return mode == "zero3" and path != ROOT
+
+
 @dataclass(frozen=True)
 class UnitPlan:
     """The decision for one unit."""
@@ -80,12 +89,7 @@ class UnitPlan:
 
     @property
     def reshards_after_forward(self) -> bool:
-        """Whether the unit's gathered parameters are freed after its forward: zero3's, except the root's.
-
-        The root's forward encloses every other unit's, so its parameters are gathered through the whole
-        forward in any mode; freeing them after forward would only gather them again as backward starts.
-        FSDP2 keeps its root gathered for the same reason, so a zero3 root runs as FSDP2's does."""
-        return self.mode == "zero3" and self.path != ROOT
+        return reshards_after_forward(self.path, self.mode)
 
     @property
     def label(self) -> str:

@@ -229,21 +229,22 @@ def discover_units(
     sub-blocks: fewer, larger units pay FSDP2's per-unit costs fewer times,
     smaller ones need less memory gathered at a time. The planner searches both.
     """
-    paths = _resolve_sharing(model, _candidates(model, granularity), call_counts)
+    units = build_units(model, _resolve_sharing(model, _candidates(model, granularity), call_counts))
     if granularity == "block":
-        paths = _without_small_leaves(model, paths)
-    return build_units(model, paths)
+        small = _small_leaves(model, units)
+        if small:
+            units = build_units(model, [u.path for u in units if u.path not in small])
+    return units
 
 
-def _without_small_leaves(model: nn.Module, paths: set[str]) -> set[str]:
-    """``paths`` less the leaf modules smaller than the smallest unit with children (none if there is none)."""
+def _small_leaves(model: nn.Module, units: list[Unit]) -> set[str]:
+    """Leaf-module units smaller than the smallest unit with children (none if there is no such unit)."""
     modules = dict(model.named_modules())
-    numel = {u.path: u.numel for u in build_units(model, paths)}
-    leaves = {p for p in paths if not any(True for _ in modules[p].children())}
-    blocks = [numel[p] for p in paths - leaves]
+    leaves = {u.path for u in units if u.path != ROOT and not any(True for _ in modules[u.path].children())}
+    blocks = [u.numel for u in units if u.path != ROOT and u.path not in leaves]
     if not blocks:
-        return paths
-    return {p for p in paths if p not in leaves or numel[p] >= min(blocks)}
+        return set()
+    return {u.path for u in units if u.path in leaves and u.numel < min(blocks)}
 
 
 def count_calls(model: nn.Module, run) -> dict[str, int]:
