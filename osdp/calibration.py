@@ -9,6 +9,10 @@ without one) measures, on the live process group:
   size, every rank computing at once, than its description says (described on
   rank 0 with the others idle, as the planner describes a model): a plain
   synthetic model's step, all ranks at once against rank 0 alone, in turn;
+* the wait of ranks that meet: a plain synthetic model's step, every rank at
+  once, meeting at every unit against once a step (``measure_meeting_wait``;
+  under FSDP2 every unit's collectives make the ranks meet, and ranks that
+  computed the same drift apart as they compute);
 * FSDP2's runtime costs: a synthetic model (``CalibrationNet``: units of a few
   Linears, narrow and wide, few and many units, small and large batch) trained under every mode,
   with checkpointing and with split Linears (``calibration_jobs``, side by side
@@ -37,6 +41,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -55,13 +60,13 @@ from osdp.description import ModelDescription
 from osdp.device import COLLECTIVES, AlphaBeta, CollectiveModel, DeviceInfo, measure_collectives, measure_device
 from osdp.fsdp_ext.replicate import replicates_with_ddp
 from osdp.distributed import all_gather_objects, broadcast_object, world
-from osdp.harness import Job, run_jobs
+from osdp.harness import Job, meet_at_every_unit, quiet_meetings, run_jobs
 from osdp.log import Progress
 from osdp.machine import cpu_model, host
 from osdp.plan import MODES, ROOT, Plan, UnitPlan
 from osdp.profile import cache_dir, describe_once
 
-CALIBRATION_VERSION = 8  # bump when what is measured changes: older cache entries are not read
+CALIBRATION_VERSION = 9  # bump when what is measured changes: older cache entries are not read
 PROFILE_ENV = "OSDP_CALIBRATION_PROFILE"
 
 
@@ -139,6 +144,37 @@ class NetSpec:
 
 
 @dataclass(frozen=True)
+class MeetingNet:
+    """The transformer the ranks' meeting wait is measured on (``measure_meeting_wait``): the wait depends on
+    what the ranks compute between meetings, and a stack of Linears drifts about a third as much as a
+    transformer's attention, norms and activations do (on 2 CPU ranks: 0.2 against 0.6 ms per square root
+    of the milliseconds computed). Its shape is none of the presets'."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    seq_len: int
+    batch: int
+
+    @property
+    def name(self) -> str:
+        return f"gpt-{self.n_layer}x{self.n_embd}s{self.seq_len}b{self.batch}"
+
+    def build(self) -> nn.Module:
+        from osdp.models import build
+
+        return build("gpt2-tiny", n_layer=self.n_layer, n_embd=self.n_embd, n_head=self.n_head,
+                     seq_len=self.seq_len)
+
+    def batch_of(self, b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``b`` sequences and their targets (the model returns its loss)."""
+        g = torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+        vocab = self.build().config.vocab_size
+        ids = torch.randint(0, vocab, (b, self.seq_len + 1), generator=g).to(device)
+        return ids[:, :-1], ids[:, 1:]
+
+
+@dataclass(frozen=True)
 class CalibrationProfile:
     """How much to measure: the nets, and seconds per job and for the collectives."""
 
@@ -151,6 +187,7 @@ class CalibrationProfile:
     refits: int
     describe_repeats: int
     compute_rounds: int
+    meeting_net: MeetingNet
     # a calibration whose fixed step varied more than this (``spread``) was measured on a busy machine and
     # is not cached; None: not checked (the tiny nets' steps, ~1 ms, are too short to tell)
     busy_spread: float | None = None
@@ -175,7 +212,7 @@ PROFILES = {
             NetSpec(2, 1024, 64, ("replicate",), overheads=False, split=False),
         ),
         run_s=1.2, min_steps=5, warmup=2, collectives_s=2.0, refits=3, describe_repeats=5, compute_rounds=15,
-        busy_spread=1.5,
+        meeting_net=MeetingNet(n_layer=2, n_embd=128, n_head=4, seq_len=64, batch=8), busy_spread=1.5,
     ),
     # for tests: every term measured, at toy sizes, in a few seconds; keyed apart from "full"
     "tiny": CalibrationProfile(
@@ -188,6 +225,7 @@ PROFILES = {
             NetSpec(2, 128, 32, ("zero3",), overheads=False, compute=True),
         ),
         run_s=0.6, min_steps=5, warmup=1, collectives_s=0.3, refits=2, describe_repeats=3, compute_rounds=9,
+        meeting_net=MeetingNet(n_layer=2, n_embd=32, n_head=2, seq_len=16, batch=2),
     ),
 }
 
@@ -270,16 +308,12 @@ def measure_compute_scale(device: torch.device, spec: NetSpec, rounds: int) -> d
             optimizer.zero_grad(set_to_none=True)
         return timer.seconds
 
-    def barrier() -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
     step()  # warm-up: optimizer state, allocator
     alone, together = [], []
     for _ in range(rounds):
-        barrier()
+        _barrier()
         alone.append(step() if rank == 0 else 0.0)
-        barrier()
+        _barrier()
         together.append(step())
     alone = broadcast_object(alone)
     together = [max(ts) for ts in zip(*all_gather_objects(together))]
@@ -289,6 +323,71 @@ def measure_compute_scale(device: torch.device, spec: NetSpec, rounds: int) -> d
         "alone_s": statistics.median(alone), "together_s": statistics.median(together),
         "spread": spread(alone),
     }
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _meeting_segments(description: ModelDescription, compute_scale: float, b: int) -> float:
+    """Sum over a plain model's units but the root of the square roots of their forward and backward seconds
+    in the job: the compute between the meetings ``osdp.harness.meet_at_every_unit`` makes."""
+    return sum(math.sqrt(max(compute_scale * f(b), 0.0))
+               for u in description.units if u.path != ROOT for f in (u.costs["fp32"].fwd_s, u.costs["fp32"].bwd_s))
+
+
+def measure_meeting_wait(
+    device: torch.device, net: MeetingNet, compute_scale: float, collectives: CollectiveModel, rounds: int,
+    *, repeats: int = 3,
+) -> dict[str, Any]:
+    """Collective: ``Calibration.meeting_wait_s_per_sqrt_s``, the wait of ranks meeting as FSDP2's collectives
+    make them meet, per square root of the seconds computed since they last met.
+
+    The plain ``net`` computes with every rank at once, in turn freely (the
+    ranks meet once a step) and meeting where every unit starts its forward and
+    its backward (``meet_at_every_unit``), at its batch and at 4x (longer
+    segments); per size the median over rounds of the difference of the slowest
+    ranks' steps, less the meetings' own all-reduce, over the sum of the segments'
+    square roots (the net's description, rank 0 alone as the planner describes,
+    scaled to the job by ``compute_scale``) gives the wait, fitted through the
+    origin over both sizes.
+    """
+    from osdp.profile import call_model
+    from osdp.timing import StepTimer
+
+    torch.manual_seed(0)
+    free, meeting = net.build().to(device), net.build().to(device)
+    meet_at_every_unit(meeting)
+    sizes = (net.batch, 4 * net.batch)
+    description = describe_once(net.build().to(device), net.batch_of(sizes[-1], device), batch_sizes=sizes,
+                                cache=False, progress=False, repeats=repeats)
+    meetings = 2 * sum(1 for u in description.units if u.path != ROOT)
+    all_reduce = collectives.time("all_reduce", 4)
+
+    def step(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> float:
+        with quiet_meetings(), StepTimer(device) as timer:
+            call_model(model, batch).backward()
+        model.zero_grad(set_to_none=True)
+        return timer.seconds
+
+    points = []
+    for b in sizes:
+        batch = net.batch_of(b, device)
+        step(free, batch), step(meeting, batch)  # warm-up
+        times: list[tuple[float, float]] = []
+        for _ in range(rounds):
+            _barrier()
+            alone = step(free, batch)
+            _barrier()
+            times.append((alone, step(meeting, batch)))
+        per_rank = all_gather_objects(times)
+        extra = statistics.median(max(t[1] for t in ts) - max(t[0] for t in ts) for ts in zip(*per_rank))
+        points.append({"batch": b, "extra_s": extra, "meetings": meetings,
+                       "sqrt_segments": _meeting_segments(description, compute_scale, b)})
+    waits = [(p["extra_s"] - p["meetings"] * all_reduce, p["sqrt_segments"]) for p in points]
+    fitted = sum(w * r for w, r in waits) / sum(r * r for _, r in waits)
+    return {"net": net.name, "wait_s_per_sqrt_s": max(0.0, fitted), "points": points, "all_reduce_s": all_reduce}
 
 
 def spread(times: Sequence[float]) -> float:
@@ -315,6 +414,7 @@ def fit_calibration(
     *,
     overlap: float | None,
     optimizer: str = "adamw",
+    meeting_wait: float = 0.0,
 ) -> Calibration:
     """With compute times scaled by ``compute_scale`` (``measure_compute_scale``), what the cost model without
     runtime overheads does not explain on the calibration jobs, attributed (non-negative least squares): a
@@ -332,7 +432,8 @@ def fit_calibration(
         if previous is not None and abs(ddp_overlap - previous) < 1e-9:
             break
         previous = ddp_overlap
-        base = Calibration(compute_scale=compute_scale, overlap=overlap, ddp_overlap=ddp_overlap, source="partial")
+        base = Calibration(compute_scale=compute_scale, overlap=overlap, ddp_overlap=ddp_overlap,
+                           meeting_wait_s_per_sqrt_s=meeting_wait, source="partial")
         rows, residuals, opt_rows, margins, ckpt = [], [], [], [], []
         residual: dict[str, float] = {}
         for name, job in jobs.items():
@@ -397,6 +498,7 @@ def fit_calibration(
         slice_contention=float(contention),
         overlap=overlap,
         ddp_overlap=ddp_overlap,
+        meeting_wait_s_per_sqrt_s=meeting_wait,
         margin_bytes=max(0, int(statistics.median(margins))),
         source=f"measured on {device_info.name}, {device_info.world_size} ranks, {time.strftime('%Y-%m-%d')}",
     )
@@ -625,11 +727,17 @@ def measure_calibration(
     # the machine may have got busy while the jobs ran: the same check once more, at the end
     after = measure_compute_scale(device, compute_net, profile.compute_rounds) if profile.busy_spread else None
     busy = max(compute["spread"], after["spread"] if after else 0.0)
+    if progress:
+        progress("ranks meeting at every unit against once a step")
+    meeting = measure_meeting_wait(device, profile.meeting_net, compute["scale"], device_info.collectives,
+                                   profile.compute_rounds, repeats=profile.describe_repeats)
     calibration = fit_calibration(profile, compute["scale"], descriptions, jobs, measured, device_info,
-                                  overlap=0.0 if device.type == "cpu" else None, optimizer=optimizer)
+                                  overlap=0.0 if device.type == "cpu" else None, optimizer=optimizer,
+                                  meeting_wait=meeting["wait_s_per_sqrt_s"])
     details = {
         "compute": compute,
         "compute_after": after,
+        "meeting": meeting,
         "busy": bool(profile.busy_spread and busy > profile.busy_spread),  # then ``calibrate`` does not cache it
         "busy_spread": busy,
         "jobs": {name: {"measured_step_s": m["measured_step_s"], "measured_fwd_bwd_s": m["measured_fwd_bwd_s"],

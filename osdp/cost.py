@@ -21,7 +21,10 @@ time
     gloo, where FSDP2's collectives block; 1 on CUDA streams; DDP's bucketed
     all-reduce runs on gloo's thread while backward goes on, so a calibrated
     fraction of it hides behind the unit's backward, except the bucket DDP
-    reduces last, after the whole backward); FSDP2's runtime
+    reduces last, after the whole backward); the wait at the meetings FSDP2's
+    collectives make (ranks computing the same work drift apart, as a random
+    walk: a calibrated wait per square root of the compute between meetings,
+    a unit's forward and its backward); FSDP2's runtime
     overheads measured once per machine (``Calibration``): per unit by mode,
     per byte of the unit by mode (copies into and out of collective buffers,
     fresh buffers, gloo's behaviour in training beyond the alpha-beta model;
@@ -131,6 +134,10 @@ class Calibration:
     # backward goes on (every bucket but the last reduced, which has nothing left to hide behind); beyond
     # ``overlap``, which on CPU is 0: FSDP2's gloo collectives block, DDP's run on gloo's own thread
     ddp_overlap: float = 0.0
+    # seconds a rank waits, per square root of the seconds it computed since the ranks last met, at each
+    # collective that makes the ranks meet (FSDP2's; DDP's run behind the backward): ranks computing the same
+    # work drift apart like a random walk, and every meeting waits for the slowest
+    meeting_wait_s_per_sqrt_s: float = 0.0
     margin_bytes: int = 0
     source: str = "ideal FSDP2 runtime (not measured: no overheads, compute as described)"
 
@@ -153,6 +160,7 @@ class Calibration:
             "slice_contention": self.slice_contention,
             "overlap": self.overlap,
             "ddp_overlap": self.ddp_overlap,
+            "meeting_wait_s_per_sqrt_s": self.meeting_wait_s_per_sqrt_s,
             "margin_bytes": self.margin_bytes,
             "source": self.source,
         }
@@ -385,14 +393,21 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         + cal.slice_overhead_s * slices + cal.slice_s_per_byte * slice_bytes
         + cal.slice_contention * min(split_comm, compute)
     )
+    # FSDP2's collectives make the ranks meet as the unit's forward and its backward begin or end: each meeting
+    # waits for the rank that drifted furthest behind while computing since the last one
+    meeting_wait = 0.0
+    if not ddp and n > 1:
+        backward = costs.bwd_s(b) + (costs.recompute_seconds(b) if ckpt else 0.0)
+        segments = (cal.compute_scale * costs.fwd_s(b), cal.compute_scale * backward)
+        meeting_wait = cal.meeting_wait_s_per_sqrt_s * sum(math.sqrt(max(s, 0.0)) for s in segments)
     optimizer_s = (  # the per-tensor cost is DTensor dispatch: DDP's parameters are plain tensors
         (0.0 if ddp else ctx.calibration.optimizer_tensor_s * len(unit.param_shapes))
         + ctx.optimizer_s_per_byte * 4 * shard_numel
     )
-    time_s = compute + exposed + overhead + optimizer_s
+    time_s = compute + exposed + meeting_wait + overhead + optimizer_s
     parts = {
         "compute_s": compute, "comm_s": comm, "split_comm_s": split_comm, "exposed_comm_s": exposed,
-        "ddp_hideable_s": hideable,
+        "ddp_hideable_s": hideable, "meeting_wait_s": meeting_wait,
         "overhead_s": overhead,
         "optimizer_s": optimizer_s, "persistent_bytes": persistent, "activation_bytes": act,
         "held_bytes": held, "gradient_bytes": grad, "fwd_transient_bytes": fwd, "bwd_transient_bytes": bwd,

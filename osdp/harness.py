@@ -15,11 +15,12 @@ largest peak over ranks of one step under ``osdp.memory.PeakMemory``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import statistics
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -73,8 +74,7 @@ class _Trainer:
         self.optimizer = make_optimizer(optimizer, self.model.parameters())
 
     def _forward_backward(self) -> None:
-        with warnings.catch_warnings():  # the meetings' backward hooks on units whose inputs need no gradient
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        with quiet_meetings():
             loss_of(call_model(self.model, self.job.batch), self.loss_fn).backward()
 
     def _optimizer_step(self) -> None:
@@ -96,6 +96,14 @@ class _Trainer:
             self._optimizer_step()
         stats = meter.stats()
         return {"peak_bytes": stats.peak_bytes, "peak_breakdown": dict(stats.peak_breakdown)}
+
+
+@contextlib.contextmanager
+def quiet_meetings() -> Iterator[None]:
+    """Silences the warning of the meetings' backward hooks on units whose inputs need no gradient."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        yield
 
 
 def meet_at_every_unit(model: nn.Module) -> None:
