@@ -146,9 +146,8 @@ class NetSpec:
 @dataclass(frozen=True)
 class MeetingNet:
     """The transformer the ranks' meeting wait is measured on (``measure_meeting_wait``): the wait depends on
-    what the ranks compute between meetings, and a stack of Linears drifts about a third as much as a
-    transformer's attention, norms and activations do (on 2 CPU ranks: 0.2 against 0.6 ms per square root
-    of the milliseconds computed). Its shape is none of the presets'."""
+    what the ranks compute between meetings, and a stack of Linears drifts less than a transformer's
+    attention, norms and activations do. Its shape is none of the presets'."""
 
     n_layer: int
     n_embd: int
@@ -625,6 +624,8 @@ class MachineCalibration:
         per_step = ", ".join(f"{m} {1e3 * c.root_overhead_s.get(m, 0):.2f}" for m in MODES)
         return (f"calibration of {self.key.describe()}, measured {self.measured_at} in {self.seconds:.0f} s: "
                 f"compute x{c.compute_scale:.2f}; per step (ms) {per_step}; per unit (ms) {per_unit}; "
+                # s per sqrt(s) as ms per sqrt(ms): the wait at a meeting after 1 ms of compute
+                f"ranks meeting {1e3 * c.meeting_wait_s_per_sqrt_s * 1e-3 ** 0.5:.2f} ms per sqrt(ms); "
                 f"margin {c.margin_bytes} B")
 
 

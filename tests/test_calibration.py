@@ -43,6 +43,7 @@ KNOWN = Calibration(
     slice_contention=0.5,
     overlap=0.0,
     ddp_overlap=0.4,
+    meeting_wait_s_per_sqrt_s=8e-3,
     margin_bytes=4096,
 )
 
@@ -66,9 +67,10 @@ def test_fit_recovers_the_costs_that_made_the_measurements():
         optimizer_s = pred.breakdown["totals"]["optimizer_s"]
         measured[name] = {"measured_step_s": pred.step_s, "measured_fwd_bwd_s": pred.step_s - optimizer_s,
                           "measured_peak_bytes": pred.peak_bytes}
-    fitted = fit_calibration(profile, KNOWN.compute_scale, descriptions, jobs, measured, device, overlap=0.0)
+    fitted = fit_calibration(profile, KNOWN.compute_scale, descriptions, jobs, measured, device, overlap=0.0,
+                             meeting_wait=KNOWN.meeting_wait_s_per_sqrt_s)
     for field in ("param_overhead_s", "checkpoint_overhead_s", "optimizer_tensor_s", "slice_overhead_s",
-                  "slice_s_per_byte", "slice_contention", "ddp_overlap"):
+                  "slice_s_per_byte", "slice_contention", "ddp_overlap", "meeting_wait_s_per_sqrt_s"):
         assert getattr(fitted, field) == pytest.approx(getattr(KNOWN, field), rel=1e-6, abs=1e-12), field
     for mode in MODES:
         assert fitted.unit_overhead_s[mode] == pytest.approx(KNOWN.unit_overhead_s[mode], rel=1e-6)

@@ -202,6 +202,30 @@ def test_overlap_hides_collectives_behind_compute(tiny):
     assert hidden.step_s < serial.step_s
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_units_whose_collectives_make_the_ranks_meet_wait_per_square_root_of_their_compute(tiny, precision):
+    """A unit under FSDP2 (zero2, zero3, and replicate where FSDP2 all-reduces: bf16) waits at its forward's and
+    its backward's meetings ``meeting_wait`` x the square root of each one's compute, its recomputation part of
+    the backward's; DDP's all-reduce runs behind the backward (no meeting), and one rank meets nobody."""
+    wait = 8e-3
+    base, meeting = Calibration(compute_scale=1.3), Calibration(compute_scale=1.3, meeting_wait_s_per_sqrt_s=wait)
+    for mode in ("replicate", "zero2", "zero3"):
+        for ckpt in (False, True):
+            plan = Plan([UnitPlan(u.path, mode, checkpoint=ckpt and not u.nested and u.path != "")
+                         for u in tiny.units], batch_size=B, mixed_precision=precision)
+            for n in (1, 2):
+                without = predict(tiny, plan, device(n), calibration=base)
+                with_wait = predict(tiny, plan, device(n), calibration=meeting)
+                for u, p in zip(tiny.units, plan.units):
+                    c = u.costs[precision]
+                    backward = c.bwd_s(B) + (c.recompute_seconds(B) if p.checkpoint else 0.0)
+                    meets = n > 1 and not (mode == "replicate" and precision == "fp32")  # fp32 replicate: DDP
+                    expected = wait * (math.sqrt(1.3 * c.fwd_s(B)) + math.sqrt(1.3 * backward)) if meets else 0.0
+                    units = with_wait.breakdown["units"][u.path], without.breakdown["units"][u.path]
+                    assert units[0]["meeting_wait_s"] == pytest.approx(expected)
+                    assert units[0]["time_s"] - units[1]["time_s"] == pytest.approx(expected)
+
+
 def test_ddp_hides_all_but_its_last_bucket_behind_backward():
     """Replicated units' all-reduce is hidden (by ``ddp_overlap``, up to the unit's backward) except for
     the bytes in the bucket DDP reduces last, which are those DDP's own bucket assignment puts there."""
