@@ -41,7 +41,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import statistics
 import sys
@@ -55,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from osdp.cost import Calibration, predict
+from osdp.cost import Calibration, predict, sqrt_segments
 from osdp.description import ModelDescription
 from osdp.device import COLLECTIVES, AlphaBeta, CollectiveModel, DeviceInfo, measure_collectives, measure_device
 from osdp.fsdp_ext.replicate import replicates_with_ddp
@@ -167,8 +166,10 @@ class MeetingNet:
 
     def batch_of(self, b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``b`` sequences and their targets (the model returns its loss)."""
+        from osdp.models import get_config
+
         g = torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0)
-        vocab = self.build().config.vocab_size
+        vocab = get_config("gpt2-tiny").vocab_size
         ids = torch.randint(0, vocab, (b, self.seq_len + 1), generator=g).to(device)
         return ids[:, :-1], ids[:, 1:]
 
@@ -283,6 +284,11 @@ def _described_compute_s(description: ModelDescription, b: int) -> float:
     return sum(c.fwd_s(b) + c.bwd_s(b) for c in description.costs("fp32"))
 
 
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def measure_compute_scale(device: torch.device, spec: NetSpec, rounds: int) -> dict[str, Any]:
     """Collective: how much longer the plain ``spec`` net's step takes with every rank computing at once
     (as in a job) than on rank 0 alone with the others waiting (as the planner describes a model).
@@ -324,16 +330,11 @@ def measure_compute_scale(device: torch.device, spec: NetSpec, rounds: int) -> d
     }
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _meeting_segments(description: ModelDescription, compute_scale: float, b: int) -> float:
-    """Sum over a plain model's units but the root of the square roots of their forward and backward seconds
-    in the job: the compute between the meetings ``osdp.harness.meet_at_every_unit`` makes."""
-    return sum(math.sqrt(max(compute_scale * f(b), 0.0))
-               for u in description.units if u.path != ROOT for f in (u.costs["fp32"].fwd_s, u.costs["fp32"].bwd_s))
+    """``sqrt_segments`` over a plain model's units but the root, their forward and backward seconds in the
+    job: the compute between the meetings ``osdp.harness.meet_at_every_unit`` makes."""
+    return sqrt_segments(*(compute_scale * f(b) for u in description.units if u.path != ROOT
+                           for f in (u.costs["fp32"].fwd_s, u.costs["fp32"].bwd_s)))
 
 
 def measure_meeting_wait(

@@ -398,8 +398,8 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     meeting_wait = 0.0
     if not ddp and n > 1:
         backward = costs.bwd_s(b) + (costs.recompute_seconds(b) if ckpt else 0.0)
-        segments = (cal.compute_scale * costs.fwd_s(b), cal.compute_scale * backward)
-        meeting_wait = cal.meeting_wait_s_per_sqrt_s * sum(math.sqrt(max(s, 0.0)) for s in segments)
+        meeting_wait = cal.meeting_wait_s_per_sqrt_s * sqrt_segments(
+            cal.compute_scale * costs.fwd_s(b), cal.compute_scale * backward)
     optimizer_s = (  # the per-tensor cost is DTensor dispatch: DDP's parameters are plain tensors
         (0.0 if ddp else ctx.calibration.optimizer_tensor_s * len(unit.param_shapes))
         + ctx.optimizer_s_per_byte * 4 * shard_numel
@@ -414,6 +414,12 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         "post_backward_bytes": post, "optimizer_temp_bytes": optimizer_temp,
     }
     return OptionCost(time_s, int(mem), int(transient), parts)
+
+
+def sqrt_segments(*seconds: float) -> float:
+    """The sum of the square roots of the compute seconds between meetings: what the ranks' wait grows with
+    (``Calibration.meeting_wait_s_per_sqrt_s``)."""
+    return sum(math.sqrt(max(s, 0.0)) for s in seconds)
 
 
 def _context(
