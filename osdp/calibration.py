@@ -145,8 +145,8 @@ class NetSpec:
 @dataclass(frozen=True)
 class MeetingNet:
     """The transformer the ranks' meeting wait is measured on (``measure_meeting_wait``): the wait depends on
-    what the ranks compute between meetings, and a stack of Linears drifts less than a transformer's
-    attention, norms and activations do. Its shape is none of the presets'."""
+    what the ranks compute between meetings, and a transformer's attention, norms and activations are what
+    the planned models compute. Its shape is none of the presets'."""
 
     n_layer: int
     n_embd: int
