@@ -330,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="gpt2-mini, both links (the default)")
     size.add_argument("--full", action="store_true", help="gpt2-mini and gpt2-cpu-medium, more budgets and repeats")
-    ap.add_argument("--models", nargs="+", help="override the models (micro-batch 8, the model's sequence length)")
+    ap.add_argument("--models", nargs="+", help="override the models (a model of the profile keeps its micro-batch and "
+                    "sequence length; another gets micro-batch 8 at its own sequence length)")
     ap.add_argument("--links", nargs="+", default=list(LINKS), help="loopback, gpu-ratio, tbf:RATE (default both)")
     ap.add_argument("--budgets", type=int, help="number of OSDP budgets per model and link")
     ap.add_argument("--rounds", type=int, help="interleaved repeats per run")
@@ -355,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         return report(args.from_runs, plots=not args.no_plots)
     profile_name = "full" if args.full else "quick"
     profile = dict(PROFILES[profile_name])
-    models = profile["models"] if not args.models else {m: (8, None) for m in args.models}
+    # one part of a profile (--full --models gpt2-cpu-medium) runs as it does in the whole profile
+    models = profile["models"] if not args.models else {m: profile["models"].get(m, (8, None)) for m in args.models}
     budgets = args.budgets or profile["budgets"]
     rounds = args.rounds or profile["rounds"]
     per_run = args.time_per_run or profile["time_per_run_s"]
