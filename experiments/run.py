@@ -240,6 +240,8 @@ def twin_plan(descriptions, mode: str, ac: bool, blocks: str, device_info, calib
 
     plans = []
     for d in descriptions:
+        if d.granularity == "nested":
+            continue  # only ever searched per block, with the "block" description
         plan = Plan([UnitPlan(u.path, mode, checkpoint=ac and u.path.startswith(blocks + "."))
                      for u in d.units], **settings)
         plan.meta["granularity"] = d.granularity
@@ -282,7 +284,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     from osdp.log import Progress
     from osdp.machine import machine_info
     from osdp.plan import Plan
-    from osdp.planner import planning_descriptions, search
+    from osdp.planner import description_of, planning_descriptions, search
     from osdp.search import BudgetTooSmall, min_peak
     from osdp.units import structure_signature
 
@@ -330,6 +332,8 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     optimizer = "adamw"
 
     def described(plan: Plan):
+        if "granularity" in plan.meta:  # searched, or a twin at the granularity the search would pick
+            return description_of(plan, descriptions)
         return next(d for d in descriptions if set(d.paths) == set(plan.paths) | {""})
 
     def predicted(plan: Plan) -> dict[str, Any]:

@@ -87,7 +87,7 @@ from osdp.device import CollectiveModel, DeviceInfo
 from osdp.fsdp_ext.replicate import replicates_with_ddp
 from osdp.plan import MODES, ROOT, Plan, PlanError, UnitPlan, display_path, reshards_after_forward
 from osdp.description import ModelDescription, UnitProfile
-from osdp.search.problem import NODE_OPTIONS, OPTIONS, Option, Problem
+from osdp.search.problem import NODE_OPTIONS, OPTIONS, Option, Problem, SubUnits
 
 # fp32 state tensors per parameter (momentum, Adam's two moments)
 OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}  # by osdp.optim.OPTIMIZERS
@@ -429,6 +429,7 @@ def _context(
     precision: str,
     optimizer: str,
     calibration: Calibration | None,
+    neighbours: Mapping[str, tuple[int, int]] | None = None,
 ) -> _Context:
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; the cost model knows {sorted(OPTIMIZER_STATES)}")
@@ -436,10 +437,27 @@ def _context(
     description.costs(precision)  # raises, saying how to fix it, if this precision was not described
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    shapes = {u.path: u.param_shapes for u in description.units}
+    return _Context(
+        device.world_size, batch_size, precision, optimizer, device, calibration,
+        description.optimizer_s_per_byte.get(optimizer, 0.0) * calibration.compute_scale,
+        unit_neighbours(description, precision, device.world_size) if neighbours is None else neighbours,
+        _ddp_last_bucket([(p, shapes[p]) for p in [ROOT, *sequence_order(description)]]),
+    )
+
+
+def sequence_order(description: ModelDescription) -> list[str]:
+    """The units that run one after another, in forward order: all but those enclosing others (the root)."""
     enclosing = {u.path for u in description.units if u.nested or u.path == ROOT}
-    n = device.world_size
-    padded = {u.path: sum(_padded_numel(s, n) for s in u.param_shapes) for u in description.units}
-    order = [p for p in description.forward_order if p not in enclosing]
+    return [p for p in description.forward_order if p not in enclosing]
+
+
+def unit_neighbours(description: ModelDescription, precision: str, world_size: int) -> dict[str, tuple[int, int]]:
+    """Per unit, the bytes of its neighbours' FSDP buffers that exist during its backward (``_Context.neighbours``):
+    the previous unit's all-gather output and the next unit's reduce-scatter input, were both zero3. A unit
+    enclosing others (a block with its sub-blocks nested in it) takes the largest prefetch among them."""
+    padded = {u.path: sum(_padded_numel(s, world_size) for s in u.param_shapes) for u in description.units}
+    order = sequence_order(description)
     neighbours = {}
     for i, path in enumerate(order):
         before = _DTYPE_BYTES[precision] * padded[order[i - 1]] if i > 0 else 0
@@ -447,12 +465,11 @@ def _context(
         neighbours[path] = (before, after)
     if order:  # the root's backward comes first and prefetches the last unit
         neighbours[ROOT] = (_DTYPE_BYTES[precision] * padded[order[-1]], 0)
-    shapes = {u.path: u.param_shapes for u in description.units}
-    return _Context(
-        n, batch_size, precision, optimizer, device, calibration,
-        description.optimizer_s_per_byte.get(optimizer, 0.0) * calibration.compute_scale, neighbours,
-        _ddp_last_bucket([(p, shapes[p]) for p in [ROOT, *order]]),
-    )
+    for unit in description.units:  # another enclosing unit's backward runs between those of the units inside it
+        inside = [neighbours[p][0] for p in order if p.startswith(unit.path + ".")] if unit.path != ROOT else []
+        if inside:
+            neighbours[unit.path] = (max(inside), 0)
+    return neighbours
 
 
 # Modes whose plans (every unit in the mode) are priced with their neighbours' true buffers, not the worst case.
@@ -601,11 +618,15 @@ def build_problem(
     calibration: Calibration | None = None,
     options: Sequence[Option] | None = None,
     uniform_mode: str | None = None,
+    neighbours: Mapping[str, tuple[int, int]] | None = None,
 ) -> Problem:
     """The search problem at one micro-batch size: every unit under every option (default:
     ``options_for(device_info)``), costed by ``unit_cost``. ``uniform_mode`` (one of ``UNIFORM_MODES``):
-    only that mode's options are allowed, and priced with the neighbours a plan all in that mode has."""
-    ctx = _context(description, device_info, batch_size, precision, optimizer, calibration)
+    only that mode's options are allowed, and priced with the neighbours a plan all in that mode has.
+    ``neighbours``: the neighbours' buffers each unit is priced with, instead of the description's own
+    (``unit_neighbours``; ``osdp.granularity`` prices units with the neighbours they may have in a plan
+    that takes other blocks whole)."""
+    ctx = _context(description, device_info, batch_size, precision, optimizer, calibration, neighbours)
     if uniform_mode is not None:
         ctx = _uniform(ctx, uniform_mode)
     options = options_for(device_info) if options is None else [_as_option(o) for o in options]
@@ -651,6 +672,17 @@ def choice_of(problem: Problem, plan: Plan) -> np.ndarray:
 
 
 def plan_from_choice(problem: Problem, choice: Sequence[int], **settings: Any) -> Plan:
-    """A Plan taking option ``choice[u]`` for every unit of ``problem``."""
-    units = [UnitPlan(path, *_as_option(problem.options[int(c)])) for path, c in zip(problem.units, choice)]
+    """A Plan taking option ``choice[u]`` for every unit of ``problem``; a unit whose option is a ``SubUnits``
+    becomes its parts, each with its option."""
+    units = []
+    for path, c in zip(problem.units, choice):
+        option = problem.options[int(c)]
+        if isinstance(option, SubUnits):
+            units += [UnitPlan(_join(path, name), *part) for name, part in option.parts]
+        else:
+            units.append(UnitPlan(path, *_as_option(option)))
     return Plan(units=units, batch_size=problem.batch_size, **settings)
+
+
+def _join(path: str, name: str) -> str:
+    return ".".join(p for p in (path, name) if p)

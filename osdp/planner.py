@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from osdp.cost import Calibration, build_problems, plan_from_choice
+from osdp import granularity
+from osdp.cost import Calibration, build_problems, plan_from_choice, predict
 from osdp.device import DeviceInfo, device_preset, parse_size
 from osdp.distributed import broadcast_object, world
 from osdp.plan import Plan
@@ -56,34 +57,55 @@ def search(
     priced with ``calibration`` (None: the ideal FSDP2 runtime, ``Calibration()``).
 
     Several descriptions of one model, one per unit granularity
-    (``planning_descriptions``), let the search choose the unit size too: the
-    plan with the fewest units among those within ``GRANULARITY_TOLERANCE`` of
-    the fastest wins. BudgetTooSmall only if none fits, naming the smallest minimum.
+    (``planning_descriptions``), let the search choose the unit size too: for
+    the whole model ("sub-block", "block"), and per block where the "block" and
+    "nested" descriptions are both given (``osdp.granularity``); the plan with
+    the fewest units among those within ``GRANULARITY_TOLERANCE`` of the
+    fastest wins. BudgetTooSmall only if none fits, naming the smallest minimum.
     """
     if isinstance(descriptions, ModelDescription):
         descriptions = [descriptions]
     budget = parse_size(budget)
-    found: list[tuple[Any, ModelDescription, list[Problem]]] = []
+    settings = dict(precision=mixed_precision, optimizer=optimizer, calibration=calibration)
+    found: list[tuple[Any, ModelDescription, Problem]] = []  # (solution, description of its plan, problem)
     too_small: list[BudgetTooSmall] = []
     all_problems: list[Problem] = []
     seconds = 0.0
-    for description in descriptions:
-        problems = [
-            p for b in batch_sizes
-            for p in build_problems(description, device_info, b, precision=mixed_precision, optimizer=optimizer,
-                                    calibration=calibration)
-        ]
-        all_problems += problems
+
+    def solve_over(problems: list[Problem]):
+        nonlocal seconds
+        all_problems.extend(problems)
         start = time.perf_counter()
         try:
             sweep = sweep_batch_sizes(problems, budget)
-            found.append((sweep.best, description, problems[sweep.best_index]))
+            return sweep.best, problems[sweep.best_index]
         except BudgetTooSmall as e:  # names the minimum and its batch size
             too_small.append(e)
-        seconds += time.perf_counter() - start
+            return None
+        finally:
+            seconds += time.perf_counter() - start
+
+    by_granularity = {d.granularity: d for d in descriptions}
+    for description in descriptions:
+        if description.granularity == "nested":
+            continue  # priced per block, with the "block" description (below)
+        got = solve_over([p for b in batch_sizes for p in build_problems(description, device_info, b, **settings)])
+        if got:
+            found.append((got[0], description, got[1]))
+    coarse, nested = by_granularity.get("block"), by_granularity.get("nested")
+    if coarse is not None and nested is not None:  # each block whole or apart
+        got = solve_over([granularity.build_problem(coarse, nested, device_info, b, **settings) for b in batch_sizes])
+        apart = granularity.apart_in(plan_from_choice(got[1], got[0].choice), coarse, nested) if got else []
+        if apart:  # with every block whole it is the "block" description's plan, found above
+            found.append((got[0], granularity.compose(coarse, nested, apart), got[1]))
     if not found:
         raise min(too_small, key=lambda e: e.min_peak_bytes)
     best, description, problem = found[choose_granularity([(d, b.samples_per_s) for b, d, _ in found])]
+    # What the cost model predicts of the plan itself: at most what the search saw (which prices a plan all in
+    # one mode found by the general problem, and a block's parts, with neighbours as large as they may be)
+    exact = predict(description, plan_from_choice(problem, best.choice), device_info, batch_size=problem.batch_size,
+                    **settings)
+    predicted_step_s, predicted_peak = exact.step_s, exact.peak_bytes
     plan = plan_from_choice(
         problem,
         best.choice,
@@ -92,8 +114,8 @@ def search(
         # the prediction is for this node layout (each level's links): the plan says so, and wrap checks it
         ranks_per_node=device_info.topology.ranks_per_node if device_info.topology is not None else None,
         model_signature=model_signature,
-        predicted_step_s=best.step_time,
-        predicted_peak_bytes=best.peak_bytes,
+        predicted_step_s=predicted_step_s,
+        predicted_peak_bytes=predicted_peak,
         search_seconds=seconds,
         meta={
             "budget_bytes": budget,
@@ -101,7 +123,7 @@ def search(
             "calibration": (calibration or Calibration()).source,
             "optimizer": optimizer,
             "slack_bytes": best.slack_bytes,
-            "predicted_samples_per_s": best.samples_per_s,
+            "predicted_samples_per_s": problem.batch_size / predicted_step_s,
             "granularity": description.granularity,
             # what each granularity's best plan was predicted to do: why this one was taken
             "samples_per_s_by_granularity": {d.granularity: b.samples_per_s for b, d, _ in found},
@@ -124,6 +146,19 @@ def choose_granularity(candidates: Sequence[tuple[ModelDescription, float]]) -> 
     fastest = max(speed for _, speed in candidates)
     close = [i for i, (_, speed) in enumerate(candidates) if speed >= (1 - GRANULARITY_TOLERANCE) * fastest]
     return min(close, key=lambda i: (len(candidates[i][0].units), -candidates[i][1]))
+
+
+def description_of(plan: Plan, descriptions: Sequence[ModelDescription]) -> ModelDescription:
+    """The description whose units are ``plan``'s, among (or composed from) the ``descriptions`` it was searched
+    in: what prices it (``osdp.cost.predict``) as the search did."""
+    by_granularity = {d.granularity: d for d in descriptions}
+    granularity_ = plan.meta.get("granularity")
+    if granularity_ == "per-block":
+        coarse, nested = by_granularity["block"], by_granularity["nested"]
+        return granularity.compose(coarse, nested, granularity.apart_in(plan, coarse, nested))
+    if granularity_ not in by_granularity:
+        raise KeyError(f"the plan was searched at granularity {granularity_!r}, none of {sorted(by_granularity)}")
+    return by_granularity[granularity_]
 
 
 def planning_description(
@@ -215,6 +250,6 @@ def plan(
 
 
 __all__ = [
-    "BudgetTooSmall", "SearchResult", "describe_granularities", "plan", "planning_description",
+    "BudgetTooSmall", "SearchResult", "describe_granularities", "description_of", "plan", "planning_description",
     "planning_descriptions", "search",
 ]

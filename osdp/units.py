@@ -12,6 +12,10 @@ A unit is a module whose parameters are gathered, sharded and reduced together
   as the smallest block: a small one (a position embedding) stays with the
   root, where a per-block ``fully_shard`` leaves it, rather than paying two
   all-gathers and a reduce-scatter of its own;
+* at ``granularity="nested"`` the units are those of ``"block"``, and inside
+  each block its sub-blocks too: the block keeps what they do not hold (its
+  norms; a block with nothing of its own is no unit here). The planner prices each block both ways, from this description and
+  the ``"block"`` one, and chooses per block (``osdp.granularity``);
 * norm-like modules, whose parameters are all one-dimensional, are never units
   of their own: their few bytes stay with the enclosing unit (usually the root)
   rather than paying a collective each;
@@ -34,8 +38,10 @@ import torch.nn as nn
 
 from osdp.plan import ROOT, display_path
 
-# Unit sizes the planner chooses between: a transformer's attention and MLP apart, or whole blocks.
-GRANULARITIES = ("sub-block", "block")
+# Unit sizes the planner chooses between: a transformer's attention and MLP apart, or whole blocks; and
+# whole blocks with their sub-blocks nested in them, what the planner prices a block taken apart with when it
+# chooses per block.
+GRANULARITIES = ("sub-block", "block", "nested")
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,7 @@ def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
         and _parent(path) not in sub_block
         and any(p.dim() >= 2 for p in m.parameters(recurse=False))
     }
-    if granularity == "block":  # a module holding two or more sub-blocks (attention and MLP) replaces them
+    if granularity != "sub-block":  # a module holding two or more sub-blocks (attention and MLP) replaces them
         parents: dict[str, list[str]] = {}
         for path in sub_block:
             parents.setdefault(_parent(path), []).append(path)
@@ -229,6 +235,15 @@ def discover_units(
     sub-blocks: fewer, larger units pay FSDP2's per-unit costs fewer times,
     smaller ones need less memory gathered at a time. The planner searches both.
     """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if granularity == "nested":
+        coarse = [u.path for u in discover_units(model, call_counts, "block")]
+        fine = _resolve_sharing(model, _candidates(model, "sub-block"), call_counts)
+        blocks = set(coarse) - {ROOT}
+        units = build_units(model, coarse + [p for p in fine if p not in blocks and _parent(p) in blocks])
+        empty = {u.path for u in units if u.numel == 0 and u.path != ROOT}  # a block its sub-blocks fill
+        return build_units(model, [u.path for u in units if u.path not in empty]) if empty else units
     units = build_units(model, _resolve_sharing(model, _candidates(model, granularity), call_counts))
     if granularity == "block":
         small = _small_leaves(model, units)

@@ -10,6 +10,7 @@ from osdp.device import device_preset
 from osdp.model_source import from_reference
 from osdp.plan import Plan
 from osdp.plan_cli import describe_for, main
+from osdp.planner import description_of
 from osdp.search import OPTIONS, solve
 
 
@@ -26,10 +27,15 @@ def test_plan_cli_writes_a_loadable_plan_within_budget(tmp_path, capsys):
     assert plan.predicted_peak_bytes <= 64 * 2**20
     granularity = plan.meta["granularity"]
     # the search chose the unit size; whole blocks leave the small position embedding with the root
-    per_layer, others = {"sub-block": (["attn", "mlp"], {"wpe", ""}), "block": ([""], {""})}[granularity]
-    assert {u.path for u in plan.units} == {
-        f"blocks.{i}" + (f".{part}" if part else "") for i in range(4) for part in per_layer
-    } | others
+    paths = {u.path for u in plan.units}
+    if granularity == "per-block":  # each block whole, or apart: its attention and MLP nested in it
+        for i in range(4):
+            assert f"blocks.{i}" in paths and ({f"blocks.{i}.attn", f"blocks.{i}.mlp"} <= paths
+                                               or not any(p.startswith(f"blocks.{i}.") for p in paths))
+        assert paths - {p for p in paths if p.startswith("blocks.")} == {""}
+    else:
+        per_layer, others = {"sub-block": (["attn", "mlp"], {"wpe", ""}), "block": ([""], {""})}[granularity]
+        assert paths == {f"blocks.{i}" + (f".{part}" if part else "") for i in range(4) for part in per_layer} | others
     assert f"{granularity} units" in text and "tokens/s per rank" in text and "searched in" in text
     # a preset is planned offline: it says which calibration that assumes
     assert "calibration: ideal FSDP2 runtime (not measured" in text and plan.meta["calibration"].startswith("ideal")
@@ -174,10 +180,11 @@ def test_plan_cli_plans_8_nodes_of_8(model, device, tmp_path, capsys):
     # the same prediction from the cost model, and the best plan without node scope, on the same description
     dev = device_preset(device, 64)
     descriptions = describe_for(from_reference(model, None), dev, (2,), "fp32")
-    description = next(d for d in descriptions if d.granularity == plan.meta["granularity"])
+    description = description_of(plan, descriptions)
     pred = predict(description, plan, dev)
     assert (pred.step_s, pred.peak_bytes) == pytest.approx((plan.predicted_step_s, plan.predicted_peak_bytes))
-    world_only = min(solve(build_problem(d, dev, 2, options=OPTIONS), budget).step_time for d in descriptions)
+    world_only = min(solve(build_problem(d, dev, 2, options=OPTIONS), budget).step_time
+                     for d in descriptions if d.granularity != "nested")  # nested: only searched per block
     assert plan.predicted_step_s <= world_only * (1 + 1e-3)  # what the grid's rounding may cost, at most
     node_scoped = [u for u in plan.units if u.shard_scope == "node"]
     if device == "h100-nvlink-100gbe":

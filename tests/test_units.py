@@ -37,3 +37,16 @@ def test_leaves_as_large_as_a_block_stay_units_and_a_model_without_blocks_keeps_
     assert _paths(_BigHead(), "block") == {"blocks.0", "blocks.1", "head", ""}
     mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     assert _paths(mlp, "block") == _paths(mlp, "sub-block") == {"0", "2", ""}
+
+
+def test_nested_units_are_whole_blocks_with_their_sub_blocks_and_a_block_keeps_only_what_they_do_not_hold():
+    model = models.build("gpt2-mini")
+    blocks = {f"blocks.{i}" for i in range(4)}
+    assert _paths(model, "nested") == blocks | {f"{b}.{part}" for b in blocks for part in ("attn", "mlp")} | {""}
+    units = {u.path: u for u in osdp.discover_units(model, granularity="nested")}
+    assert units["blocks.0"].nested == ("blocks.0.attn", "blocks.0.mlp")
+    assert units["blocks.0"].numel == sum(p.numel() for p in model.blocks[0].parameters()
+                                          if p.dim() == 1 and not any(p is q for q in model.blocks[0].attn.parameters())
+                                          and not any(p is q for q in model.blocks[0].mlp.parameters()))
+    # a block whose sub-blocks hold everything is no unit of its own: the sub-blocks go straight to the root
+    assert _paths(_BigHead(), "nested") == {"blocks.0.a", "blocks.0.b", "blocks.1.a", "blocks.1.b", "head", ""}

@@ -44,9 +44,25 @@ def every_mode_plans(model):
             split.append(UnitPlan(u.path, modes[i % 2]))
     plans = {s: Plan.for_strategy(paths, s) for s in ("ddp", "zero2", "fsdp")}
     plans.update(mixed_a=mixed_a, mixed_b=mixed_b)
+    if any(u.nested and u.path for u in osdp.discover_units(model, granularity="nested")):
+        plans["per_block"] = per_block_plan(model)
     if any(u.split > 1 for u in split):
         plans["split"] = Plan(split)
     return plans
+
+
+def per_block_plan(model):
+    """The first block whole (zero3, checkpointed), every other block apart: its sub-blocks and the block
+    itself (its norms) in every mode, the sub-blocks checkpointed in turn (osdp.granularity's plans)."""
+    modes = ["replicate", "zero2", "zero3"]
+    blocks = [u.path for u in osdp.discover_units(model, granularity="nested") if u.nested and u.path]
+    units = []
+    for i, u in enumerate(osdp.discover_units(model, granularity="nested")):
+        if u.path == blocks[0]:
+            units.append(UnitPlan(u.path, "zero3", checkpoint=True))
+        elif not u.path.startswith(blocks[0] + "."):  # the first block's sub-blocks are in it
+            units.append(UnitPlan(u.path, modes[i % 3], checkpoint=not u.nested and i % 2 == 0))
+    return Plan(units)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -32,11 +32,10 @@ def _uniform_plans_predicted(plan, batch):
     (the cached calibration, the description at the plan's granularity)."""
     from osdp import cost
     from osdp.calibration import calibrate
-    from osdp.planner import planning_description
+    from osdp.planner import description_of, planning_descriptions
 
     machine = calibrate()  # cached by the wrap above: no collective runs here
-    description = planning_description(models.build("gpt2-tiny", seq_len=32), batch,
-                                       granularity=plan.meta["granularity"])
+    description = description_of(plan, planning_descriptions(models.build("gpt2-tiny", seq_len=32), batch))
     out = {}
     for mode in ("replicate", "zero2", "zero3"):
         uniform = osdp.Plan([osdp.UnitPlan(path, mode) for path in description.paths],

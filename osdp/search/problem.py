@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from osdp.plan import MODES, SPLIT_CHOICES
+from osdp.plan import MODES, SPLIT_CHOICES, UnitPlan
 from osdp.sizes import format_bytes
 
 
@@ -34,6 +34,16 @@ class Option(NamedTuple):
     split: int = 1
     checkpoint: bool = False
     scope: str = "world"  # shard scope: over every rank, or within the node ("node")
+
+
+class SubUnits(NamedTuple):
+    """A unit run as units nested in it (``osdp.granularity``): per part, its path relative to the unit
+    ("" for the unit itself, which keeps what its parts do not hold) and the option it takes."""
+
+    parts: tuple[tuple[str, Option], ...]
+
+    def __str__(self) -> str:
+        return " + ".join(f"{name or '(own)'}: {UnitPlan(name, *o).label}" for name, o in self.parts)
 
 
 # The standard option table: (mode, split, checkpoint), sharded over every rank.
