@@ -11,7 +11,8 @@ already under it):
    measured in this run enters a prediction; without a cached calibration it
    stops and says how to make one;
 2. every plan (``default_plans``: DDP, ZeRO-2, FSDP, checkpointing, splits,
-   mixed) is trained side by side, one step of each in turn
+   mixed; ``per_block_plans``: every other block taken apart, priced from the
+   "block" and "nested" descriptions as the search prices it) is trained side by side, one step of each in turn
    (``osdp.harness.run_jobs``), so that a shared machine's changing load hits
    all alike;
 3. each plan's step time is the median over its steps of the slowest rank, and
@@ -42,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from osdp import models
+from osdp import granularity, models
 from osdp.calibration import CalibrationKey, MachineCalibration, calibrate, can_split, read_calibration
 from osdp.cost import predict
 from osdp.description import ModelDescription
@@ -116,6 +117,38 @@ def default_plans(
             lambda u: ("zero2", 1, False) if u.signature == first else ("zero3", 1, block(u)), "bf16"
         )
     return plans
+
+
+def per_block_plans(coarse: ModelDescription, nested: ModelDescription, batch_size: int,
+                    world_size: int) -> dict[str, tuple[Plan, ModelDescription]]:
+    """Two plans taking every other block apart (``osdp.granularity``), each with the description that prices
+    it (composed from the "block" and "nested" ones), or none for a model without blocks to take apart."""
+    blocks = granularity.blocks_apart(coarse, nested)
+    apart = [u.path for u in coarse.units if u.path in blocks][1::2]
+    described = granularity.compose(coarse, nested, apart)
+
+    def plan(whole: tuple, own: tuple, first: tuple, rest: tuple, other: tuple) -> tuple[Plan, ModelDescription]:
+        decisions = []
+        for u in coarse.units:
+            if u.path in apart:  # its parts: the sub-blocks in order, then the block itself (its norms)
+                decisions += [UnitPlan(p, *(own if p == u.path else first if i == 0 else rest))
+                              for i, p in enumerate(blocks[u.path])]
+            else:
+                decisions.append(UnitPlan(u.path, *(whole if u.path in blocks else other)))
+        p = Plan(decisions, batch_size=batch_size, world_size=world_size, model_signature=coarse.signature)
+        p.meta["granularity"] = "per-block"
+        return p, described
+
+    if not apart:
+        return {}
+    return {
+        # whole blocks sharded and checkpointed; apart: attention sharded and checkpointed, the MLP replicated
+        "per-block-a": plan(whole=("zero3", 1, True), own=("zero2", 1, False), first=("zero3", 1, True),
+                            rest=("replicate", 1, False), other=("zero2", 1, False)),
+        # whole blocks replicated; apart: attention zero2, the MLP sharded and checkpointed
+        "per-block-b": plan(whole=("replicate", 1, False), own=("replicate", 1, False), first=("zero2", 1, False),
+                            rest=("zero3", 1, True), other=("zero3", 1, False)),
+    }
 
 
 # --------------------------------------------------------------------------- reporting
@@ -209,15 +242,21 @@ def validate(
     model = build().to(device)
     say(f"describing {model_name} as osdp.plan does (rank 0, the describe cache)")
     descriptions = {p: planning_description(model, batch, mixed_precision=p) for p in precisions}
+    # a plan taking some blocks apart is priced from the "block" and "nested" descriptions, as the search does
+    coarse, nested = (planning_description(model, batch, granularity=g) for g in ("block", "nested"))
     del model
+    # per precision (at the default granularity), and the two per-block plans are priced from
     described = {p: {"source": d.source, "profile_seconds": d.profile_seconds, "from_cache": d.from_cache,
-                     "cache_key": d.cache_key, "checks": d.checks} for p, d in descriptions.items()}
+                     "cache_key": d.cache_key, "checks": d.checks}
+                 for p, d in [*descriptions.items(), ("fp32 block", coarse), ("fp32 nested", nested)]}
     if describe_only:
         return {"model": model_name, "description": described, "seconds": time.perf_counter() - start}
     description = descriptions[precisions[0]]
     if "bf16" in precisions:  # default_plans adds bf16 plans to a description that has both
         description = dataclasses.replace(description, precisions=tuple(precisions))
     plans = default_plans(description, batch_size, world_size, splits=can_split(device))
+    composed = per_block_plans(coarse, nested, batch_size, world_size)
+    plans.update({name: plan for name, (plan, _) in composed.items()})
     if plan_names:
         unknown = sorted(set(plan_names) - set(plans))
         if unknown:
@@ -227,8 +266,8 @@ def validate(
                         optimizer=optimizer, time_budget_s=time_budget_s, progress=say)
     records = []
     for name, plan in plans.items():
-        pred = predict(descriptions[plan.mixed_precision], plan, machine.device_info, optimizer=optimizer,
-                       calibration=machine.calibration)
+        described = composed[name][1] if name in composed else descriptions[plan.mixed_precision]
+        pred = predict(described, plan, machine.device_info, optimizer=optimizer, calibration=machine.calibration)
         m = measured[name]
         records.append({
             "plan": name,

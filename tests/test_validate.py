@@ -13,7 +13,7 @@ import torch
 from dist_harness import run_ranks
 from osdp.validate import build_parser, format_report, kendall_tau, summarize
 
-PLANS = ["ddp", "fsdp", "fsdp-ckpt", "mixed-z2-ckpt", "split2"]
+PLANS = ["ddp", "fsdp", "fsdp-ckpt", "mixed-z2-ckpt", "split2", "per-block-a"]
 
 
 def _calibrate(rank, world_size):
