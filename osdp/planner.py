@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from osdp import granularity
-from osdp.cost import Calibration, build_problems, plan_from_choice, predict
+from osdp.cost import Calibration, build_problems, plan_from_choice
 from osdp.device import DeviceInfo, device_preset, parse_size
 from osdp.distributed import broadcast_object, world
 from osdp.plan import Plan
@@ -101,11 +101,6 @@ def search(
     if not found:
         raise min(too_small, key=lambda e: e.min_peak_bytes)
     best, description, problem = found[choose_granularity([(d, b.samples_per_s) for b, d, _ in found])]
-    # What the cost model predicts of the plan itself: at most what the search saw (which prices a plan all in
-    # one mode found by the general problem, and a block's parts, with neighbours as large as they may be)
-    exact = predict(description, plan_from_choice(problem, best.choice), device_info, batch_size=problem.batch_size,
-                    **settings)
-    predicted_step_s, predicted_peak = exact.step_s, exact.peak_bytes
     plan = plan_from_choice(
         problem,
         best.choice,
@@ -114,8 +109,10 @@ def search(
         # the prediction is for this node layout (each level's links): the plan says so, and wrap checks it
         ranks_per_node=device_info.topology.ranks_per_node if device_info.topology is not None else None,
         model_signature=model_signature,
-        predicted_step_s=predicted_step_s,
-        predicted_peak_bytes=predicted_peak,
+        # what the search priced it at: for a plan taking some blocks apart, at least what its composed
+        # description predicts (``osdp.granularity``), never less
+        predicted_step_s=best.step_time,
+        predicted_peak_bytes=best.peak_bytes,
         search_seconds=seconds,
         meta={
             "budget_bytes": budget,
@@ -123,7 +120,7 @@ def search(
             "calibration": (calibration or Calibration()).source,
             "optimizer": optimizer,
             "slack_bytes": best.slack_bytes,
-            "predicted_samples_per_s": problem.batch_size / predicted_step_s,
+            "predicted_samples_per_s": best.samples_per_s,
             "granularity": description.granularity,
             # what each granularity's best plan was predicted to do: why this one was taken
             "samples_per_s_by_granularity": {d.granularity: b.samples_per_s for b, d, _ in found},

@@ -111,12 +111,12 @@ def test_the_planner_takes_blocks_apart_only_where_that_is_predicted_faster_beyo
         close = [g for g, s in speeds.items() if s >= (1 - GRANULARITY_TOLERANCE) * fastest]
         taken = plan.meta["granularity"]
         assert taken in close
-        # the plan's prediction is its own description's, and within the budget
+        # the plan's description prices it as the search did: the same step, never a larger peak
         described = description_of(plan, descriptions)
-        assert set(described.paths) == set(plan.paths) and described is not None
+        assert set(described.paths) == set(plan.paths)
         exact = predict(described, plan, device, batch_size=BATCH)
-        assert (exact.step_s, exact.peak_bytes) == pytest.approx((plan.predicted_step_s, plan.predicted_peak_bytes))
-        assert plan.predicted_peak_bytes <= budget
+        assert exact.step_s == pytest.approx(plan.predicted_step_s, rel=1e-12)
+        assert exact.peak_bytes <= plan.predicted_peak_bytes <= budget
         # fewest units among the close ones
         sizes = {"sub-block": len(d["sub-block"].units), "block": len(d["block"].units)}
         if taken == "per-block":

@@ -182,7 +182,10 @@ def test_plan_cli_plans_8_nodes_of_8(model, device, tmp_path, capsys):
     descriptions = describe_for(from_reference(model, None), dev, (2,), "fp32")
     description = description_of(plan, descriptions)
     pred = predict(description, plan, dev)
-    assert (pred.step_s, pred.peak_bytes) == pytest.approx((plan.predicted_step_s, plan.predicted_peak_bytes))
+    assert pred.step_s == pytest.approx(plan.predicted_step_s)
+    # equal, or for a plan taking some blocks apart at most what the search priced it at
+    assert pred.peak_bytes == plan.predicted_peak_bytes or (
+        plan.meta["granularity"] == "per-block" and pred.peak_bytes <= plan.predicted_peak_bytes)
     world_only = min(solve(build_problem(d, dev, 2, options=OPTIONS), budget).step_time
                      for d in descriptions if d.granularity != "nested")  # nested: only searched per block
     assert plan.predicted_step_s <= world_only * (1 + 1e-3)  # what the grid's rounding may cost, at most
