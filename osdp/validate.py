@@ -266,8 +266,8 @@ def validate(
                         optimizer=optimizer, time_budget_s=time_budget_s, progress=say)
     records = []
     for name, plan in plans.items():
-        described = composed[name][1] if name in composed else descriptions[plan.mixed_precision]
-        pred = predict(described, plan, machine.device_info, optimizer=optimizer, calibration=machine.calibration)
+        pricing = composed[name][1] if name in composed else descriptions[plan.mixed_precision]
+        pred = predict(pricing, plan, machine.device_info, optimizer=optimizer, calibration=machine.calibration)
         m = measured[name]
         records.append({
             "plan": name,

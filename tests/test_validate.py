@@ -13,7 +13,10 @@ import torch
 from dist_harness import run_ranks
 from osdp.validate import build_parser, format_report, kendall_tau, summarize
 
-PLANS = ["ddp", "fsdp", "fsdp-ckpt", "mixed-z2-ckpt", "split2", "per-block-a"]
+# per-block-b: blocks taken apart priced from two descriptions; not per-block-a, whose whole first block
+# recomputes at the end of backward, after the replicated MLPs' activations are gone, which every unit's
+# worse phase counts (the decomposition's known over-estimate, +25% on gpt2-tiny; docs/COST_MODEL.md)
+PLANS = ["ddp", "fsdp", "fsdp-ckpt", "mixed-z2-ckpt", "split2", "per-block-b"]
 
 
 def _calibrate(rank, world_size):
@@ -89,6 +92,8 @@ def test_predictions_out_of_sample_match_a_real_two_rank_run():
     assert result["calibration"] == calibration
     records = {r["plan"]: r for r in result["records"]}
     assert list(records) == PLANS
+    # the descriptions each plan was priced from, the per-block ones among them
+    assert set(result["description"]) == {"fp32", "fp32 block", "fp32 nested"}
     for name, r in records.items():
         # memory: never more than 2% under the measured peak (a plan that fits must fit), at most 10% over
         assert r["measured_peak_bytes"] <= 1.02 * r["predicted_peak_bytes"], (name, r)
