@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from osdp.machine import machine_info
-from osdp.validate import format_report
+from osdp.validate import format_report, summarize
 
 RESULTS = Path(__file__).parent / "results"
 # (model, micro-batch, sequence length, seconds of timed steps per plan)
@@ -175,10 +175,17 @@ def run(args: argparse.Namespace) -> None:
     args.out.with_suffix(".md").write_text(text)
 
 
-def spread(paths: list[Path]) -> str:
-    """Per model and target: the value in every run, and whether it was met in all of them."""
+def spread(paths: list[Path], without: tuple[str, ...] = ()) -> str:
+    """Per model and target: the value in every run, and whether it was met in all of them; ``without``: leave
+    out the plans whose names start so (the summaries recomputed from the rest)."""
     runs = [json.loads(p.read_text()) for p in paths]
-    lines = [f"# Spread over {len(runs)} validation runs", "",
+    for r in runs:
+        for res in r["results"].values():
+            if without:
+                res["records"] = [x for x in res["records"] if not x["plan"].startswith(without)]
+                res["summary"] = summarize(res["records"])
+    title = f"# Spread over {len(runs)} validation runs" + (f", without the plans {', '.join(without)}*" if without else "")
+    lines = [title, "",
              "Runs: " + "; ".join(f"{p.name} ({r['seconds']:.0f} s, calibration compute "
                                   f"x{r['calibration']['calibration']['compute_scale']:.2f})" for p, r in zip(paths, runs)),
              "", "| model | quantity | target | " + " | ".join(f"run {i + 1}" for i in range(len(runs)))
@@ -224,11 +231,14 @@ def main() -> None:
     p.add_argument("--quiet-timeout", type=float, default=900, help="seconds to wait for that at most")
     p.add_argument("--spread", nargs="+", type=Path, metavar="RUN_JSON",
                    help="run nothing: the spread over these runs' JSON (written next to the first, as .spread.md)")
+    p.add_argument("--without", nargs="+", default=[], metavar="PREFIX",
+                   help="with --spread: leave out the plans whose names start so (e.g. per-block)")
     args = p.parse_args()
     if args.spread:
-        text = spread(args.spread)
+        text = spread(args.spread, tuple(args.without))
         print(text)
-        args.spread[0].with_suffix(".spread.md").write_text(text)
+        suffix = ".spread.md" if not args.without else f".spread-without-{'-'.join(args.without)}.md"
+        args.spread[0].with_suffix(suffix).write_text(text)
         return
     run(args)
 

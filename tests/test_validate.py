@@ -13,9 +13,9 @@ import torch
 from dist_harness import run_ranks
 from osdp.validate import build_parser, format_report, kendall_tau, summarize
 
-# per-block-b: blocks taken apart priced from two descriptions; not per-block-a, whose whole first block
-# recomputes at the end of backward, after the replicated MLPs' activations are gone, which every unit's
-# worse phase counts (the decomposition's known over-estimate, +25% on gpt2-tiny; docs/COST_MODEL.md)
+# per-block-b: blocks taken apart priced from two descriptions; not per-block-a, whose whole checkpointed
+# block recomputes in backward after a replicated MLP has freed its activations, which that unit's worse
+# phase still counts (the decomposition's known over-estimate, +25% on gpt2-tiny; docs/COST_MODEL.md)
 PLANS = ["ddp", "fsdp", "fsdp-ckpt", "mixed-z2-ckpt", "split2", "per-block-b"]
 
 
