@@ -149,13 +149,13 @@ def description_of(plan: Plan, descriptions: Sequence[ModelDescription]) -> Mode
     """The description whose units are ``plan``'s, among (or composed from) the ``descriptions`` it was searched
     in: what prices it (``osdp.cost.predict``) as the search did."""
     by_granularity = {d.granularity: d for d in descriptions}
-    granularity_ = plan.meta.get("granularity")
-    if granularity_ == "per-block":
+    chosen = plan.meta.get("granularity")
+    if chosen == "per-block":
         coarse, nested = by_granularity["block"], by_granularity["nested"]
         return granularity.compose(coarse, nested, granularity.apart_in(plan, coarse, nested))
-    if granularity_ not in by_granularity:
-        raise KeyError(f"the plan was searched at granularity {granularity_!r}, none of {sorted(by_granularity)}")
-    return by_granularity[granularity_]
+    if chosen not in by_granularity:
+        raise KeyError(f"the plan was searched at granularity {chosen!r}, none of {sorted(by_granularity)}")
+    return by_granularity[chosen]
 
 
 def planning_description(

@@ -14,8 +14,9 @@ A unit is a module whose parameters are gathered, sharded and reduced together
   all-gathers and a reduce-scatter of its own;
 * at ``granularity="nested"`` the units are those of ``"block"``, and inside
   each block its sub-blocks too: the block keeps what they do not hold (its
-  norms; a block with nothing of its own is no unit here). The planner prices each block both ways, from this description and
-  the ``"block"`` one, and chooses per block (``osdp.granularity``);
+  norms; a block with nothing of its own is no unit here). The planner
+  prices each block both ways, from this description and the ``"block"``
+  one, and chooses per block (``osdp.granularity``);
 * norm-like modules, whose parameters are all one-dimensional, are never units
   of their own: their few bytes stay with the enclosing unit (usually the root)
   rather than paying a collective each;
@@ -233,7 +234,9 @@ def discover_units(
     ``granularity="block"`` takes each module holding two or more sub-blocks
     (a transformer block: attention and MLP) as one unit instead of its
     sub-blocks: fewer, larger units pay FSDP2's per-unit costs fewer times,
-    smaller ones need less memory gathered at a time. The planner searches both.
+    smaller ones need less memory gathered at a time. The planner searches both, and
+    each block whole or apart with ``granularity="nested"`` (whole blocks, their
+    sub-blocks inside them).
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
