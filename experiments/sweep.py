@@ -19,6 +19,9 @@ every strategy alike. A baseline's throughput does not depend on the budget:
 it is placed at every budget, as fitting where its measured peak is within
 the budget and as "does not fit (needs X)" elsewhere.
 
+One part at a time (``--full --models gpt2-cpu-medium --links gpu-ratio --out DIR``, each part as the whole
+profile runs it), then one report: ``--merge DIR1 DIR2 ... --out DIR``.
+
 Writes to ``--out`` (default experiments/results/sweep-quick or sweep-full):
 ``runs.json`` (every record), ``sweep.csv``, ``summary.md`` (the tables, OSDP /
 best fitting baseline, the targets) and the PNG figures of ``plots.py``.
@@ -351,9 +354,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--from-runs", type=Path, metavar="DIR",
                     help="run nothing: rewrite DIR's sweep.csv, summary.md and figures from its runs.json")
+    ap.add_argument("--merge", nargs="+", type=Path, metavar="PART_DIR",
+                    help="run nothing: one report in --out from sweeps run a part at a time (their runs.json)")
     args = ap.parse_args(argv)
     if args.from_runs:
         return report(args.from_runs, plots=not args.no_plots)
+    if args.merge:
+        if not args.out:
+            ap.error("--merge needs --out")
+        return merge(args.merge, args.out, plots=not args.no_plots)
     profile_name = "full" if args.full else "quick"
     profile = dict(PROFILES[profile_name])
     # one part of a profile (--full --models gpt2-cpu-medium) runs as it does in the whole profile
@@ -435,6 +444,32 @@ def main(argv: list[str] | None = None) -> int:
     report(out, plots=not args.no_plots)
     print(f"sweep: wrote {out} in {(time.time() - start) / 60:.1f} min")
     return 0
+
+
+def merge(parts: Sequence[Path], out: Path, plots: bool = True) -> int:
+    """One report from sweeps run a part at a time (``--full --models X --links Y``, each its own ``--out``):
+    their records together in ``out/runs.json``, the meta saying where each part came from."""
+    runs = [json.loads((p / "runs.json").read_text()) for p in parts]
+    metas = [r["meta"] for r in runs]
+    if len({(m["profile"], m["rounds"], m["time_per_run_s"], m.get("reduce_scatter")) for m in metas}) > 1:
+        raise SystemExit("sweep --merge: the parts were run with different settings (profile, repeats, time per "
+                         "run or reduce-scatter); merge only parts of one profile")
+    sources = sorted({m.get("osdp_source", "unknown") for m in metas})
+    meta = {
+        **metas[0],
+        "osdp_source": ", ".join(sources),
+        "command": "; ".join(m["command"] for m in metas) + f"; python experiments/sweep.py --merge ... --out {out}",
+        "date": ", ".join(m["date"] for m in metas),
+        "seconds": sum(m["seconds"] for m in metas),
+        "parts": [{**part, "osdp_source": m.get("osdp_source"), "date": m["date"]} for m in metas for part in m["parts"]],
+        "links": [link for m in metas for link in m["links"]],
+        "calibrations": {k: v for m in metas for k, v in m.get("calibrations", {}).items()},
+        "merged_from": [str(p) for p in parts],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "runs.json").write_text(json.dumps({"meta": meta, "results": [x for r in runs for x in r["results"]]},
+                                              indent=1, default=str))
+    return report(out, plots=plots)
 
 
 def report(out: Path, plots: bool = True) -> int:
