@@ -8,9 +8,10 @@ One run, one command (about 15 minutes on a quiet 2-core machine):
    the calibration ``osdp.wrap`` would measure on first use; then each model described as ``osdp.plan``
    describes it (``osdp validate --describe-only``), into the same cache, in processes of their own;
 2. for each model, ``osdp validate``: every default plan (DDP, ZeRO-2, FSDP, checkpointing, splits, mixed;
-   ten) and two plans taking every other block apart (``osdp.validate.per_block_plans``), predicted exactly as ``osdp.wrap`` predicts, from the cached calibration and description (nothing
-   measured in the validating run enters a prediction; the run checks that the description came from the
-   cache), then trained for real;
+   ten) and two plans taking every other block apart (``osdp.validate.per_block_plans``), predicted exactly
+   as ``osdp.wrap`` predicts, from the cached calibration and descriptions (nothing measured in the
+   validating run enters a prediction; the run checks that the descriptions came from the cache), then
+   trained for real;
 3. the default ``osdp train`` run (gpt2-tiny, OSDP at 6 MiB): its plan's predicted step against its measured
    median.
 

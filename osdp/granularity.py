@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from osdp.description import ModelDescription
 from osdp.device import DeviceInfo
 from osdp.plan import ROOT, Plan
 from osdp.search.problem import Problem, SubUnits
+from osdp.units import nesting
 
 # A block whose parts have more option combinations than this is only taken whole (the search stays fast).
 MAX_COMBINATIONS = 4096
@@ -70,8 +71,8 @@ def compose(coarse: ModelDescription, nested: ModelDescription, apart: Iterable[
     units, order = [], []
     for unit in coarse.units:  # bottom-up: a block's parts before the block
         units += [inner[p] for p in blocks[unit.path]] if unit.path in apart else [unit]
-    paths = [u.path for u in units]
-    units = [dataclasses.replace(u, nested=_directly_inside(u.path, paths)) for u in units]
+    inside = nesting(u.path for u in units)
+    units = [dataclasses.replace(u, nested=inside[u.path]) for u in units]
     for path in coarse.forward_order:
         order += [p for p in nested.forward_order if p in blocks[path]] if path in apart else [path]
     return dataclasses.replace(
@@ -116,7 +117,8 @@ def build_problem(
     row = {path: i for i, path in enumerate(nested.paths)}
     labels: list[Any] = list(whole.options)
     column: dict[SubUnits, int] = {}
-    extra: dict[tuple[int, int], tuple[float, int, int]] = {}  # (unit, column) -> time, mem, transient
+    k = whole.num_options
+    apart: list[tuple[int, list[int], tuple[np.ndarray, ...]]] = []  # (unit, its columns, its parts' costs)
     for u, path in enumerate(coarse.paths):
         if path not in blocks:
             continue
@@ -124,23 +126,24 @@ def build_problem(
         choices = [np.flatnonzero(parts.allowed[r]) for r in rows]
         if np.prod([len(c) for c in choices]) > max_combinations:
             continue
+        columns = []
         for combo in itertools.product(*choices):
             label = SubUnits(tuple((_relative(p, path), parts.options[o]) for p, o in zip(blocks[path], combo)))
-            j = column.setdefault(label, len(labels))
-            if j == len(labels):
+            columns.append(column.setdefault(label, len(labels)))
+            if columns[-1] == len(labels):
                 labels.append(label)
-            extra[u, j] = (
-                float(sum(parts.time[r, o] for r, o in zip(rows, combo))),
-                int(sum(parts.mem[r, o] for r, o in zip(rows, combo))),
-                int(max(parts.transient[r, o] for r, o in zip(rows, combo))),
-            )
+        grid = [g.reshape(-1) for g in np.meshgrid(*choices, indexing="ij")]  # itertools.product's order
+        apart.append((u, columns, (
+            sum(parts.time[r, g] for r, g in zip(rows, grid)),
+            sum(parts.mem[r, g] for r, g in zip(rows, grid)),
+            np.max([parts.transient[r, g] for r, g in zip(rows, grid)], axis=0),
+        )))
     shape = (whole.num_units, len(labels))
     time_, mem, transient = np.zeros(shape), np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64)
     allowed = np.zeros(shape, dtype=bool)
-    k = whole.num_options
     time_[:, :k], mem[:, :k], transient[:, :k], allowed[:, :k] = whole.time, whole.mem, whole.transient, whole.allowed
-    for (u, j), (t, m, tr) in extra.items():
-        time_[u, j], mem[u, j], transient[u, j], allowed[u, j] = t, m, tr, True
+    for u, columns, (t, m, tr) in apart:
+        time_[u, columns], mem[u, columns], transient[u, columns], allowed[u, columns] = t, m, tr, True
     return Problem(time=time_, mem=mem, transient=transient, allowed=allowed, base=whole.base,
                    batch_size=batch_size, units=coarse.paths, options=labels)
 
@@ -150,15 +153,6 @@ def apart_in(plan: Plan, coarse: ModelDescription, nested: ModelDescription) -> 
     paths = set(plan.paths)
     return [block for block, parts in blocks_apart(coarse, nested).items()
             if any(p in paths for p in parts if p != block)]
-
-
-def _directly_inside(path: str, paths: Sequence[str]) -> tuple[str, ...]:
-    """The units of ``paths`` nested in ``path`` with no other unit between them."""
-    def within(p: str, ancestor: str) -> bool:
-        return p != ancestor and (ancestor == ROOT or p.startswith(ancestor + "."))
-
-    return tuple(sorted(p for p in paths if within(p, path)
-                        and not any(within(p, q) and within(q, path) for q in paths)))
 
 
 def _relative(path: str, block: str) -> str:

@@ -118,7 +118,7 @@ def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
         and _parent(path) not in sub_block
         and any(p.dim() >= 2 for p in m.parameters(recurse=False))
     }
-    if granularity != "sub-block":  # a module holding two or more sub-blocks (attention and MLP) replaces them
+    if granularity == "block":  # a module holding two or more sub-blocks (attention and MLP) replaces them
         parents: dict[str, list[str]] = {}
         for path in sub_block:
             parents.setdefault(_parent(path), []).append(path)
@@ -186,10 +186,7 @@ def build_units(model: nn.Module, paths: Iterable[str]) -> list[Unit]:
     owned = unit_parameters(model, paths)
     numel = {p: sum(t.numel() for t in owned[p]) for p in paths}
     nbytes = {p: sum(t.numel() * t.element_size() for t in owned[p]) for p in paths}
-    nested = {
-        p: tuple(sorted(q for q in paths if q != p and _is_within(q, p) and _nearest_unit(q, paths) == p))
-        for p in paths
-    }
+    nested = nesting(paths)
     ordered = sorted(paths, key=lambda p: (-(p.count(".") + 1) if p else 1, p))
     return [
         Unit(
@@ -202,6 +199,13 @@ def build_units(model: nn.Module, paths: Iterable[str]) -> list[Unit]:
         )
         for p in ordered
     ]
+
+
+def nesting(paths: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """For each unit path (the root among them), the units nested in it with no other unit between."""
+    paths = set(paths) | {ROOT}
+    return {p: tuple(sorted(q for q in paths if q != p and _is_within(q, p) and _nearest_unit(q, paths) == p))
+            for p in paths}
 
 
 def param_homes(model: nn.Module, paths: Iterable[str]) -> dict[int, str]:

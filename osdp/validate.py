@@ -12,9 +12,9 @@ already under it):
    stops and says how to make one;
 2. every plan (``default_plans``: DDP, ZeRO-2, FSDP, checkpointing, splits,
    mixed; ``per_block_plans``: every other block taken apart, priced from the
-   "block" and "nested" descriptions as the search prices it) is trained side by side, one step of each in turn
-   (``osdp.harness.run_jobs``), so that a shared machine's changing load hits
-   all alike;
+   "block" and "nested" descriptions as the search prices it) is trained
+   side by side, one step of each in turn (``osdp.harness.run_jobs``), so
+   that a shared machine's changing load hits all alike;
 3. each plan's step time is the median over its steps of the slowest rank, and
    its peak memory per rank comes from one tracked step
    (``osdp.memory.PeakMemory``: live tensor bytes on CPU,
@@ -53,7 +53,7 @@ from osdp.log import Progress
 from osdp.machine import machine_info
 from osdp.optim import OPTIMIZERS
 from osdp.plan import ROOT, Plan, UnitPlan
-from osdp.planner import planning_description
+from osdp.planner import description_of, planning_description
 from osdp.report import format_bytes, format_table
 
 # --------------------------------------------------------------------------- plans
@@ -120,14 +120,15 @@ def default_plans(
 
 
 def per_block_plans(coarse: ModelDescription, nested: ModelDescription, batch_size: int,
-                    world_size: int) -> dict[str, tuple[Plan, ModelDescription]]:
-    """Two plans taking every other block apart (``osdp.granularity``), each with the description that prices
-    it (composed from the "block" and "nested" ones), or none for a model without blocks to take apart."""
+                    world_size: int) -> dict[str, Plan]:
+    """Two plans taking every other block apart (``osdp.granularity``; ``osdp.planner.description_of`` gives
+    the description that prices them), or none for a model without blocks to take apart."""
     blocks = granularity.blocks_apart(coarse, nested)
     apart = [u.path for u in coarse.units if u.path in blocks][1::2]
-    described = granularity.compose(coarse, nested, apart)
+    if not apart:
+        return {}
 
-    def plan(whole: tuple, own: tuple, first: tuple, rest: tuple, other: tuple) -> tuple[Plan, ModelDescription]:
+    def plan(whole: tuple, own: tuple, first: tuple, rest: tuple, other: tuple) -> Plan:
         decisions = []
         for u in coarse.units:
             if u.path in apart:  # its parts: the sub-blocks in order, then the block itself (its norms)
@@ -137,10 +138,8 @@ def per_block_plans(coarse: ModelDescription, nested: ModelDescription, batch_si
                 decisions.append(UnitPlan(u.path, *(whole if u.path in blocks else other)))
         p = Plan(decisions, batch_size=batch_size, world_size=world_size, model_signature=coarse.signature)
         p.meta["granularity"] = "per-block"
-        return p, described
+        return p
 
-    if not apart:
-        return {}
     return {
         # whole blocks sharded and checkpointed; apart: attention sharded and checkpointed, the MLP replicated
         "per-block-a": plan(whole=("zero3", 1, True), own=("zero2", 1, False), first=("zero3", 1, True),
@@ -245,7 +244,7 @@ def validate(
     # a plan taking some blocks apart is priced from the "block" and "nested" descriptions, as the search does
     coarse, nested = (planning_description(model, batch, granularity=g) for g in ("block", "nested"))
     del model
-    # per precision (at the default granularity), and the two per-block plans are priced from
+    # what each plan is priced from: per precision at the default granularity; the per-block plans from two
     described = {p: {"source": d.source, "profile_seconds": d.profile_seconds, "from_cache": d.from_cache,
                      "cache_key": d.cache_key, "checks": d.checks}
                  for p, d in [*descriptions.items(), ("fp32 block", coarse), ("fp32 nested", nested)]}
@@ -255,8 +254,7 @@ def validate(
     if "bf16" in precisions:  # default_plans adds bf16 plans to a description that has both
         description = dataclasses.replace(description, precisions=tuple(precisions))
     plans = default_plans(description, batch_size, world_size, splits=can_split(device))
-    composed = per_block_plans(coarse, nested, batch_size, world_size)
-    plans.update({name: plan for name, (plan, _) in composed.items()})
+    plans.update(per_block_plans(coarse, nested, batch_size, world_size))
     if plan_names:
         unknown = sorted(set(plan_names) - set(plans))
         if unknown:
@@ -266,7 +264,8 @@ def validate(
                         optimizer=optimizer, time_budget_s=time_budget_s, progress=say)
     records = []
     for name, plan in plans.items():
-        pricing = composed[name][1] if name in composed else descriptions[plan.mixed_precision]
+        pricing = (description_of(plan, [coarse, nested]) if plan.meta.get("granularity") == "per-block"
+                   else descriptions[plan.mixed_precision])
         pred = predict(pricing, plan, machine.device_info, optimizer=optimizer, calibration=machine.calibration)
         m = measured[name]
         records.append({
