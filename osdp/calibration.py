@@ -65,7 +65,7 @@ from osdp.machine import cpu_model, host
 from osdp.plan import MODES, ROOT, Plan, UnitPlan
 from osdp.profile import cache_dir, describe_once
 
-CALIBRATION_VERSION = 9  # bump when what is measured changes: older cache entries are not read
+CALIBRATION_VERSION = 10  # bump when what is measured changes: older cache entries are not read
 PROFILE_ENV = "OSDP_CALIBRATION_PROFILE"
 
 
@@ -328,6 +328,15 @@ def measure_compute_scale(device: torch.device, spec: NetSpec, rounds: int) -> d
         "alone_s": statistics.median(alone), "together_s": statistics.median(together),
         "spread": spread(alone),
     }
+
+
+def pooled_compute_scale(*measurements: dict[str, Any] | None) -> float:
+    """The compute scale over every round of ``measure_compute_scale`` made at different moments (before the
+    calibration's jobs and after them): the median of all their rounds, so that a load on the machine at one
+    moment, for fewer than half the rounds, does not move it. (Once, seven of the first measurement's fifteen
+    rounds ran at 1.4-2.1x: its median said 1.19x, the measurement after the jobs 1.10x, and every plan of the
+    run that planned with 1.19x measured 2-16% faster than predicted.)"""
+    return statistics.median(r for m in measurements if m for r in m["ratios"])
 
 
 def _meeting_segments(description: ModelDescription, compute_scale: float, b: int) -> float:
@@ -729,16 +738,18 @@ def measure_calibration(
     # the machine may have got busy while the jobs ran: the same check once more, at the end
     after = measure_compute_scale(device, compute_net, profile.compute_rounds) if profile.busy_spread else None
     busy = max(compute["spread"], after["spread"] if after else 0.0)
+    compute_scale = pooled_compute_scale(compute, after)
     if progress:
         progress("ranks meeting at every unit against once a step")
-    meeting = measure_meeting_wait(device, profile.meeting_net, compute["scale"], device_info.collectives,
+    meeting = measure_meeting_wait(device, profile.meeting_net, compute_scale, device_info.collectives,
                                    profile.compute_rounds, repeats=profile.describe_repeats)
-    calibration = fit_calibration(profile, compute["scale"], descriptions, jobs, measured, device_info,
+    calibration = fit_calibration(profile, compute_scale, descriptions, jobs, measured, device_info,
                                   overlap=0.0 if device.type == "cpu" else None, optimizer=optimizer,
                                   meeting_wait=meeting["wait_s_per_sqrt_s"])
     details = {
         "compute": compute,
         "compute_after": after,
+        "compute_scale": compute_scale,
         "meeting": meeting,
         "busy": bool(profile.busy_spread and busy > profile.busy_spread),  # then ``calibrate`` does not cache it
         "busy_spread": busy,

@@ -24,6 +24,7 @@ from osdp.calibration import (
     calibration_path,
     fit_calibration,
     other_calibrations,
+    pooled_compute_scale,
     read_calibration,
 )
 from osdp.cost import Calibration, predict
@@ -77,6 +78,14 @@ def test_fit_recovers_the_costs_that_made_the_measurements():
         assert fitted.root_overhead_s[mode] == pytest.approx(KNOWN.root_overhead_s[mode], rel=1e-6)
         assert fitted.unit_s_per_byte[mode] == pytest.approx(KNOWN.unit_s_per_byte[mode], rel=1e-6)
     assert fitted.margin_bytes == KNOWN.margin_bytes and fitted.compute_scale == KNOWN.compute_scale
+
+
+def test_the_compute_scale_is_the_median_over_both_moments_rounds():
+    # a validation run's calibration (run 20): seven of the first fifteen rounds under a passing load
+    before = [1.61, 1.4, 1.41, 1.45, 1.9, 1.5, 2.12, 1.19, 1.08, 1.16, 1.05, 1.05, 1.04, 1.09, 1.08]
+    after = [1.04, 1.02, 1.07, 1.11, 1.07, 1.1, 1.1, 1.1, 1.19, 1.1, 1.24, 1.07, 1.09, 1.11, 1.03]
+    assert pooled_compute_scale({"ratios": before}, {"ratios": after}) == pytest.approx(1.1)  # before alone: 1.19
+    assert pooled_compute_scale({"ratios": after}, None) == pytest.approx(1.1)  # no second moment: its own median
 
 
 def _key(**changes) -> CalibrationKey:
