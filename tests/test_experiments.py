@@ -522,3 +522,29 @@ def test_sweeps_run_a_part_at_a_time_merge_into_one_report(result, tmp_path):
                                                              "parts": []}, "results": []}))
     with pytest.raises(SystemExit, match="different settings"):
         sweep.merge(parts, tmp_path / "refused", plots=False)
+
+
+def test_same_plans_replans_a_part_from_its_stored_calibration(result, tiny, tmp_path):
+    """experiments/same_plans.py: from a part's runs.json, the plan at each budget as this osdp's search makes
+    it (every granularity: never slower than the one-granularity search that made the part's plans), within
+    the budget, the same lines on every call (so two commits' outputs can be diffed)."""
+    import same_plans
+
+    from osdp.cost import Calibration
+
+    _, _, info, _ = tiny
+    part = {**result, "device_info": info.to_dict(), "calibration": {"calibration": Calibration().to_dict()}}
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"meta": {}, "results": [part]}))
+    lines = same_plans.plan_lines(str(path))
+    assert lines == same_plans.plan_lines(str(path))
+    at_budgets = [r for r in result["records"] if r["strategy"] == "osdp"]
+    assert len(lines) == len(at_budgets)
+    for line, record in zip(lines, at_budgets):
+        fields = line.split()
+        assert fields[:3] == ["gpt2-tiny", "loopback", str(record["budget_bytes"])]
+        if record["status"] == "budget too small":
+            assert "budget too small" in line
+            continue
+        step, peak = float(fields[5]), int(fields[8])
+        assert peak <= record["budget_bytes"] and step <= record["predicted_step_s"] * (1 + 1e-6)  # as printed
