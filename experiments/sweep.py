@@ -463,7 +463,8 @@ def merge(parts: Sequence[Path], out: Path, plots: bool = True) -> int:
         "seconds": sum(m["seconds"] for m in metas),
         "parts": [{**part, "osdp_source": m.get("osdp_source"), "date": m["date"]} for m in metas for part in m["parts"]],
         "links": [link for m in metas for link in m["links"]],
-        "calibrations": {k: v for m in metas for k, v in m.get("calibrations", {}).items()},
+        # keyed by part and link: two parts on one link (two models) were calibrated apart
+        "calibrations": {f"{p.name} {k}": v for p, m in zip(parts, metas) for k, v in m.get("calibrations", {}).items()},
         "merged_from": [str(p) for p in parts],
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -497,25 +497,27 @@ def test_sweeps_run_a_part_at_a_time_merge_into_one_report(result, tmp_path):
             "min_steps": 20, "time_per_run_s": 1.0, "reduce_scatter": "pairwise", "budgets": 4, "calibrations": {},
             "machine": {"cpu": "cpu", "cores": 2, "platform": "linux", "python": "3", "torch": "2"}}
     parts = []
-    for link, source in (("loopback", "aaa"), ("gpu-ratio", "bbb")):
+    for link, source in (("gpu-ratio", "aaa"), ("gpu-ratio", "bbb")):  # two models' parts on one link
         part = {**result, "link": {"name": link}, "records": [{**r, "link": link} for r in result["records"]],
                 "device_info": {"flops": {"float32": 1e9}}}
-        folder = tmp_path / link
+        folder = tmp_path / source
         folder.mkdir()
         (folder / "runs.json").write_text(json.dumps({"meta": {
-            **meta, "osdp_source": source, "links": [{"name": link}],
+            **meta, "osdp_source": source, "links": [{"name": link}], "calibrations": {link: {"measured_at": source}},
             "parts": [{"model": "gpt2-tiny", "link": link, "load_before": [0.0] * 3, "load_after": [0.0] * 3,
                        "seconds": 30.0}]}, "results": [part]}))
         parts.append(folder)
     out = tmp_path / "merged"
     assert sweep.merge(parts, out, plots=False) == 0
     merged = json.loads((out / "runs.json").read_text())
-    assert [r["link"]["name"] for r in merged["results"]] == ["loopback", "gpu-ratio"]
+    assert [r["link"]["name"] for r in merged["results"]] == ["gpu-ratio", "gpu-ratio"]
     assert merged["meta"]["osdp_source"] == "aaa, bbb" and merged["meta"]["seconds"] == 120
     assert [p["osdp_source"] for p in merged["meta"]["parts"]] == ["aaa", "bbb"]
+    assert merged["meta"]["calibrations"] == {"aaa gpu-ratio": {"measured_at": "aaa"},  # each part's kept
+                                              "bbb gpu-ratio": {"measured_at": "bbb"}}
     with (out / "sweep.csv").open() as f:
         table = list(csv.DictReader(f))
-    assert {r["link"] for r in table} == {"loopback", "gpu-ratio"}
+    assert {r["link"] for r in table} == {"gpu-ratio"}
     assert len(table) == 2 * len(sweep.rows_of(result))
     # parts of different settings are not one sweep
     (parts[1] / "runs.json").write_text(json.dumps({"meta": {**meta, "rounds": 5, "osdp_source": "bbb", "links": [],
