@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+from pathlib import Path
 
 import torch
 
@@ -31,7 +32,7 @@ from osdp.search import BudgetTooSmall
 
 def plan_lines(runs_json: str) -> list[str]:
     lines = []
-    for result in json.loads(open(runs_json).read())["results"]:
+    for result in json.loads(Path(runs_json).read_text())["results"]:
         calibration = Calibration.from_dict(result["calibration"]["calibration"])
         device = DeviceInfo.from_dict(result["device_info"])
         at_budgets = [r for r in result["records"] if r["strategy"] == "osdp"]

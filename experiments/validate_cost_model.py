@@ -180,11 +180,10 @@ def spread(paths: list[Path], without: tuple[str, ...] = ()) -> str:
     """Per model and target: the value in every run, and whether it was met in all of them; ``without``: leave
     out the plans whose names start so (the summaries recomputed from the rest)."""
     runs = [json.loads(p.read_text()) for p in paths]
-    for r in runs:
-        for res in r["results"].values():
-            if without:
-                res["records"] = [x for x in res["records"] if not x["plan"].startswith(without)]
-                res["summary"] = summarize(res["records"])
+    if without:
+        for res in (res for r in runs for res in r["results"].values()):
+            res["records"] = [x for x in res["records"] if not x["plan"].startswith(without)]
+            res["summary"] = summarize(res["records"])
     title = f"# Spread over {len(runs)} validation runs" + (f", without the plans {', '.join(without)}*" if without else "")
     lines = [title, "",
              "Runs: " + "; ".join(f"{p.name} ({r['seconds']:.0f} s, calibration compute "
