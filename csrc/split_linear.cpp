@@ -4,7 +4,7 @@
 // output. Backward: gather again, compute the input gradient and the slice's
 // weight gradient, reduce-scatter that gradient behind the next slice's
 // compute. Same arguments, collectives and order as osdp/split/_loop.py
-// (with `pairwise`, osdp.comm's reduce-scatter: NCCL's traffic on gloo).
+// (with `pairwise_*`, osdp.comm's reduce-scatter and all-gather: NCCL's traffic on gloo).
 //
 // Layout: each rank holds rows_per_rank = sum(piece_sizes) rows of the weight
 // (FSDP2's Shard(0) chunk, padded on the tail ranks), cut into pieces; slice i
@@ -103,15 +103,54 @@ class PairwiseReduceScatter : public c10d::Work {
   bool done_ = false;
 };
 
-// Tags of the op's pairwise reduce-scatters: the same sequence on every rank (every rank runs the same
+// osdp.comm's pairwise all-gather (NCCL's traffic on gloo, whose own all-gather is slower through a
+// rate-limited link): rank r copies its piece into chunk r of the output, sends it to every peer and
+// receives peer j's into chunk j. CPU tensors only.
+class PairwiseAllGather : public c10d::Work {
+ public:
+  PairwiseAllGather(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in, int tag) {
+    TORCH_CHECK(out.is_cpu() && in.is_contiguous() && out.is_contiguous(),
+                "the pairwise all-gather takes contiguous CPU tensors");
+    int64_t n = pg->getSize(), rank = pg->getRank();
+    auto chunks = out.view({n, -1});
+    at::Tensor own = chunks[rank];
+    own.copy_(in.view({-1}));
+    for (int64_t step = 1; step < n; ++step) {
+      int64_t to = (rank + step) % n, from = (rank - step + n) % n;
+      std::vector<at::Tensor> recv{chunks[from]}, send{own};
+      works_.push_back(pg->recv(recv, from, tag));
+      works_.push_back(pg->send(send, to, tag));
+    }
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (done_) return true;
+    for (auto& work : works_) work->wait(timeout);
+    works_.clear();
+    done_ = true;
+    return true;
+  }
+
+  bool isCompleted() override { return done_; }
+
+ private:
+  std::vector<WorkPtr> works_;
+  bool done_ = false;
+};
+
+// Tags of the op's pairwise collectives: the same sequence on every rank (every rank runs the same
 // ops in the same order); osdp/comm.py counts its own from 1 << 24, so the two never meet.
 std::atomic<int64_t> pairwise_calls{0};
 
+int next_pairwise_tag() { return static_cast<int>((1 << 25) + pairwise_calls.fetch_add(1) % (1 << 20)); }
+
+WorkPtr all_gather(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in, bool pairwise) {
+  if (pairwise) return c10::make_intrusive<PairwiseAllGather>(pg, out, in, next_pairwise_tag());
+  return all_gather(pg, out, in);
+}
+
 WorkPtr reduce_scatter(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in, bool pairwise) {
-  if (pairwise) {
-    int tag = static_cast<int>((1 << 25) + pairwise_calls.fetch_add(1) % (1 << 20));
-    return c10::make_intrusive<PairwiseReduceScatter>(pg, out, in, tag);
-  }
+  if (pairwise) return c10::make_intrusive<PairwiseReduceScatter>(pg, out, in, next_pairwise_tag());
   c10d::ReduceScatterOptions opts;
   // Data-parallel mean, like FSDP2 (which also avoids AVG on a single rank).
   opts.reduceOp = pg->getSize() > 1 ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
@@ -132,19 +171,23 @@ class Transport {
   virtual WorkPtr reduce_scatter(at::Tensor& out, at::Tensor& in, int64_t i) = 0;
 };
 
-// `pairwise`: osdp.comm's reduce-scatter instead of the group's own (see PairwiseReduceScatter).
+// `pairwise_reduce` / `pairwise_gather`: osdp.comm's collectives instead of the group's own (see
+// PairwiseReduceScatter, PairwiseAllGather).
 class GroupTransport final : public Transport {
  public:
-  GroupTransport(ProcessGroupPtr pg, bool pairwise) : pg_(std::move(pg)), pairwise_(pairwise) {}
+  GroupTransport(ProcessGroupPtr pg, bool pairwise_reduce, bool pairwise_gather)
+      : pg_(std::move(pg)), pairwise_reduce_(pairwise_reduce), pairwise_gather_(pairwise_gather) {}
   int64_t size() const override { return pg_->getSize(); }
-  WorkPtr gather(at::Tensor& out, at::Tensor& piece, int64_t) override { return all_gather(pg_, out, piece); }
+  WorkPtr gather(at::Tensor& out, at::Tensor& piece, int64_t) override {
+    return all_gather(pg_, out, piece, pairwise_gather_);
+  }
   WorkPtr reduce_scatter(at::Tensor& out, at::Tensor& in, int64_t) override {
-    return ::reduce_scatter(pg_, out, in, pairwise_);
+    return ::reduce_scatter(pg_, out, in, pairwise_reduce_);
   }
 
  private:
   ProcessGroupPtr pg_;
-  bool pairwise_;
+  bool pairwise_reduce_, pairwise_gather_;
 };
 
 // The stand-in: one rank holding the whole weight; slice i is copied in from pinned host
@@ -421,16 +464,18 @@ Grads backward_loop(const at::Tensor& grad_out_in, const at::Tensor& x, const at
 }
 
 at::Tensor split_linear_forward(const at::Tensor& x, const at::Tensor& w_local, const ProcessGroupPtr& pg,
-                                const std::vector<int64_t>& piece_sizes, int64_t out_features) {
-  GroupTransport transport(pg, false);  // the forward only gathers
+                                const std::vector<int64_t>& piece_sizes, int64_t out_features,
+                                bool pairwise_gather) {
+  GroupTransport transport(pg, false, pairwise_gather);  // the forward only gathers
   return forward_loop(x, w_local, transport, piece_sizes, out_features);
 }
 
 Grads split_linear_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w_local,
                             const ProcessGroupPtr& pg, const std::vector<int64_t>& piece_sizes, int64_t out_features,
                             bool need_input_grad, bool need_weight_grad,
-                            std::optional<at::ScalarType> reduce_dtype, bool pairwise) {
-  GroupTransport transport(pg, pairwise);
+                            std::optional<at::ScalarType> reduce_dtype, bool pairwise_reduce,
+                            bool pairwise_gather) {
+  GroupTransport transport(pg, pairwise_reduce, pairwise_gather);
   return backward_loop(grad_out, x, w_local, transport, piece_sizes, out_features, need_input_grad,
                        need_weight_grad, reduce_dtype);
 }

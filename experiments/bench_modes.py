@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repeats per model and link")
     ap.add_argument("--min-steps", type=int, default=run.MIN_STEPS, help="timed steps per run and repeat, at least")
     ap.add_argument("--time-per-run", type=float, default=2.0)
-    ap.add_argument("--reduce-scatter", choices=["native", "pairwise"], default=run.DEFAULT_REDUCE_SCATTER)
+    run.add_collective_args(ap)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "bench_modes")
     ap.add_argument("--from-runs", type=Path, metavar="DIR",
                     help="write the report from the parts an earlier run saved in DIR (its OUT/parts)")
@@ -127,14 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     for link_name in args.links:
         link = run.resolve_link(link_name)
         if link["name"] == "gpu-ratio":
-            link = run.calibrate_gpu_ratio(link, reduce_scatter=args.reduce_scatter)
+            link = run.calibrate_gpu_ratio(link, collectives=run.collectives_from_args(args))
             link.pop("probe_device_info", None)
         for model in models:
             spec = {
                 "model": model, "batch_size": BATCH.get(model, 8), "strategies": strategies, "budgets": [],
                 "groups": PAIRS,
                 "rounds": args.rounds, "time_per_run_s": args.time_per_run, "min_steps": args.min_steps,
-                "reduce_scatter": args.reduce_scatter, "link": link, "loadavg_before": os.getloadavg(),
+                **run.collectives_from_args(args), "link": link, "loadavg_before": os.getloadavg(),
             }
             print(f"bench_modes: {model} on {link.get('label', link['name'])}", flush=True)
             if model == models[0]:  # the link's calibration, which OSDP's plans are priced with, first
@@ -164,12 +164,13 @@ def write_report(results: list[dict[str, Any]], args: argparse.Namespace, comman
     load = ", ".join(f"{r['model']}/{r['link'].get('name')} "
                      + (f"{r['loadavg_before'][0]:.1f}" if r.get("loadavg_before") else "not recorded")
                      for r in results)
+    collectives = run.recorded_collectives(results[0]) if results else run.collectives_from_args(args)
     md = [
         "# OSDP's modes against PyTorch's own",
         "",
         f"`{command}` on {machine.get('cpu')} ({machine.get('cores')} cores), torch {machine.get('torch')}, "
-        f"2 gloo ranks of one thread, {results[0]['reduce_scatter'] if results else args.reduce_scatter} "
-        f"reduce-scatter, {'/'.join(map(str, rounds))} interleaved repeats of at least "
+        f"2 gloo ranks of one thread, {run.describe_collectives(collectives)}, "
+        f"{'/'.join(map(str, rounds))} interleaved repeats of at least "
         f"{results[0]['min_steps'] if results else args.min_steps} timed steps; load average before each part: "
         f"{load}; {seconds / 60:.0f} min.",
         "",

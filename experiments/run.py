@@ -42,9 +42,10 @@ two network namespaces joined by a shaped veth (``netns.py``), each namespace
 a node of nproc / 2 ranks (one torchrun per namespace, torchrun's
 ``LOCAL_WORLD_SIZE`` telling osdp the layout); ``tbf:RATE``.
 
-Every reduction is a reduce-scatter of ``osdp.comm`` (``reduce_scatter`` in
-the spec, default ``pairwise``: NCCL's traffic on gloo), for every strategy
-alike; the result says which.
+Every reduction is a reduce-scatter and every gather an all-gather of
+``osdp.comm`` (``reduce_scatter`` and ``all_gather`` in the spec, default
+``pairwise`` both: NCCL's traffic on gloo), for every strategy alike; the
+result says which.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ EXTRA_STRATEGIES = ("fairscale",)
 STRATEGIES = (*ALL_BASELINES, *ABLATIONS, *TWINS, *EXTRA_STRATEGIES)
 COMPUTE_ONLY = "compute-only"  # the plain model, no communication: the efficiency reference
 MIN_STEPS = 20  # timed steps per run and repeat, at least
-DEFAULT_REDUCE_SCATTER = "pairwise"  # osdp.comm: NCCL's traffic on gloo, for every strategy alike
+# osdp.comm's collectives, for every strategy alike: NCCL's traffic on gloo
+DEFAULT_COLLECTIVES = {"reduce_scatter": "pairwise", "all_gather": "pairwise"}
 # The GPU node whose compute-to-communication ratio the shaped link reproduces: osdp.device's
 # h100-nvlink preset, achievable bf16 FLOP/s (45% of 989 TFLOP/s) over all-gather busbw (360 GB/s).
 GPU_RATIO_PRESET = "h100-nvlink"
@@ -289,8 +291,9 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     from osdp.units import structure_signature
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    reduce_scatter = spec.get("reduce_scatter", DEFAULT_REDUCE_SCATTER)
-    comm.set_reduce_scatter(reduce_scatter)  # before anything measures or wraps
+    collectives = spec_collectives(spec)
+    comm.set_reduce_scatter(collectives["reduce_scatter"])  # before anything measures or wraps
+    comm.set_all_gather(collectives["all_gather"])
     device = init_from_env(spec.get("device", "auto"))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model_name, b = spec["model"], int(spec["batch_size"])
@@ -310,9 +313,9 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     batch = tuple(t.to(device) for t in synthetic_batch(config, b, generator=g))
 
     if spec.get("link_probe"):  # only the link: how fast gloo's collectives are over it
-        say(f"measuring collectives ({reduce_scatter} reduce-scatter) and FLOP/s on the live group")
+        say(f"measuring collectives ({describe_collectives(collectives)}) and FLOP/s on the live group")
         device_info = broadcast_object(measure_device(time_budget_s=float(spec.get("collective_time_s", 3.0))))
-        return {"device_info": device_info.to_dict(), "reduce_scatter": reduce_scatter} if rank == 0 else None
+        return {"device_info": device_info.to_dict(), **collectives} if rank == 0 else None
     if spec.get("calibrate"):  # this link's calibration, in its own run before the measured ones
         machine = calibrate(device, force=spec["calibrate"] == "force")
         return {"calibration": machine.to_dict(), "summary": machine.summary()} if rank == 0 else None
@@ -467,7 +470,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
             "model": model_name, "world_size": world_size, "batch_size": b, "seq_len": seq_len,
             "tokens_per_step_per_rank": tokens, "link": link.get("name"), "strategy": req["strategy"],
             "budget_bytes": req.get("budget_bytes"), "status": req.get("status", "ran"), "run": key,
-            "reduce_scatter": reduce_scatter,
+            **collectives,
         }
         if "needs_bytes" in req:
             rec["needs_bytes"] = req["needs_bytes"]
@@ -496,7 +499,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         "model": model_name,
         "config": dict(vars(config)),
         "link": link,
-        "reduce_scatter": reduce_scatter,
+        **collectives,
         "nodes": device_info.nodes,
         "ranks_per_node": world_size // device_info.nodes,
         "lowest_budget_bytes": lowest,
@@ -568,7 +571,8 @@ def launch(spec: dict[str, Any], *, nproc: int = 2, on_line: Callable[[str], Non
     LOCAL_RANK and LOCAL_WORLD_SIZE (the node layout osdp reads); gloo binds the veth address."""
     link = spec.get("link") or {"kind": "loopback"}
     env = dict(env or os.environ)
-    env["OSDP_REDUCE_SCATTER"] = spec.get("reduce_scatter", DEFAULT_REDUCE_SCATTER)  # osdp.comm, on every rank
+    collectives = spec_collectives(spec)  # osdp.comm's, on every rank
+    env["OSDP_REDUCE_SCATTER"], env["OSDP_ALL_GATHER"] = collectives["reduce_scatter"], collectives["all_gather"]
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
@@ -604,13 +608,41 @@ def launch(spec: dict[str, Any], *, nproc: int = 2, on_line: Callable[[str], Non
     return result
 
 
-def probe_link(link: dict[str, Any], *, reduce_scatter: str = DEFAULT_REDUCE_SCATTER,
+def spec_collectives(spec: dict[str, Any]) -> dict[str, str]:
+    """The ``osdp.comm`` implementations a spec asks for, defaults filled in."""
+    return {name: spec.get(name) or default for name, default in DEFAULT_COLLECTIVES.items()}
+
+
+def recorded_collectives(record: dict[str, Any]) -> dict[str, str]:
+    """The ``osdp.comm`` implementations a stored result ran with (those from before the all-gather setting
+    ran gloo's own all-gather)."""
+    return {"reduce_scatter": record.get("reduce_scatter", "native"), "all_gather": record.get("all_gather", "native")}
+
+
+def describe_collectives(collectives: dict[str, str]) -> str:
+    return f"{collectives['all_gather']} all-gather, {collectives['reduce_scatter']} reduce-scatter"
+
+
+def add_collective_args(ap: argparse.ArgumentParser) -> None:
+    """``--reduce-scatter`` and ``--all-gather``: osdp.comm's implementations for every strategy alike."""
+    for name in DEFAULT_COLLECTIVES:
+        ap.add_argument(f"--{name.replace('_', '-')}", choices=["native", "pairwise"],
+                        default=DEFAULT_COLLECTIVES[name],
+                        help=f"osdp.comm's {name.replace('_', '-')} for every strategy (pairwise: NCCL's traffic "
+                             f"on gloo)")
+
+
+def collectives_from_args(args: argparse.Namespace) -> dict[str, str]:
+    return {name: getattr(args, name) for name in DEFAULT_COLLECTIVES}
+
+
+def probe_link(link: dict[str, Any], *, collectives: dict[str, str] | None = None,
                env: dict[str, str] | None = None, on_line: Callable[[str], None] = print,
                nproc: int = 2) -> dict[str, Any]:
     """The collectives and FLOP/s measured on ``nproc`` ranks over ``link`` (``osdp.device.measure_device``;
     on two nodes of several ranks also each level's, ``topology``), nothing trained: the ``device_info`` dict."""
     spec = {"model": "gpt2-tiny", "batch_size": 1, "link": link, "link_probe": True, "collective_time_s": 2.0,
-            "reduce_scatter": reduce_scatter}
+            **(collectives or DEFAULT_COLLECTIVES)}
     return launch(spec, env=env, on_line=on_line, nproc=nproc)["device_info"]
 
 
@@ -634,7 +666,7 @@ def shaped_busbw(link: dict[str, Any], device_info: dict[str, Any]) -> float:
 
 def calibrate_gpu_ratio(link: dict[str, Any], *, env: dict[str, str] | None = None,
                         on_line: Callable[[str], None] = print, tolerance: float = 0.10, max_probes: int = 5,
-                        reduce_scatter: str = DEFAULT_REDUCE_SCATTER) -> dict[str, Any]:
+                        collectives: dict[str, str] | None = None) -> dict[str, Any]:
     """Adjust a ``gpu-ratio`` or ``inter-node-ratio`` link's tbf rate until the FLOP/s a rank gets (the core's,
     or its share of one, ``rank_flops``) over gloo's measured all-gather bus bandwidth on it (``shaped_busbw``:
     the world's, or the cross-node groups') is the target FLOP per byte within ``tolerance``.
@@ -649,7 +681,7 @@ def calibrate_gpu_ratio(link: dict[str, Any], *, env: dict[str, str] | None = No
     want = flops / target  # bytes/s of all-gather busbw
     rate, probes = link["rate_bit_per_s"], []
     for _ in range(max_probes):
-        info = probe_link({**link, "rate_bit_per_s": rate}, reduce_scatter=reduce_scatter, env=env, on_line=on_line,
+        info = probe_link({**link, "rate_bit_per_s": rate}, collectives=collectives, env=env, on_line=on_line,
                           nproc=link_nproc(link))
         busbw = shaped_busbw(link, info)
         probes.append({"rate_bit_per_s": rate, "all_gather_busbw_bytes_per_s": busbw,
@@ -735,25 +767,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="repeats (medians are reported)")
     ap.add_argument("--time-per-run", type=float, default=2.0, help="seconds of timed steps per repeat")
     ap.add_argument("--min-steps", type=int, default=MIN_STEPS, help="timed steps per repeat, at least")
-    ap.add_argument("--reduce-scatter", choices=["native", "pairwise"], default=DEFAULT_REDUCE_SCATTER,
-                    help="osdp.comm's reduce-scatter for every strategy (pairwise: NCCL's traffic on gloo)")
+    add_collective_args(ap)
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--json", type=Path, help="write the record here")
     args = ap.parse_args(argv)
     if args.worker:
         return worker_main(args.worker, args.out)
+    collectives = collectives_from_args(args)
     if args.probe_link:
         link = resolve_link(args.probe_link, ranks_per_node=max(1, args.nproc // 2))
         if link["name"] in ("gpu-ratio", "inter-node-ratio"):
-            link = calibrate_gpu_ratio(link, reduce_scatter=args.reduce_scatter)
+            link = calibrate_gpu_ratio(link, collectives=collectives)
             info = link.pop("probe_device_info")
             print(f"{link['label']}: {link['probe_flop_per_byte']:.0f} FLOP/byte measured "
                   f"({'within' if link['calibrated'] else 'NOT within'} 10% of the target)")
         else:
-            info = probe_link(link, reduce_scatter=args.reduce_scatter, nproc=args.nproc)
-        print(f"{link.get('label', link['name'])}, {args.reduce_scatter} reduce-scatter:\n{collective_table(info)}")
+            info = probe_link(link, collectives=collectives, nproc=args.nproc)
+        print(f"{link.get('label', link['name'])}, {describe_collectives(collectives)}:\n{collective_table(info)}")
         if args.json:
-            args.json.write_text(json.dumps({"link": link, "device_info": info, "reduce_scatter": args.reduce_scatter},
+            args.json.write_text(json.dumps({"link": link, "device_info": info, **collectives},
                                             indent=1, default=str))
         return 0
     from osdp.sizes import parse_size
@@ -763,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
         "strategies": [args.strategy or "fsdp2"] if not args.budget else [],
         "budgets": [parse_size(args.budget)] if args.budget else [],
         "rounds": args.rounds, "time_per_run_s": args.time_per_run, "min_steps": args.min_steps,
-        "reduce_scatter": args.reduce_scatter, "link": resolve_link(args.link, ranks_per_node=max(1, args.nproc // 2)),
+        **collectives, "link": resolve_link(args.link, ranks_per_node=max(1, args.nproc // 2)),
     }
     # what osdp.wrap would do on this machine: its cached calibration, measured first if there is none
     launch({**spec, "calibrate": "if missing"}, nproc=args.nproc)

@@ -46,7 +46,7 @@ best fitting baseline, the targets) and the PNG figures of ``plots.py``.
 | timed_steps | timed steps per repeat (``;``-separated) |
 | batch_size, seq_len | the micro-batch per rank |
 | tokens_per_s_rounds | tokens/s of each repeat, in run order (``;``-separated) |
-| reduce_scatter | osdp.comm's implementation every strategy used (``pairwise`` or ``native``) |
+| reduce_scatter, all_gather | osdp.comm's implementations every strategy used (``pairwise`` or ``native``) |
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ CSV_COLUMNS = [
     "predicted_tokens_per_s", "predicted_peak_bytes", "needs_bytes", "status", "efficiency", "tokens_per_s_min",
     "tokens_per_s_max", "step_s_median", "compute_step_s", "predicted_step_s", "replicated_fraction", "plan_hash",
     "plan_summary", "timed_steps", "batch_size", "seq_len", "tokens_per_s_rounds", "reduce_scatter",
+    "all_gather",
 ]
 QUIET_LOAD = 2.5
 # the issue's targets: OSDP / best fitting baseline at every budget, at some budget
@@ -122,6 +123,7 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
             "plan_summary": rec.get("plan_summary"),
             "timed_steps": ";".join(str(x) for x in m["timed_steps"]) if m.get("timed_steps") else None,
             "batch_size": rec["batch_size"], "seq_len": rec["seq_len"], "reduce_scatter": rec.get("reduce_scatter"),
+            "all_gather": rec.get("all_gather", "native"),
         }
         if rec["strategy"] == "osdp":
             budget = rec["budget_bytes"]
@@ -246,7 +248,8 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
               f"{meta['machine']['platform']}; Python {meta['machine']['python']}, torch {meta['machine']['torch']}",
               f"- ranks: {meta['world_size']} CPU processes (gloo), 1 thread each; optimizer AdamW, fp32",
               f"- osdp source: {meta.get('osdp_source', 'not recorded')}",
-              f"- reduce-scatter (osdp.comm, every strategy alike): {meta.get('reduce_scatter', 'native')}",
+              f"- collectives (osdp.comm, every strategy alike): {meta.get('all_gather', 'native')} all-gather, "
+              f"{meta.get('reduce_scatter', 'native')} reduce-scatter",
               f"- repeats: {meta['rounds']} interleaved repeats per run, each at least {meta.get('min_steps', '?')} "
               f"timed steps (~{meta['time_per_run_s']} s) after 2 warm-up steps, a step timed on the slowest rank; "
               "tokens/s are medians over repeats (in brackets: the slowest and fastest repeat); OSDP / best is the "
@@ -341,8 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-per-run", type=float, help="seconds of timed steps per run and repeat (at least "
                     "--min-steps steps)")
     ap.add_argument("--min-steps", type=int, default=run_mod.MIN_STEPS, help="timed steps per run and repeat, at least")
-    ap.add_argument("--reduce-scatter", choices=["native", "pairwise"], default=run_mod.DEFAULT_REDUCE_SCATTER,
-                    help="osdp.comm's reduce-scatter for every strategy (pairwise: NCCL's traffic on gloo)")
+    run_mod.add_collective_args(ap)
     ap.add_argument("--no-ablation", action="store_true", help="leave out OSDP's uniform plans (osdp-uniform-*)")
     ap.add_argument("--jobs-at-once", type=int, default=0,
                     help="models alive at once per repeat (0: all; fewer for large models)")
@@ -364,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--merge needs --out")
         return merge(args.merge, args.out, plots=not args.no_plots)
     profile_name = "full" if args.full else "quick"
+    collectives = run_mod.collectives_from_args(args)
     profile = dict(PROFILES[profile_name])
     # one part of a profile (--full --models gpt2-cpu-medium) runs as it does in the whole profile
     models = profile["models"] if not args.models else {m: profile["models"].get(m, (8, None)) for m in args.models}
@@ -390,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if name == "gpu-ratio" and not args.link_rate:
                 print(f"sweep: calibrating {link['label']} against gloo's all-gather bandwidth", flush=True)
-                link = run_mod.calibrate_gpu_ratio(link, reduce_scatter=args.reduce_scatter,
+                link = run_mod.calibrate_gpu_ratio(link, collectives=collectives,
                                                    on_line=lambda line: print(f"  {line}", flush=True))
                 link.pop("probe_device_info")
                 if not link["calibrated"]:
@@ -409,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             wait_for_quiet(args.wait_quiet)
             print(f"sweep: calibrating over {link['name']}", flush=True)
             got = run_mod.launch({"model": "gpt2-tiny", "batch_size": 1, "link": link, "calibrate": "force",
-                                  "reduce_scatter": args.reduce_scatter}, env=env,
+                                  **collectives}, env=env,
                                  on_line=lambda line: print(f"  {line}", flush=True))
             calibrations[link["name"]] = got["calibration"]
             print(f"sweep: {got['summary']}", flush=True)
@@ -425,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                               *(["fairscale"] if args.fairscale else [])]
                 spec = {"model": model, "batch_size": batch, "seq_len": seq, "strategies": strategies,
                         "auto_budgets": budgets, "rounds": rounds, "time_per_run_s": per_run,
-                        "min_steps": args.min_steps, "reduce_scatter": args.reduce_scatter,
+                        "min_steps": args.min_steps, **collectives,
                         "jobs_at_once": args.jobs_at_once, "link": link}
                 load_before = os.getloadavg()
                 result = run_mod.launch(spec, env=env,
@@ -438,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"osdp_source": source_commit() or "unknown", "profile": profile_name, "command": command, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
             "seconds": time.time() - start, "machine": results[0]["machine"] if results else machine_info(),
             "world_size": 2, "rounds": rounds, "time_per_run_s": per_run, "min_steps": args.min_steps,
-            "reduce_scatter": args.reduce_scatter, "budgets": budgets, "parts": parts, "links": links,
+            **collectives, "budgets": budgets, "parts": parts, "links": links,
             "calibrations": calibrations}
     (out / "runs.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
     report(out, plots=not args.no_plots)
@@ -451,9 +454,10 @@ def merge(parts: Sequence[Path], out: Path, plots: bool = True) -> int:
     their records together in ``out/runs.json``, the meta saying where each part came from."""
     runs = [json.loads((p / "runs.json").read_text()) for p in parts]
     metas = [r["meta"] for r in runs]
-    if len({(m["profile"], m["rounds"], m["time_per_run_s"], m.get("reduce_scatter")) for m in metas}) > 1:
+    if len({(m["profile"], m["rounds"], m["time_per_run_s"], m.get("reduce_scatter"), m.get("all_gather", "native"))
+            for m in metas}) > 1:
         raise SystemExit("sweep --merge: the parts were run with different settings (profile, repeats, time per "
-                         "run or reduce-scatter); merge only parts of one profile")
+                         "run or osdp.comm's collectives); merge only parts of one profile")
     sources = sorted({m.get("osdp_source", "unknown") for m in metas})
     meta = {
         **metas[0],

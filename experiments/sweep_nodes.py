@@ -158,7 +158,8 @@ def summary_markdown(results: list[dict[str, Any]], per_model: dict[str, dict[st
                 if link.get("probe_flop_per_byte") else "; nominal rate, not calibrated"),
              f"- OSDP's calibration: {meta.get('calibration_profile')} profile, measured on this layout before the "
              "runs",
-             f"- reduce-scatter (osdp.comm, every strategy alike): {meta['reduce_scatter']}",
+             f"- collectives (osdp.comm, every strategy alike): {meta.get('all_gather', 'native')} all-gather, "
+             f"{meta['reduce_scatter']} reduce-scatter",
              f"- repeats: {meta['rounds']} interleaved repeats per run, each at least {meta['min_steps']} timed steps "
              f"(~{meta['time_per_run_s']} s) after 2 warm-up steps, a step timed on the slowest rank; tokens/s are "
              "medians over repeats (in brackets: the slowest and fastest repeat); ratios are medians over repeats "
@@ -217,7 +218,7 @@ def node_link(args: argparse.Namespace, profile: dict[str, Any]) -> dict[str, An
     link = run_mod.resolve_link(LINK, ranks_per_node=RANKS_PER_NODE)
     if profile["calibrate_link"] and not args.no_link_calibration:
         print(f"sweep-nodes: calibrating {link['label']} against gloo's cross-node all-gather bandwidth", flush=True)
-        link = run_mod.calibrate_gpu_ratio(link, reduce_scatter=args.reduce_scatter,
+        link = run_mod.calibrate_gpu_ratio(link, collectives=run_mod.collectives_from_args(args),
                                            on_line=lambda line: print(f"  {line}", flush=True))
         link.pop("probe_device_info")
         if not link["calibrated"]:
@@ -234,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, help="interleaved repeats per run")
     ap.add_argument("--time-per-run", type=float, help="seconds of timed steps per run and repeat")
     ap.add_argument("--min-steps", type=int, help="timed steps per run and repeat, at least")
-    ap.add_argument("--reduce-scatter", choices=["native", "pairwise"], default=run_mod.DEFAULT_REDUCE_SCATTER,
-                    help="osdp.comm's reduce-scatter for every strategy (pairwise: NCCL's traffic on gloo)")
+    run_mod.add_collective_args(ap)
     ap.add_argument("--link-rate", help="fix the node's link rate (e.g. 80mbit, shared by its ranks) instead of "
                     "deriving it from this core's FLOP/s")
     ap.add_argument("--no-link-calibration", action="store_true", help="the nominal rate, without probing the link")
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sweep-nodes: OSDP's calibration ({calibration_profile}) on {NODES} nodes x {RANKS_PER_NODE}",
               flush=True)
         got = run_mod.launch({"model": "gpt2-tiny", "batch_size": 1, "link": link, "calibrate": "force",
-                              "reduce_scatter": args.reduce_scatter},
+                              **run_mod.collectives_from_args(args)},
                              nproc=WORLD_SIZE, env=env, on_line=show, timeout_s=args.timeout)
         calibration = got["calibration"]
         print(f"sweep-nodes: {got['summary']}", flush=True)
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"load {os.getloadavg()[0]:.1f})", flush=True)
             spec = {"model": model, "batch_size": batch, "seq_len": seq, "strategies": list(MULTI_NODE_BASELINES),
                     "auto_budgets": budgets, "rounds": rounds, "time_per_run_s": per_run, "min_steps": min_steps,
-                    "reduce_scatter": args.reduce_scatter, "jobs_at_once": args.jobs_at_once, "link": link}
+                    **run_mod.collectives_from_args(args), "jobs_at_once": args.jobs_at_once, "link": link}
             load_before = os.getloadavg()
             results.append(run_mod.launch(spec, nproc=WORLD_SIZE, env=env, on_line=show, timeout_s=args.timeout))
             parts.append({"model": model, "link": LINK, "load_before": load_before, "load_after": os.getloadavg(),
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M %Z"), "seconds": time.time() - start,
             "machine": results[0]["machine"], "world_size": WORLD_SIZE, "nodes": NODES,
             "ranks_per_node": RANKS_PER_NODE, "rounds": rounds, "time_per_run_s": per_run, "min_steps": min_steps,
-            "reduce_scatter": args.reduce_scatter, "budgets": budgets, "parts": parts, "link": link,
+            **run_mod.collectives_from_args(args), "budgets": budgets, "parts": parts, "link": link,
             "calibration_profile": calibration_profile, "calibration": calibration}
     (out / "runs.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
     report(out, plots=not args.no_plots)

@@ -23,7 +23,7 @@ __all__ = [
     "FSDPReduceScatterBase",
     "checkpoint_wrapper",
     "fsdp_device",
-    "fsdp_reduce_scatter_comm",
+    "fsdp_collective_comm",
     "output_tensors",
     "queue_at_backward_end",
     "ddp_bucket_bytes",
@@ -109,14 +109,15 @@ def fsdp_device(module: Any) -> Any:
     return module._get_fsdp_state()._device
 
 
-def fsdp_reduce_scatter_comm(module: Any) -> Any:
-    """The reduce-scatter object of a ``fully_shard``-ed module's parameter group (None if it has none)."""
+def fsdp_collective_comm(module: Any, collective: str) -> Any:
+    """The ``all_gather`` or ``reduce_scatter`` object of a ``fully_shard``-ed module's parameter group (None
+    if it has none)."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(module, FSDPModule):
         return None
     groups = module._get_fsdp_state()._fsdp_param_groups
-    return groups[0]._reduce_scatter_comm if groups else None
+    return getattr(groups[0], f"_{collective}_comm") if groups else None
 
 
 def checkpoint_wrapper(module: Any) -> Any:

@@ -65,7 +65,7 @@ from osdp.machine import cpu_model, host
 from osdp.plan import MODES, ROOT, Plan, UnitPlan
 from osdp.profile import cache_dir, describe_once
 
-CALIBRATION_VERSION = 10  # bump when what is measured changes: older cache entries are not read
+CALIBRATION_VERSION = 11  # bump when what is measured changes: older cache entries are not read
 PROFILE_ENV = "OSDP_CALIBRATION_PROFILE"
 
 
@@ -563,7 +563,8 @@ class CalibrationKey:
     interface: str  # the network interface gloo / NCCL are told to use, if any
     torch: str
     profile: str = "full"
-    reduce_scatter: str = "native"  # osdp.comm's implementation, which the collectives were measured with
+    reduce_scatter: str = "native"  # osdp.comm's implementations, which the collectives were measured with
+    all_gather: str = "native"
     ranks_per_node: int = 0  # the job's node layout (torchrun's LOCAL_WORLD_SIZE): its topology is measured
     version: int = CALIBRATION_VERSION
 
@@ -582,7 +583,8 @@ class CalibrationKey:
         from osdp.distributed import ranks_per_node
 
         return cls(hosts, name, device.type, backend, world_size, torch.get_num_threads(), interface,
-                   torch.__version__, profile, comm.reduce_scatter_impl(), min(ranks_per_node(), world_size))
+                   torch.__version__, profile, comm.reduce_scatter_impl(), comm.all_gather_impl(),
+                   min(ranks_per_node(), world_size))
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]

@@ -1,5 +1,5 @@
-"""The collectives OSDP's units make: a reduce-scatter at NCCL's traffic on gloo, and, on gloo, collectives
-that have let go of their tensors when they return.
+"""The collectives OSDP's units make: a reduce-scatter and an all-gather at NCCL's traffic on gloo, and, on
+gloo, collectives that have let go of their tensors when they return.
 
 Reduce-scatter. A reduce-scatter on NCCL (a ring) sends and receives (N-1)/N
 of the message per rank, as an all-gather does. Gloo's reduce-scatter costs
@@ -11,20 +11,30 @@ sends chunk j of its input to rank j and sums the N-1 chunks it receives with
 its own: (N-1)/N of the message out and in per rank, NCCL's traffic, on any
 backend with point-to-point ops.
 
-The setting (``OSDP_REDUCE_SCATTER`` = ``native`` (default) or ``pairwise``, or
-:func:`set_reduce_scatter`) is read where a reduction is made, and applies to
-all of them alike:
+All-gather. Gloo's all-gather moves the right bytes but slowly through a
+rate-limited link: on 2 ranks over a veth shaped to 718 Mbit/s, 147 ms for a
+16 MiB message where a send of the own shard and a receive of the peer's take
+98 ms (65% of the link against 93%; about 1.3x faster on the unshaped veth
+too), so all-gathers were charged ~1.37x the (pairwise) reduce-scatters where
+NCCL charges them alike. With the ``pairwise`` all-gather every rank sends its
+shard to each peer and receives each peer's straight into its place in the
+output.
 
-- FSDP2 units: :func:`install` puts :class:`FSDPReduceScatter` on every
-  ``fully_shard``-ed module of a model (``FSDPModule.set_custom_reduce_scatter``);
+Two settings, each ``native`` (default) or ``pairwise``:
+``OSDP_REDUCE_SCATTER`` (or :func:`set_reduce_scatter`) and
+``OSDP_ALL_GATHER`` (or :func:`set_all_gather`). Each is read where its
+collective is made, and applies to all of them alike:
+
+- FSDP2 units: :func:`install` puts :class:`FSDPReduceScatter` and
+  :class:`FSDPAllGather` on every ``fully_shard``-ed module of a model
+  (``FSDPModule.set_custom_reduce_scatter`` / ``set_custom_all_gather``);
   ``osdp.wrap`` calls it, so do the experiments' baselines;
-- split Linears' slice gradients (``osdp/split``, both the PyTorch loop and the
-  C++ op);
+- split Linears' slices (``osdp/split``, both the PyTorch loop and the C++ op);
 - ``osdp.device.measure_collectives``, so that the cost model prices the
-  reduce-scatter that runs.
+  collectives that run.
 
-It is meant for gloo: NCCL's own reduce-scatter already moves (N-1)/N, and
-the split op's C++ path takes the pairwise one on CPU tensors only.
+They are meant for gloo: NCCL's own collectives already move (N-1)/N, and the
+split op's C++ path takes the pairwise ones on CPU tensors only.
 
 Set it the same way on every rank, before ``osdp.wrap``. The pairwise exchange
 keeps at most (N-2)/N of the message in extra buffers (none on 2 ranks: the
@@ -65,6 +75,7 @@ from osdp._torch_private import (
 
 IMPLEMENTATIONS = ("native", "pairwise")
 ENV = "OSDP_REDUCE_SCATTER"
+ALL_GATHER_ENV = "OSDP_ALL_GATHER"
 
 # all_gather_single and reduce_scatter_single replace the *_tensor forms in recent torch.
 native_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -72,12 +83,11 @@ native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.red
 LET_GO_TIMEOUT_S = 1.0  # past this, go on: the memory is freed when the worker thread runs
 _let_go = {"collectives": 0, "waited": 0, "seconds": 0.0}  # this process's Lent collectives (let_go_stats)
 
-# Point-to-point tags of pairwise reduce-scatters: one per call and group, the same on every rank
+# Point-to-point tags of pairwise collectives: one per call and group, the same on every rank
 # because every rank makes the same calls in the same order. The C++ op (csrc/split_linear.cpp)
 # counts its own from 1 << 25, so the two never meet; gloo tags must fit in 31 bits.
 _TAG_BASE, _TAG_SPAN = 1 << 24, 1 << 20
 _tags: dict[str, int] = {}
-_setting: str | None = None  # None: from the environment
 
 
 def _check(name: str, where: str) -> str:
@@ -86,17 +96,40 @@ def _check(name: str, where: str) -> str:
     return name
 
 
+class _Setting:
+    """Which implementation one collective uses: set in this process, else its environment variable's."""
+
+    def __init__(self, env: str):
+        self.env, self.value = env, None  # None: from the environment
+
+    def set(self, name: str | None, where: str) -> None:
+        self.value = None if name is None else _check(name, where)
+
+    def get(self) -> str:
+        return self.value if self.value is not None else _check(os.environ.get(self.env, "native"), self.env)
+
+
+_reduce_scatter_setting, _all_gather_setting = _Setting(ENV), _Setting(ALL_GATHER_ENV)
+
+
 def set_reduce_scatter(name: str | None) -> None:
     """``native``, ``pairwise``, or None to follow ``OSDP_REDUCE_SCATTER`` again (this process only)."""
-    global _setting
-    _setting = None if name is None else _check(name, "set_reduce_scatter")
+    _reduce_scatter_setting.set(name, "set_reduce_scatter")
 
 
 def reduce_scatter_impl() -> str:
-    """The implementation in use: ``native`` or ``pairwise``."""
-    if _setting is not None:
-        return _setting
-    return _check(os.environ.get(ENV, "native"), ENV)
+    """The reduce-scatter in use: ``native`` or ``pairwise``."""
+    return _reduce_scatter_setting.get()
+
+
+def set_all_gather(name: str | None) -> None:
+    """``native``, ``pairwise``, or None to follow ``OSDP_ALL_GATHER`` again (this process only)."""
+    _all_gather_setting.set(name, "set_all_gather")
+
+
+def all_gather_impl() -> str:
+    """The all-gather in use: ``native`` or ``pairwise``."""
+    return _all_gather_setting.get()
 
 
 def _next_tag(group: dist.ProcessGroup) -> int:
@@ -177,17 +210,13 @@ def let_go_stats(reset: bool = False) -> dict[str, float]:
     return out
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
-    """``all_gather_single(output, input, group)``, returning once the collective has let go (:class:`Lent`)."""
-    Lent(native_all_gather, (output, input), group=group).wait()
-
-
 class _Pending:
-    """A pairwise reduce-scatter in flight: ``wait()`` waits for its transfers and sums (once)."""
+    """A pairwise collective in flight: ``wait()`` waits for its transfers, then (once) sums what a
+    reduce-scatter received into its output."""
 
-    def __init__(self, works: list, output: torch.Tensor, own: torch.Tensor, received: list[torch.Tensor],
-                 divide_by: int | None):
-        self._works, self._output, self._own, self._received = works, output, own, received
+    def __init__(self, works: list, output: torch.Tensor | None = None, own: torch.Tensor | None = None,
+                 received: tuple[torch.Tensor, ...] = (), divide_by: int | None = None):
+        self._works, self._output, self._own, self._received = works, output, own, list(received)
         self._divide_by = divide_by
         self._done = False
 
@@ -196,18 +225,66 @@ class _Pending:
             return True
         for work in self._works:
             work.wait()
-        out = self._output.view(-1)
-        out.add_(self._own)
-        for chunk in self._received:
-            out.add_(chunk)
-        if self._divide_by:
-            out.div_(self._divide_by)
+        if self._output is not None:
+            out = self._output.view(-1)
+            out.add_(self._own)
+            for chunk in self._received:
+                out.add_(chunk)
+            if self._divide_by:
+                out.div_(self._divide_by)
         self._done = True
-        self._works, self._own, self._received = [], None, []
+        self._works, self._output, self._own, self._received = [], None, None, []
         return True
 
     def is_completed(self) -> bool:
         return self._done
+
+
+def pairwise_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
+                        async_op: bool = False) -> _Pending | None:
+    """``all_gather_single(output, input, group)`` as N-1 point-to-point exchanges per rank.
+
+    Rank r copies ``input`` into chunk r of ``output`` (nothing to copy when
+    ``input`` is that chunk, as FSDP2 lays it out), sends it to every peer and
+    receives peer j's into chunk j. ``async_op``: returns an object whose
+    ``wait()`` finishes it.
+    """
+    group = group or dist.group.WORLD
+    n, rank = group.size(), group.rank()
+    if not input.is_contiguous() or not output.is_contiguous():
+        raise ValueError("the pairwise all-gather needs contiguous input and output tensors")
+    if output.numel() != n * input.numel() or input.dtype != output.dtype:
+        raise ValueError(
+            f"all-gather of {input.numel()} {input.dtype} elements over {n} ranks into {output.numel()} "
+            f"{output.dtype} elements: the output must hold world size x the input's elements, of the same dtype"
+        )
+    chunks = output.view(n, -1)
+    own = chunks[rank]
+    if own.data_ptr() != input.data_ptr():
+        own.copy_(input.view(-1))
+    works = []
+    if n > 1:
+        tag = _next_tag(group)
+        for step in range(1, n):
+            to, frm = (rank + step) % n, (rank - step) % n
+            works.append(dist.irecv(chunks[frm], group=group, group_src=frm, tag=tag))
+            works.append(dist.isend(own, group=group, group_dst=to, tag=tag))
+    pending = _Pending(works)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
+               async_op: bool = False, impl: str | None = None):
+    """The all-gather of ``impl`` (default: the current setting, see the module docstring); arguments as
+    ``torch.distributed.all_gather_single``. Synchronous calls return once it has let go (:class:`Lent`)."""
+    gather = pairwise_all_gather if (impl or all_gather_impl()) == "pairwise" else native_all_gather
+    if async_op:
+        return gather(output, input, group=group, async_op=True)
+    Lent(gather, (output, input), group=group).wait()
+    return None
 
 
 def pairwise_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
@@ -245,7 +322,7 @@ def pairwise_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any =
                 received.append(buffer)
     else:
         out.zero_()
-    pending = _Pending(works, output, chunks[rank], received, n if average and n > 1 else None)
+    pending = _Pending(works, output, chunks[rank], tuple(received), n if average and n > 1 else None)
     if async_op:
         return pending
     pending.wait()
@@ -271,15 +348,18 @@ class _FreshBuffers:
 
 
 class FSDPAllGather(_FreshBuffers, FSDPAllGatherBase):
-    """FSDP2's all-gather as :func:`all_gather` (``FSDPModule.set_custom_all_gather``): the same collective,
-    returning once gloo has let go of the flat buffer FSDP2 frees next. Asynchronous unshards (FSDP2's
-    ``set_unshard_in_backward``/prefetch with ``async_op``) take the collective as it is."""
+    """FSDP2's all-gather as :func:`all_gather` of ``impl`` (``FSDPModule.set_custom_all_gather``), returning
+    once gloo has let go of the flat buffer FSDP2 frees next. Asynchronous unshards (an explicit
+    ``FSDPModule.unshard(async_op=True)``) take the group's own: FSDP2 waits only on a ``Work`` it returns."""
+
+    def __init__(self, impl: str = "native"):
+        self.impl = _check(impl, "FSDPAllGather")
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):
         if async_op:
             return native_all_gather(output_tensor, input_tensor, group=group, async_op=True)
-        all_gather(output_tensor, input_tensor, group=group)
+        all_gather(output_tensor, input_tensor, group=group, impl=self.impl)
         return None
 
 
@@ -296,26 +376,27 @@ class FSDPReduceScatter(_FreshBuffers, FSDPReduceScatterBase):
 
 def install(model: nn.Module) -> int:
     """Give every ``fully_shard``-ed module of ``model`` the collectives of this module: on CPU, the all-gather
-    and the reduce-scatter of the current setting, both letting go when they return; on CUDA, the pairwise
-    reduce-scatter if that is the setting (else FSDP2's own). Returns how many modules got the pairwise one.
-    Call it after the last ``fully_shard``."""
+    and the reduce-scatter of the current settings, both letting go when they return; on CUDA, each one whose
+    setting is pairwise (else FSDP2's own). Returns how many modules got the pairwise reduce-scatter. Call it
+    after the last ``fully_shard``."""
     from torch.distributed.fsdp import FSDPModule
 
-    impl, pairwise = reduce_scatter_impl(), 0
+    reduce_impl, gather_impl, pairwise = reduce_scatter_impl(), all_gather_impl(), 0
     for m in model.modules():
         if not isinstance(m, FSDPModule):
             continue
         on_cpu = fsdp_device(m).type == "cpu"
-        if on_cpu:
-            m.set_custom_all_gather(FSDPAllGather())
-        if on_cpu or impl == "pairwise":
-            m.set_custom_reduce_scatter(FSDPReduceScatter(impl))
-            pairwise += impl == "pairwise"
+        if on_cpu or gather_impl == "pairwise":
+            m.set_custom_all_gather(FSDPAllGather(gather_impl))
+        if on_cpu or reduce_impl == "pairwise":
+            m.set_custom_reduce_scatter(FSDPReduceScatter(reduce_impl))
+            pairwise += reduce_impl == "pairwise"
     return pairwise
 
 
-def uses_pairwise(model: nn.Module) -> bool:
-    """Whether any ``fully_shard``-ed module of ``model`` reduces with the pairwise :class:`FSDPReduceScatter`."""
-    from osdp._torch_private import fsdp_reduce_scatter_comm
+def uses_pairwise(model: nn.Module, collective: str = "reduce_scatter") -> bool:
+    """Whether any ``fully_shard``-ed module of ``model`` runs the pairwise ``collective`` (``reduce_scatter``:
+    :class:`FSDPReduceScatter`, ``all_gather``: :class:`FSDPAllGather`)."""
+    from osdp._torch_private import fsdp_collective_comm
 
-    return any(getattr(fsdp_reduce_scatter_comm(m), "impl", None) == "pairwise" for m in model.modules())
+    return any(getattr(fsdp_collective_comm(m, collective), "impl", None) == "pairwise" for m in model.modules())

@@ -207,11 +207,8 @@ def _group_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
-# torch 2.13 names the c10d op FSDP2 calls all_gather_single
-# (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: DefaultAllGather);
-# older torch has only all_gather_into_tensor, now a deprecated alias of the same op.
-# The reduce-scatter is osdp.comm's: the one every reduction of a run uses.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# The all-gather and the reduce-scatter are osdp.comm's: the ones every unit of a run uses (the native
+# all-gather is the c10d op FSDP2's DefaultAllGather calls).
 
 DEFAULT_MESSAGE_SIZES = tuple(4 * 2**10 * 8**i for i in range(5))  # 4 KiB .. 16 MiB
 
@@ -226,9 +223,9 @@ def measure_collectives(
 ) -> CollectiveModel:
     """Measure and fit all-gather, reduce-scatter and all-reduce on the live process group.
 
-    Collective call on every rank of ``group``. Uses the calls FSDP2 makes
-    (all_gather_single, the reduce-scatter of ``osdp.comm``'s setting with
-    ReduceOp.AVG, all_reduce with ReduceOp.AVG for replicated units), on CUDA
+    Collective call on every rank of ``group``. Uses the calls OSDP's units make
+    (the all-gather and the reduce-scatter, with ReduceOp.AVG, of ``osdp.comm``'s settings,
+    all_reduce with ReduceOp.AVG for replicated units), on CUDA
     for NCCL groups and on CPU otherwise; about ``time_budget_s`` seconds (at least three rounds, at most
     ``repeats``). Each timing starts after a barrier and counts the slowest rank
     (a collective is done when every rank is). Sizes and collectives are
@@ -254,7 +251,7 @@ def measure_collectives(
     def make_op(collective: str, nbytes: int):
         full, shard = full_buf[: nbytes // itemsize], shard_buf[: nbytes // itemsize // world_size]
         if collective == "all_gather":
-            return lambda: _all_gather(full, shard, group=group)
+            return lambda: comm.all_gather(full, shard, group=group)
         if collective == "reduce_scatter":
             return lambda: comm.reduce_scatter(shard, full, op=dist.ReduceOp.AVG, group=group)
         return lambda: dist.all_reduce(full, op=dist.ReduceOp.AVG, group=group)
@@ -287,7 +284,8 @@ def measure_collectives(
     for i, (c, nbytes, _) in enumerate(cells):
         samples[c].append((nbytes, statistics.median(r[i] for r in rounds)))
     date = time.strftime("%Y-%m-%d", time.gmtime(wall))  # from the reduced clock: the same string on every rank
-    source = f"measured {backend} {device.type} {world_size} ranks {date}, {comm.reduce_scatter_impl()} reduce-scatter"
+    source = (f"measured {backend} {device.type} {world_size} ranks {date}, {comm.all_gather_impl()} all-gather, "
+              f"{comm.reduce_scatter_impl()} reduce-scatter")
     return CollectiveModel.fit(world_size, samples, source)
 
 

@@ -37,7 +37,7 @@ def _structure(model: nn.Module, blocks: nn.ModuleList) -> dict:
         "sharded_blocks": sum(isinstance(b, FSDPModule) for b in blocks),
         "root_sharded": isinstance(inner, FSDPModule),
         "checkpointed_blocks": sum(isinstance(b, wrapper_type) for b in blocks),
-        "pairwise": comm.uses_pairwise(inner),
+        "pairwise": comm.uses_pairwise(inner) and comm.uses_pairwise(inner, "all_gather"),
         "bucket_bytes": ddp_bucket_bytes(model) if isinstance(model, DistributedDataParallel) else 0,
     }
 
@@ -57,7 +57,8 @@ def _build_and_train(rank, world_size, batches):
     from osdp import comm
     from training_check import full_state, train
 
-    comm.set_reduce_scatter("pairwise")  # the experiments' setting; the native one is FSDP2's default
+    comm.set_reduce_scatter("pairwise")  # the experiments' settings; the native ones are FSDP2's defaults
+    comm.set_all_gather("pairwise")
     out = {}
     for name in baselines.BASELINES:
         model = build_reference(MODEL)
@@ -108,6 +109,7 @@ def _hybrid_on_two_nodes(rank, world_size, batches):
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     comm.set_reduce_scatter("pairwise")
+    comm.set_all_gather("pairwise")  # over each node's shard group
     out = {}
     for name in ("fsdp2-hsdp", "fsdp2-hsdp+ac"):
         model = build_reference(MODEL)

@@ -1,4 +1,5 @@
-"""osdp.comm: the pairwise reduce-scatter equals the process group's own; training with it equals one process."""
+"""osdp.comm: the pairwise reduce-scatter and all-gather equal the process group's own; training with them equals
+one process."""
 
 from __future__ import annotations
 
@@ -58,21 +59,70 @@ def _against_native(rank, world_size):
     return checked, errors
 
 
-def test_setting(monkeypatch):
-    monkeypatch.delenv(comm.ENV, raising=False)
-    assert comm.reduce_scatter_impl() == "native"
-    monkeypatch.setenv(comm.ENV, "pairwise")
-    assert comm.reduce_scatter_impl() == "pairwise"
-    comm.set_reduce_scatter("native")
+def _all_gather_against_native(rank, world_size):
+    """Every (size, dtype): pairwise == all_gather_into_tensor, bit for bit, from a separate input and from
+    the output's own chunk (FSDP2's layout); two in flight at once; one-rank groups; bad calls raise before
+    any transfer."""
+    torch.manual_seed(rank)
+    checked = 0
+    for m in SIZES:
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            x = (torch.randn(m) * 100).to(dtype)
+            want = torch.empty(world_size * m, dtype=dtype)
+            dist.all_gather_into_tensor(want, x)
+            got = torch.full_like(want, 7)
+            comm.pairwise_all_gather(got, x)
+            in_place = torch.full_like(want, 7)
+            in_place.view(world_size, m)[rank].copy_(x)
+            comm.pairwise_all_gather(in_place, in_place.view(world_size, m)[rank])
+            assert torch.equal(got, want) and torch.equal(in_place, want), (m, dtype)
+            checked += 1
+    xs = [torch.randn(50) for _ in range(2)]
+    outs = [torch.empty(world_size * 50) for _ in xs]
+    works = [comm.pairwise_all_gather(o, x, async_op=True) for o, x in zip(outs, xs)]
+    for w in works:
+        assert w.wait()
+    for o, x in zip(outs, xs):
+        want = torch.empty(world_size * 50)
+        dist.all_gather_into_tensor(want, x)
+        assert torch.equal(o, want)
+    singles = [dist.new_group([r]) for r in range(world_size)]
+    x, out = torch.randn(7), torch.empty(7)
+    comm.pairwise_all_gather(out, x, group=singles[rank])
+    assert torch.equal(out, x)
+    errors = []
+    for bad in (lambda: comm.pairwise_all_gather(torch.empty(world_size * 3 + 1), torch.randn(3)),
+                lambda: comm.pairwise_all_gather(torch.empty(world_size * 3, dtype=torch.float64), torch.randn(3))):
+        with pytest.raises(ValueError) as e:
+            bad()
+        errors.append(str(e.value))
+    x, out, want = torch.randn(5), torch.empty(world_size * 5), torch.empty(world_size * 5)
+    comm.pairwise_all_gather(out, x)
+    dist.all_gather_into_tensor(want, x)
+    assert torch.equal(out, want)
+    return checked, errors
+
+
+@pytest.mark.parametrize("env, get, set_", [(comm.ENV, comm.reduce_scatter_impl, comm.set_reduce_scatter),
+                                             (comm.ALL_GATHER_ENV, comm.all_gather_impl, comm.set_all_gather)])
+def test_settings(monkeypatch, env, get, set_):
+    """Each collective's setting: native unless its variable or this process says otherwise, and the two apart."""
+    for name in (comm.ENV, comm.ALL_GATHER_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert get() == "native"
+    monkeypatch.setenv(env, "pairwise")
+    assert get() == "pairwise"
+    assert (comm.reduce_scatter_impl(), comm.all_gather_impl()).count("pairwise") == 1
+    set_("native")
     try:
-        assert comm.reduce_scatter_impl() == "native"
+        assert get() == "native"
     finally:
-        comm.set_reduce_scatter(None)
-    monkeypatch.setenv(comm.ENV, "ring")
+        set_(None)
+    monkeypatch.setenv(env, "ring")
+    with pytest.raises(ValueError, match=f"{env}='ring': use one of native, pairwise"):
+        get()
     with pytest.raises(ValueError, match="native, pairwise"):
-        comm.reduce_scatter_impl()
-    with pytest.raises(ValueError, match="native, pairwise"):
-        comm.set_reduce_scatter("nccl")
+        set_("nccl")
 
 
 def _train_pairwise(rank, world_size, build, batches, plans_json, backends):
@@ -83,8 +133,9 @@ def _train_pairwise(rank, world_size, build, batches, plans_json, backends):
     import osdp.split as split
     from training_check import full_state, train
 
-    direct = _against_native(rank, world_size)
+    direct = _against_native(rank, world_size), _all_gather_against_native(rank, world_size)
     comm.set_reduce_scatter("pairwise")
+    comm.set_all_gather("pairwise")
     out = []
     for backend in backends:
         split.set_backend(backend)
@@ -95,7 +146,8 @@ def _train_pairwise(rank, world_size, build, batches, plans_json, backends):
             losses = train(model, batches, rank, world_size)
             pairwise_calls = sum(comm._tags.values()) - calls
             state = full_state(model)
-            out.append((losses, state if rank == 0 else None, comm.uses_pairwise(model), pairwise_calls))
+            installed = comm.uses_pairwise(model), comm.uses_pairwise(model, "all_gather")
+            out.append((losses, state if rank == 0 else None, installed, pairwise_calls))
     split.set_backend("auto")
     return direct, out
 
@@ -120,9 +172,10 @@ def test_pairwise_equals_native_and_trains_like_one_process(world_size):
     batches = toy_batches(global_batch=12)
     results = run_ranks(_train_pairwise, world_size, build_toy, batches, [p.to_json() for p in plans.values()],
                         backends, timeout=240)
-    (checked, errors), _ = results[0]
-    assert checked == len(SIZES) * 4
+    ((checked, errors), (gathers_checked, gather_errors)), _ = results[0]
+    assert checked == len(SIZES) * 4 and gathers_checked == len(SIZES) * 3
     assert "SUM or AVG" in errors[0] and "world size x the output" in errors[1] and "same dtype" in errors[2]
+    assert "world size x the input" in gather_errors[0] and "same dtype" in gather_errors[1]
     out = [r[1] for r in results]
     names = [f"{name} ({backend})" for backend in backends for name in plans]
     assert_matches_reference([[(losses, state) for losses, state, _, _ in r] for r in out],
@@ -130,10 +183,10 @@ def test_pairwise_equals_native_and_trains_like_one_process(world_size):
     for i, name in enumerate(names):
         _, _, installed, calls = out[0][i]
         if name.startswith("ddp"):  # replicated units all-reduce on DDP's reducer: no FSDP2 unit, no reduce-scatter
-            assert not installed and calls == 0, name
+            assert installed == (False, False) and calls == 0, name
         else:
-            assert installed, name
-            assert calls > 0, f"{name}: no reduction went through the pairwise reduce-scatter"
+            assert installed == (True, True), name
+            assert calls > 0, f"{name}: no collective went through the pairwise ones"
 
 
 def _holders_after_collectives(rank, world_size, repeats):
@@ -145,7 +198,8 @@ def _holders_after_collectives(rank, world_size, repeats):
     out, full = torch.empty(world_size * m), torch.randn(world_size * m)
     shard = out[rank * m : (rank + 1) * m]
     calls = {
-        "all_gather": lambda: comm.all_gather(out, shard),
+        "all_gather native": lambda: comm.all_gather(out, shard, impl="native"),
+        "all_gather pairwise": lambda: comm.all_gather(out, shard, impl="pairwise"),
         "reduce_scatter native": lambda: comm.reduce_scatter(shard.clone(), full, impl="native"),
         "reduce_scatter pairwise": lambda: comm.reduce_scatter(torch.empty(m), full, impl="pairwise"),
         "async then wait": lambda: comm.Lent(comm.native_all_gather, (out, shard), async_op=True).wait(),
@@ -159,7 +213,7 @@ def _holders_after_collectives(rank, world_size, repeats):
             call()
             held[name] += [storage_holders(t) for t in tensors] != own
     gathered = out.view(world_size, m)
-    comm.all_gather(out, torch.full((m,), float(rank)))
+    comm.all_gather(out, torch.full((m,), float(rank)), impl="pairwise")
     return held, [float(gathered[r].mean()) for r in range(world_size)], comm.let_go_stats()
 
 
@@ -171,5 +225,5 @@ def test_collectives_have_let_go_of_their_tensors_when_they_return():
         assert held == dict.fromkeys(held, 0), (held, stats)
         assert gathered == [0.0, 1.0]
         # every call went through Lent once; those that found their tensors held waited, briefly
-        assert stats["collectives"] == 4 * 300 + 1 and stats["waited"] <= stats["collectives"]
+        assert stats["collectives"] == 5 * 300 + 1 and stats["waited"] <= stats["collectives"]
         assert stats["seconds"] <= stats["waited"] * comm.LET_GO_TIMEOUT_S

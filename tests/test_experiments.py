@@ -112,7 +112,8 @@ def test_csv_schema_and_does_not_fit(result, tmp_path):
         table = list(reader)
     required = "model,world_size,link,strategy,budget_bytes,fits,tokens_per_s,peak_bytes,predicted_tokens_per_s,predicted_peak_bytes"
     assert header[:10] == required.split(",")
-    assert header == sweep.CSV_COLUMNS and {"efficiency", "compute_step_s", "timed_steps", "reduce_scatter"} <= set(header)
+    assert header == sweep.CSV_COLUMNS and {"efficiency", "compute_step_s", "timed_steps", "reduce_scatter",
+                                                            "all_gather"} <= set(header)
     budgets = sorted({r["budget_bytes"] for r in result["records"] if r["strategy"] == "osdp"})
     # every baseline and ablation at every budget: none dropped
     for s in (*sweep.BASELINES, *run_mod.ABLATIONS, "osdp"):
@@ -156,7 +157,7 @@ def test_summary_ratios_and_targets(result):
         "profile": "test", "command": "x", "date": "today", "seconds": 60, "world_size": 2, "rounds": 2,
         "min_steps": 20, "time_per_run_s": 1.0, "reduce_scatter": "pairwise", "parts": [],
         "machine": {"cpu": "cpu", "cores": 2, "platform": "linux", "python": "3", "torch": "2"}})
-    assert "| OSDP efficiency |" in text and "torch-ddp+ac" in text and "reduce-scatter (osdp.comm" in text
+    assert "| OSDP efficiency |" in text and "torch-ddp+ac" in text and "native all-gather, pairwise reduce-scatter" in text
 
     # predicted against measured tokens/s: one point per distinct plan that ran
     ran = {}
@@ -184,8 +185,8 @@ def test_a_sweep_part_end_to_end_on_two_ranks(tmp_path):
     env = dict(os.environ, OSDP_CACHE_DIR=str(tmp_path / "cache"))  # tests' tiny calibration profile
     run_mod.launch({**spec, "calibrate": "if missing"}, on_line=lines.append, timeout_s=400, env=env)
     result = run_mod.launch(spec, on_line=lines.append, timeout_s=400, env=env)
-    assert result["reduce_scatter"] == "pairwise"
-    assert "pairwise reduce-scatter" in result["device_info"]["collectives"]["source"]
+    assert result["reduce_scatter"] == result["all_gather"] == "pairwise"
+    assert "pairwise all-gather, pairwise reduce-scatter" in result["device_info"]["collectives"]["source"]
     assert len(result["compute_only"]["step_s_rounds"]) == 2
     records = result["records"]
     assert {r["strategy"] for r in records} == {"torch-ddp", "fsdp2+ac", "osdp-uniform-fsdp", "osdp"}

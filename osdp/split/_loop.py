@@ -74,10 +74,13 @@ def _avg(group: dist.ProcessGroup) -> dist.ReduceOp:
 
 
 class _Gatherer:
-    """All-gathers slice i+1 into one of two buffers while slice i, in the other, is used."""
+    """All-gathers slice i+1 into one of two buffers while slice i, in the other, is used (``pairwise``:
+    with ``osdp.comm.pairwise_all_gather``)."""
 
-    def __init__(self, w_local: torch.Tensor, group: dist.ProcessGroup, piece_sizes: list[int], dtype: torch.dtype):
+    def __init__(self, w_local: torch.Tensor, group: dist.ProcessGroup, piece_sizes: list[int], dtype: torch.dtype,
+                 pairwise: bool = False):
         self.w, self.group, self.sizes, self.dtype = w_local, group, piece_sizes, dtype
+        self.gather = comm.pairwise_all_gather if pairwise else comm.native_all_gather
         self.offsets = _offsets(piece_sizes)
         n, q_max = group.size(), max(piece_sizes)
         count = 2 if len(piece_sizes) > 1 else 1
@@ -103,7 +106,7 @@ class _Gatherer:
 
     def start(self, i: int) -> None:
         out = self.buffers[i % len(self.buffers)][: self.group.size() * self.sizes[i]]
-        gather = comm.Lent(comm.native_all_gather, (out, self._piece(i)), group=self.group, async_op=True)
+        gather = comm.Lent(self.gather, (out, self._piece(i)), group=self.group, async_op=True)
         self.work[i] = (gather, out)
 
     def wait(self, i: int) -> torch.Tensor:
@@ -112,12 +115,13 @@ class _Gatherer:
         return out
 
 
-def forward(x: torch.Tensor, w_local: torch.Tensor, group: dist.ProcessGroup, piece_sizes: list[int], out_features: int) -> torch.Tensor:
-    """``x @ W.T`` for a 2-D ``x``, W gathered slice by slice."""
+def forward(x: torch.Tensor, w_local: torch.Tensor, group: dist.ProcessGroup, piece_sizes: list[int],
+            out_features: int, pairwise_gather: bool = False) -> torch.Tensor:
+    """``x @ W.T`` for a 2-D ``x``, W gathered slice by slice (``pairwise_gather``: see ``backward``)."""
     n, c, m = group.size(), sum(piece_sizes), x.shape[0]
     out = x.new_empty(m, n * c)
     out_by_rank = out.view(m, n, c)
-    with _Gatherer(w_local, group, piece_sizes, x.dtype) as gatherer:
+    with _Gatherer(w_local, group, piece_sizes, x.dtype, pairwise_gather) as gatherer:
         gatherer.start(0)
         for i, (off, q) in enumerate(zip(gatherer.offsets, piece_sizes)):
             w_i = gatherer.wait(i)
@@ -137,7 +141,8 @@ def backward(
     need_input_grad: bool,
     need_weight_grad: bool,
     reduce_dtype: torch.dtype | None,
-    pairwise: bool = False,
+    pairwise_reduce: bool = False,
+    pairwise_gather: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(grad of x, this rank's rows of the data-parallel mean of grad W).
 
@@ -145,8 +150,8 @@ def backward(
     the weight gradient does not, so a layer whose input needs no gradient
     gathers nothing. Each slice's weight gradient is reduce-scattered behind
     the next slice's compute; at most two are in flight, so unreduced slice
-    gradients never exceed 2/k of the weight. ``pairwise``: reduce-scatter with
-    ``osdp.comm.pairwise_reduce_scatter`` (NCCL's traffic on gloo) instead of the group's own.
+    gradients never exceed 2/k of the weight. ``pairwise_reduce`` / ``pairwise_gather``: reduce-scatter /
+    all-gather with ``osdp.comm``'s pairwise collectives (NCCL's traffic on gloo) instead of the group's own.
     """
     n, c, m = group.size(), sum(piece_sizes), x.shape[0]
     offsets = _offsets(piece_sizes)
@@ -162,7 +167,8 @@ def backward(
         if reduced is not None:
             grad_w[off : off + reduced.shape[0]].copy_(reduced)
 
-    with _Gatherer(w_local, group, piece_sizes, x.dtype) if need_input_grad else contextlib.nullcontext() as gatherer:
+    with (_Gatherer(w_local, group, piece_sizes, x.dtype, pairwise_gather) if need_input_grad
+          else contextlib.nullcontext()) as gatherer:
         if gatherer is not None:
             gatherer.start(0)
         for i, (off, q) in enumerate(zip(offsets, piece_sizes)):
@@ -176,7 +182,7 @@ def backward(
                 unreduced = COUNTER.allocate("grad", torch.mm(g_i.t(), x).to(reduce_dtype))  # (n * q, in), rank-major
                 in_place = reduce_dtype == grad_w.dtype
                 dst = grad_w[off : off + q] if in_place else grad_w.new_empty(q, grad_w.shape[1], dtype=reduce_dtype)
-                reduce = comm.pairwise_reduce_scatter if pairwise else comm.native_reduce_scatter
+                reduce = comm.pairwise_reduce_scatter if pairwise_reduce else comm.native_reduce_scatter
                 reduction = comm.Lent(reduce, (dst, unreduced), op=_avg(group), group=group, async_op=True)
                 pending.append((reduction, unreduced, None if in_place else dst, off))
                 while len(pending) > 1:

@@ -40,7 +40,8 @@ class _SplitLinearFunction(torch.autograd.Function):
         impl = _extension.implementation()
         x2d = x.reshape(-1, module.in_features)
         group = module.weight.device_mesh.get_group()
-        y = impl.forward(x2d, w_local, group, module.piece_sizes, module.out_features)
+        pairwise_gather = comm.all_gather_impl() == "pairwise"  # NCCL's traffic on gloo (osdp.comm)
+        y = impl.forward(x2d, w_local, group, module.piece_sizes, module.out_features, pairwise_gather)
         if bias is not None:
             y.add_(bias)
         ctx.save_for_backward(x2d, w_local)
@@ -54,11 +55,13 @@ class _SplitLinearFunction(torch.autograd.Function):
         module = ctx.module
         need_x, need_w, need_b, _, _ = ctx.needs_input_grad
         grad_y = grad_y.reshape(-1, module.out_features).contiguous()
-        pairwise = comm.reduce_scatter_impl() == "pairwise"  # NCCL's traffic on gloo (osdp.comm)
+        # NCCL's traffic on gloo (osdp.comm)
+        pairwise_reduce = comm.reduce_scatter_impl() == "pairwise"
+        pairwise_gather = comm.all_gather_impl() == "pairwise"
         accumulating = need_w and (not module.requires_gradient_sync or module.accumulated_grad is not None)
         grad_x, grad_w = ctx.impl.backward(
             grad_y, x2d, w_local, ctx.group, module.piece_sizes, module.out_features, need_x,
-            need_w and not accumulating, ctx.reduce_dtype, pairwise,
+            need_w and not accumulating, ctx.reduce_dtype, pairwise_reduce, pairwise_gather,
         )
         if accumulating:  # one reduction per accumulation window, with the micro-batch that syncs
             module.accumulated_grad = _loop.accumulate_weight_grad(
@@ -67,7 +70,7 @@ class _SplitLinearFunction(torch.autograd.Function):
             )
             if module.requires_gradient_sync:
                 grad_w = _loop.reduce_accumulated(module.accumulated_grad, w_local, ctx.group, module.piece_sizes,
-                                                  pairwise)
+                                                  pairwise_reduce)
                 module.accumulated_grad = None
         grad_b = grad_y.sum(0).to(ctx.bias_dtype) if need_b else None
         return None if grad_x is None else grad_x.view(ctx.x_shape), grad_w, grad_b, None, None
