@@ -240,6 +240,20 @@ class _Pending:
         return self._done
 
 
+def _check_pairwise(name: str, output: torch.Tensor, input: torch.Tensor, world_size: int) -> None:
+    """A pairwise collective's tensors: contiguous, one dtype, the full one (an all-gather's output, a
+    reduce-scatter's input) world size x the other's elements."""
+    full, shard, whole, part = ((output, input, "output", "input") if name == "all-gather"
+                                else (input, output, "input", "output"))
+    if not full.is_contiguous() or not shard.is_contiguous():
+        raise ValueError(f"the pairwise {name} needs contiguous input and output tensors")
+    if full.numel() != world_size * shard.numel() or full.dtype != shard.dtype:
+        raise ValueError(
+            f"{name} of {input.numel()} {input.dtype} elements over {world_size} ranks into {output.numel()} "
+            f"{output.dtype} elements: the {whole} must hold world size x the {part}'s elements, of the same dtype"
+        )
+
+
 def pairwise_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
                         async_op: bool = False) -> _Pending | None:
     """``all_gather_single(output, input, group)`` as N-1 point-to-point exchanges per rank.
@@ -251,13 +265,7 @@ def pairwise_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.P
     """
     group = group or dist.group.WORLD
     n, rank = group.size(), group.rank()
-    if not input.is_contiguous() or not output.is_contiguous():
-        raise ValueError("the pairwise all-gather needs contiguous input and output tensors")
-    if output.numel() != n * input.numel() or input.dtype != output.dtype:
-        raise ValueError(
-            f"all-gather of {input.numel()} {input.dtype} elements over {n} ranks into {output.numel()} "
-            f"{output.dtype} elements: the output must hold world size x the input's elements, of the same dtype"
-        )
+    _check_pairwise("all-gather", output, input, n)
     chunks = output.view(n, -1)
     own = chunks[rank]
     if own.data_ptr() != input.data_ptr():
@@ -298,13 +306,7 @@ def pairwise_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any =
     """
     group = group or dist.group.WORLD
     n, rank = group.size(), group.rank()
-    if not input.is_contiguous() or not output.is_contiguous():
-        raise ValueError("the pairwise reduce-scatter needs contiguous input and output tensors")
-    if input.numel() != n * output.numel() or input.dtype != output.dtype:
-        raise ValueError(
-            f"reduce-scatter of {input.numel()} {input.dtype} elements over {n} ranks into {output.numel()} "
-            f"{output.dtype} elements: the input must hold world size x the output's elements, of the same dtype"
-        )
+    _check_pairwise("reduce-scatter", output, input, n)
     if output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr():
         raise ValueError("the pairwise reduce-scatter needs an output that does not share memory with its input")
     average = _is_average(op)
