@@ -665,20 +665,29 @@ def shaped_busbw(link: dict[str, Any], device_info: dict[str, Any]) -> float:
 
 
 def calibrate_gpu_ratio(link: dict[str, Any], *, env: dict[str, str] | None = None,
-                        on_line: Callable[[str], None] = print, tolerance: float = 0.10, max_probes: int = 5,
+                        on_line: Callable[[str], None] = print, tolerance: float = 0.10, max_probes: int = 6,
                         collectives: dict[str, str] | None = None) -> dict[str, Any]:
     """Adjust a ``gpu-ratio`` or ``inter-node-ratio`` link's tbf rate until the FLOP/s a rank gets (the core's,
     or its share of one, ``rank_flops``) over gloo's measured all-gather bus bandwidth on it (``shaped_busbw``:
-    the world's, or the cross-node groups') is the target FLOP per byte within ``tolerance``.
+    the world's, or the cross-node groups') is the target FLOP per byte within ``tolerance``, in two probes in
+    a row at that rate.
 
-    Probe, scale the rate by wanted / measured bandwidth, probe again: TCP,
-    tbf and gloo each take a share of the nominal rate, and not in proportion
-    to it. Stops at the first probe within tolerance; otherwise keeps the
-    closest of ``max_probes``. Every probe is in ``calibration``.
+    Probe, scale the rate by wanted / measured bandwidth (the mean over the
+    rate's probes), probe again: TCP, tbf and gloo each take a share of the
+    nominal rate, and not in proportion to it. One probe is not trusted: on
+    the shaped veth a probe within 10% was followed by a calibration at the
+    same rate that fitted 38% under the aim (experiments/results/collectives.md),
+    so a probe within tolerance is repeated, and the rate kept once two in a
+    row are. Otherwise keeps the rate whose probes' mean is closest after
+    ``max_probes``. Every probe is in ``calibration``.
     """
     target = link["target_flop_per_byte"]
     flops = link.get("rank_flops") or link["core_flops"]  # the compute a rank gets (resolve_link)
     want = flops / target  # bytes/s of all-gather busbw
+
+    def within(flop_per_byte: float) -> bool:
+        return abs(flop_per_byte / target - 1) <= tolerance
+
     rate, probes = link["rate_bit_per_s"], []
     for _ in range(max_probes):
         info = probe_link({**link, "rate_bit_per_s": rate}, collectives=collectives, env=env, on_line=on_line,
@@ -688,17 +697,26 @@ def calibrate_gpu_ratio(link: dict[str, Any], *, env: dict[str, str] | None = No
                        "flop_per_byte": flops / busbw, "device_info": info})
         on_line(f"calibration: tbf {rate / 1e6:.0f} Mbit/s -> all-gather busbw {busbw / 1e6:.1f} MB/s, "
                 f"{flops / busbw:.0f} FLOP/byte (target {target:.0f})")
-        if abs(flops / busbw / target - 1) <= tolerance:
-            break
-        rate = int(rate * want / busbw)
-    best = min(probes, key=lambda p: abs(p["flop_per_byte"] / target - 1))
-    rate = best["rate_bit_per_s"]
+        previous = probes[-2] if len(probes) > 1 and probes[-2]["rate_bit_per_s"] == rate else None
+        if within(flops / busbw) and previous is not None and within(previous["flop_per_byte"]):
+            break  # confirmed
+        if within(flops / busbw) and previous is None:
+            continue  # once more at this rate before trusting it
+        at_rate = [p["all_gather_busbw_bytes_per_s"] for p in probes if p["rate_bit_per_s"] == rate]
+        rate = int(rate * want / statistics.fmean(at_rate))
+    by_rate: dict[int, list[dict[str, Any]]] = {}
+    for p in probes:
+        by_rate.setdefault(p["rate_bit_per_s"], []).append(p)
+    rate, kept = min(by_rate.items(), key=lambda item: abs(
+        flops / statistics.fmean(p["all_gather_busbw_bytes_per_s"] for p in item[1]) / target - 1))
+    busbw = statistics.fmean(p["all_gather_busbw_bytes_per_s"] for p in kept)
+    confirmed = len(kept) >= 2 and all(within(p["flop_per_byte"]) for p in kept[-2:])
     return {**link, "rate_bit_per_s": rate, "nominal_rate_bit_per_s": link["rate_bit_per_s"],
-            "probe_busbw_bytes_per_s": best["all_gather_busbw_bytes_per_s"],
-            "probe_flop_per_byte": best["flop_per_byte"],
-            "calibrated": abs(best["flop_per_byte"] / target - 1) <= tolerance,
+            "probe_busbw_bytes_per_s": busbw,
+            "probe_flop_per_byte": flops / busbw,
+            "calibrated": confirmed,
             "calibration": [{k: v for k, v in p.items() if k != "device_info"} for p in probes],
-            "probe_device_info": best["device_info"],
+            "probe_device_info": kept[-1]["device_info"],
             "label": inter_node_label(rate, link["ranks_per_node"], target) if link.get("level") == "inter" else
                      f"veth + tbf {rate / 1e6:.0f} Mbit/s ({target:.0f} FLOP/byte, "
                      f"as {link.get('ratio_of', GPU_RATIO_PRESET)})"}
@@ -780,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
             link = calibrate_gpu_ratio(link, collectives=collectives)
             info = link.pop("probe_device_info")
             print(f"{link['label']}: {link['probe_flop_per_byte']:.0f} FLOP/byte measured "
-                  f"({'within' if link['calibrated'] else 'NOT within'} 10% of the target)")
+                  f"({'within' if link['calibrated'] else 'NOT within'} 10% of the target in two probes in a row)")
         else:
             info = probe_link(link, collectives=collectives, nproc=args.nproc)
         print(f"{link.get('label', link['name'])}, {describe_collectives(collectives)}:\n{collective_table(info)}")

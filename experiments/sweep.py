@@ -397,8 +397,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    on_line=lambda line: print(f"  {line}", flush=True))
                 link.pop("probe_device_info")
                 if not link["calibrated"]:
-                    print(f"sweep: WARNING: the gpu-ratio link is {link['probe_flop_per_byte']:.0f} FLOP/byte, more "
-                          f"than 10% from the target {link['target_flop_per_byte']:.0f}", flush=True)
+                    print(f"sweep: WARNING: the gpu-ratio link is {link['probe_flop_per_byte']:.0f} FLOP/byte, not "
+                          f"within 10% of the target {link['target_flop_per_byte']:.0f} in two probes in a row",
+                          flush=True)
         links.append(link)
         print(f"sweep: link {link['name']}: {link['label']}"
               + (f" (this core: {link['core_flops'] / 1e9:.0f} GFLOP/s fp32)" if "core_flops" in link else ""), flush=True)

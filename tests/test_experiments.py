@@ -551,3 +551,48 @@ def test_same_plans_replans_a_part_from_its_stored_calibration(result, tiny, tmp
             continue
         step, peak = float(fields[5]), int(fields[8])
         assert peak <= record["budget_bytes"] and step <= record["predicted_step_s"] * (1 + 1e-6)  # as printed
+
+
+def _fake_link_probes(monkeypatch, flop_per_byte_at):
+    """Probes that answer ``flop_per_byte_at(rate, n)`` for the n-th probe at that rate, on a 1e11 FLOP/s core."""
+    seen: dict[int, int] = {}
+
+    def probe(link, **kwargs):
+        rate = link["rate_bit_per_s"]
+        seen[rate] = seen.get(rate, 0) + 1
+        return {"busbw": 1e11 / flop_per_byte_at(rate, seen[rate])}
+
+    monkeypatch.setattr(run_mod, "probe_link", probe)
+    monkeypatch.setattr(run_mod, "shaped_busbw", lambda link, info: info["busbw"])
+    return {"name": "gpu-ratio", "target_flop_per_byte": 1000.0, "core_flops": 1e11, "rate_bit_per_s": 800_000_000}
+
+
+def test_the_link_rate_is_kept_only_when_two_probes_in_a_row_are_within_tolerance(monkeypatch):
+    """A first probe within 10% followed by one 40% off (the shaped veth did that) is not trusted: the rate is
+    rescaled by the mean of both, and the next rate is kept once two probes in a row are within 10%."""
+    def answer(rate, n):
+        if rate == 800_000_000:
+            return 1050.0 if n == 1 else 600.0
+        return 1020.0
+
+    link = _fake_link_probes(monkeypatch, answer)
+    out = run_mod.calibrate_gpu_ratio(link, on_line=lambda line: None)
+    assert [(p["rate_bit_per_s"], round(p["flop_per_byte"])) for p in out["calibration"]] == [
+        (800_000_000, 1050), (800_000_000, 600), (int(800_000_000 * 1e8 / ((1e11 / 1050 + 1e11 / 600) / 2)), 1020),
+        (int(800_000_000 * 1e8 / ((1e11 / 1050 + 1e11 / 600) / 2)), 1020)]
+    assert out["calibrated"] and out["rate_bit_per_s"] == out["calibration"][-1]["rate_bit_per_s"]
+    assert out["probe_flop_per_byte"] == pytest.approx(1020.0)
+
+
+def test_a_link_rate_never_confirmed_is_the_closest_mean_and_says_so(monkeypatch):
+    """Probes that alternate in and out of tolerance at every rate: after max_probes the rate whose probes'
+    mean is closest to the aim is kept, marked not calibrated."""
+    link = _fake_link_probes(monkeypatch, lambda rate, n: 1080.0 if n % 2 else 1400.0)
+    out = run_mod.calibrate_gpu_ratio(link, on_line=lambda line: None, max_probes=4)
+    assert len(out["calibration"]) == 4 and not out["calibrated"]
+    means = {}
+    for p in out["calibration"]:
+        means.setdefault(p["rate_bit_per_s"], []).append(1e11 / p["flop_per_byte"])
+    closest = min(means, key=lambda r: abs(1e11 / statistics.fmean(means[r]) / 1000 - 1))
+    assert out["rate_bit_per_s"] == closest
+    assert out["probe_flop_per_byte"] == pytest.approx(1e11 / statistics.fmean(means[closest]))
