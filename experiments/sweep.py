@@ -122,8 +122,7 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
             "replicated_fraction": rec.get("replicated_fraction"), "plan_hash": rec.get("plan_hash"),
             "plan_summary": rec.get("plan_summary"),
             "timed_steps": ";".join(str(x) for x in m["timed_steps"]) if m.get("timed_steps") else None,
-            "batch_size": rec["batch_size"], "seq_len": rec["seq_len"], "reduce_scatter": rec.get("reduce_scatter"),
-            "all_gather": rec.get("all_gather", "native"),
+            "batch_size": rec["batch_size"], "seq_len": rec["seq_len"], **run_mod.recorded_collectives(rec),
         }
         if rec["strategy"] == "osdp":
             budget = rec["budget_bytes"]
@@ -248,8 +247,8 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
               f"{meta['machine']['platform']}; Python {meta['machine']['python']}, torch {meta['machine']['torch']}",
               f"- ranks: {meta['world_size']} CPU processes (gloo), 1 thread each; optimizer AdamW, fp32",
               f"- osdp source: {meta.get('osdp_source', 'not recorded')}",
-              f"- collectives (osdp.comm, every strategy alike): {meta.get('all_gather', 'native')} all-gather, "
-              f"{meta.get('reduce_scatter', 'native')} reduce-scatter",
+              "- collectives (osdp.comm, every strategy alike): "
+              f"{run_mod.describe_collectives(run_mod.recorded_collectives(meta))}",
               f"- repeats: {meta['rounds']} interleaved repeats per run, each at least {meta.get('min_steps', '?')} "
               f"timed steps (~{meta['time_per_run_s']} s) after 2 warm-up steps, a step timed on the slowest rank; "
               "tokens/s are medians over repeats (in brackets: the slowest and fastest repeat); OSDP / best is the "
@@ -455,8 +454,9 @@ def merge(parts: Sequence[Path], out: Path, plots: bool = True) -> int:
     their records together in ``out/runs.json``, the meta saying where each part came from."""
     runs = [json.loads((p / "runs.json").read_text()) for p in parts]
     metas = [r["meta"] for r in runs]
-    if len({(m["profile"], m["rounds"], m["time_per_run_s"], m.get("reduce_scatter"), m.get("all_gather", "native"))
-            for m in metas}) > 1:
+    settings = {(m["profile"], m["rounds"], m["time_per_run_s"], *run_mod.recorded_collectives(m).values())
+                for m in metas}
+    if len(settings) > 1:
         raise SystemExit("sweep --merge: the parts were run with different settings (profile, repeats, time per "
                          "run or osdp.comm's collectives); merge only parts of one profile")
     sources = sorted({m.get("osdp_source", "unknown") for m in metas})

@@ -158,8 +158,8 @@ def summary_markdown(results: list[dict[str, Any]], per_model: dict[str, dict[st
                 if link.get("probe_flop_per_byte") else "; nominal rate, not calibrated"),
              f"- OSDP's calibration: {meta.get('calibration_profile')} profile, measured on this layout before the "
              "runs",
-             f"- collectives (osdp.comm, every strategy alike): {meta.get('all_gather', 'native')} all-gather, "
-             f"{meta['reduce_scatter']} reduce-scatter",
+             "- collectives (osdp.comm, every strategy alike): "
+             f"{run_mod.describe_collectives(run_mod.recorded_collectives(meta))}",
              f"- repeats: {meta['rounds']} interleaved repeats per run, each at least {meta['min_steps']} timed steps "
              f"(~{meta['time_per_run_s']} s) after 2 warm-up steps, a step timed on the slowest rank; tokens/s are "
              "medians over repeats (in brackets: the slowest and fastest repeat); ratios are medians over repeats "

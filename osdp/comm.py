@@ -215,8 +215,8 @@ class _Pending:
     reduce-scatter received into its output."""
 
     def __init__(self, works: list, output: torch.Tensor | None = None, own: torch.Tensor | None = None,
-                 received: tuple[torch.Tensor, ...] = (), divide_by: int | None = None):
-        self._works, self._output, self._own, self._received = works, output, own, list(received)
+                 received: list[torch.Tensor] | None = None, divide_by: int | None = None):
+        self._works, self._output, self._own, self._received = works, output, own, received or []
         self._divide_by = divide_by
         self._done = False
 
@@ -324,7 +324,7 @@ def pairwise_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any =
                 received.append(buffer)
     else:
         out.zero_()
-    pending = _Pending(works, output, chunks[rank], tuple(received), n if average and n > 1 else None)
+    pending = _Pending(works, output, chunks[rank], received, n if average and n > 1 else None)
     if async_op:
         return pending
     pending.wait()
