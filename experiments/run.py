@@ -483,9 +483,13 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         records.append(rec)
     flops = device_info.flops.get("float32")
     busbw = device_info.collectives.bus_bandwidth("all_gather")
+    link_busbw = device_info.collectives.largest_message_bus_bandwidth("all_gather")
     link.update(measured_busbw_bytes_per_s={c: device_info.collectives.bus_bandwidth(c)
                                             for c in ("all_gather", "reduce_scatter", "all_reduce")},
-                measured_flop_per_byte=flops / busbw if flops and busbw else None)
+                measured_flop_per_byte=flops / busbw if flops and busbw else None,
+                # the link's own: the largest message's, which the calibration aims (shaped_busbw)
+                measured_largest_busbw_bytes_per_s=link_busbw,
+                measured_largest_flop_per_byte=flops / link_busbw if flops and link_busbw else None)
     topology = device_info.topology
     if topology is not None:  # several nodes: each level's links, as the planner priced them
         for level in ("intra", "inter"):
@@ -653,24 +657,26 @@ def link_nproc(link: dict[str, Any]) -> int:
 
 
 def shaped_busbw(link: dict[str, Any], device_info: dict[str, Any]) -> float:
-    """The all-gather bus bandwidth the link's rate sets: the world group's, or for an ``inter`` link that of
-    the cross-node groups, measured all at once (``osdp.device.measure_topology``)."""
+    """The all-gather bus bandwidth the link's rate sets: that of the largest message measured (16 MiB), of the
+    world group or, for an ``inter`` link, of the cross-node groups measured all at once
+    (``osdp.device.measure_topology``). Not the fitted beta's: messages within the tbf burst pass at the
+    veth's speed and pull the fit under the rate, by a different amount each probe."""
     from osdp.device import CollectiveModel
 
     if link.get("level") == "inter":
         collectives = device_info["topology"]["inter"]
     else:
         collectives = device_info["collectives"]
-    return CollectiveModel.from_dict(collectives).bus_bandwidth("all_gather")
+    return CollectiveModel.from_dict(collectives).largest_message_bus_bandwidth("all_gather")
 
 
 def calibrate_gpu_ratio(link: dict[str, Any], *, env: dict[str, str] | None = None,
                         on_line: Callable[[str], None] = print, tolerance: float = 0.10, max_probes: int = 6,
                         collectives: dict[str, str] | None = None) -> dict[str, Any]:
     """Adjust a ``gpu-ratio`` or ``inter-node-ratio`` link's tbf rate until the FLOP/s a rank gets (the core's,
-    or its share of one, ``rank_flops``) over gloo's measured all-gather bus bandwidth on it (``shaped_busbw``:
-    the world's, or the cross-node groups') is the target FLOP per byte within ``tolerance``, in two probes in
-    a row at that rate.
+    or its share of one, ``rank_flops``) over the all-gather bus bandwidth of the largest message on it
+    (``shaped_busbw``: the world's, or the cross-node groups') is the target FLOP per byte within
+    ``tolerance``, in two probes in a row at that rate.
 
     Probe, scale the rate by wanted / measured bandwidth (the mean over the
     rate's probes), probe again: TCP, tbf and gloo each take a share of the

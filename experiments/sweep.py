@@ -270,8 +270,11 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
         lines += [f"Measured on this group: fp32 FLOP/s {result['device_info']['flops'].get('float32', 0) / 1e9:.0f} G "
                   f"per rank; all-gather busbw {bw.get('all_gather', 0) / 1e6:.0f} MB/s, reduce-scatter "
                   f"{bw.get('reduce_scatter', 0) / 1e6:.0f} MB/s, all-reduce {bw.get('all_reduce', 0) / 1e6:.0f} MB/s; "
-                  + (f"{ratio:.0f} FLOP per byte of all-gather with the FLOP/s measured in this run"
-                     if ratio else "")
+                  + (f"{ratio:.0f} FLOP per byte of all-gather (the fitted beta's) with the FLOP/s measured in "
+                     f"this run" if ratio else "")
+                  + (f", {link['measured_largest_flop_per_byte']:.0f} at the largest message "
+                     f"({link['measured_largest_busbw_bytes_per_s'] / 1e6:.0f} MB/s, the link's rate)"
+                     if link.get("measured_largest_flop_per_byte") else "")
                   + (f"; {link['core_flops'] / bw['all_gather']:.0f} with the core's best FLOP/s "
                      f"({link['core_flops'] / 1e9:.0f} G, measured before the sweep; target "
                      f"{link['target_flop_per_byte']:.0f}, {link.get('ratio_of', '')})" if link.get("core_flops") and bw.get("all_gather") else "")
@@ -391,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"sweep: skipping link {name}: {why}", file=sys.stderr)
                 continue
             if name == "gpu-ratio" and not args.link_rate:
-                print(f"sweep: calibrating {link['label']} against gloo's all-gather bandwidth", flush=True)
+                print(f"sweep: calibrating {link['label']} against its largest all-gather message's bandwidth",
+                      flush=True)
                 link = run_mod.calibrate_gpu_ratio(link, collectives=collectives,
                                                    on_line=lambda line: print(f"  {line}", flush=True))
                 link.pop("probe_device_info")
@@ -416,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                                  on_line=lambda line: print(f"  {line}", flush=True))
             calibrations[link["name"]] = got["calibration"]
             print(f"sweep: {got['summary']}", flush=True)
+            check_calibrated_link(link, got["calibration"])
         total = len(models) * len(links)
         for model, (batch, seq) in models.items():
             for link in links:
@@ -447,6 +452,22 @@ def main(argv: list[str] | None = None) -> int:
     report(out, plots=not args.no_plots)
     print(f"sweep: wrote {out} in {(time.time() - start) / 60:.1f} min")
     return 0
+
+
+def check_calibrated_link(link: dict[str, Any], calibration: dict[str, Any]) -> float | None:
+    """The FLOP per byte of the largest all-gather message in the calibration the runs plan with, printed with a
+    warning when more than 10% from the link's target (None for a link without one)."""
+    from osdp.device import DeviceInfo
+
+    if not link.get("target_flop_per_byte"):
+        return None
+    info = DeviceInfo.from_dict(calibration["device_info"])
+    flop_per_byte = info.flops["float32"] / info.collectives.largest_message_bus_bandwidth("all_gather")
+    off = flop_per_byte / link["target_flop_per_byte"] - 1
+    print(f"sweep: {'WARNING: ' if abs(off) > 0.10 else ''}the calibration's link gives {flop_per_byte:.0f} FLOP "
+          f"per byte of its largest all-gather message, {off:+.0%} from the target "
+          f"{link['target_flop_per_byte']:.0f}", flush=True)
+    return flop_per_byte
 
 
 def merge(parts: Sequence[Path], out: Path, plots: bool = True) -> int:

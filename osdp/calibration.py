@@ -56,7 +56,8 @@ import torch.nn as nn
 
 from osdp.cost import Calibration, predict, sqrt_segments
 from osdp.description import ModelDescription
-from osdp.device import COLLECTIVES, AlphaBeta, CollectiveModel, DeviceInfo, measure_collectives, measure_device
+from osdp.device import (COLLECTIVES, AlphaBeta, CollectiveModel, DeviceInfo, combine_samples, measure_collectives,
+                         measure_device)
 from osdp.fsdp_ext.replicate import replicates_with_ddp
 from osdp.distributed import all_gather_objects, broadcast_object, world
 from osdp.harness import Job, meet_at_every_unit, quiet_meetings, run_jobs
@@ -65,7 +66,7 @@ from osdp.machine import cpu_model, host
 from osdp.plan import MODES, ROOT, Plan, UnitPlan
 from osdp.profile import cache_dir, describe_once
 
-CALIBRATION_VERSION = 11  # bump when what is measured changes: older cache entries are not read
+CALIBRATION_VERSION = 12  # bump when what is measured changes: older cache entries are not read
 PROFILE_ENV = "OSDP_CALIBRATION_PROFILE"
 
 
@@ -544,7 +545,8 @@ def median_collectives(fits: Sequence[CollectiveModel]) -> CollectiveModel:
                      statistics.median(f.costs[c].beta_s_per_byte for f in fits))
         for c in COLLECTIVES
     }
-    return CollectiveModel(fits[0].world_size, costs, f"{fits[0].source}, median of {len(fits)} fits")
+    return CollectiveModel(fits[0].world_size, costs, f"{fits[0].source}, median of {len(fits)} fits",
+                           combine_samples(fits, statistics.median))
 
 
 # --------------------------------------------------------------------------- the cached record

@@ -13,7 +13,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -81,11 +81,19 @@ class AlphaBeta:
 
 @dataclass(frozen=True)
 class CollectiveModel:
-    """Alpha-beta cost of each FSDP collective on one process group (world_size ranks)."""
+    """Alpha-beta cost of each FSDP collective on one process group (world_size ranks).
+
+    ``samples`` holds, when the model was measured, the (bytes, seconds)
+    medians it was fitted to, per collective. The largest message's bandwidth
+    is the link's steady rate, which the fitted beta need not be: on a shaped
+    link small messages pass within the shaper's burst and pull the fit under
+    the rate, by a different amount each measurement.
+    """
 
     world_size: int
     costs: Mapping[str, AlphaBeta]
     source: str = ""
+    samples: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -102,6 +110,15 @@ class CollectiveModel:
         """Bytes/s in nccl-tests' bus-bandwidth convention (inf when free, e.g. world size 1)."""
         beta = self.costs[collective].beta_s_per_byte
         return math.inf if beta == 0 else ring_factor(collective, self.world_size) / beta
+
+    def largest_message_bus_bandwidth(self, collective: str) -> float:
+        """Bus bandwidth (bytes/s) of the largest message measured: the link's steady rate. Falls back to the
+        fitted ``bus_bandwidth`` for a model that was not measured."""
+        _check_collective(collective)
+        if collective not in self.samples:
+            return self.bus_bandwidth(collective)
+        nbytes, seconds = max(self.samples[collective])
+        return ring_factor(collective, self.world_size) * nbytes / seconds
 
     @classmethod
     def zero(cls, source: str = "world size 1: no communication") -> "CollectiveModel":
@@ -131,13 +148,14 @@ class CollectiveModel:
         for c in COLLECTIVES:
             nbytes, seconds = zip(*samples[c])
             costs[c] = AlphaBeta.fit(nbytes, seconds)
-        return cls(world_size, costs, source)
+        return cls(world_size, costs, source, {c: tuple(sorted(samples[c])) for c in COLLECTIVES})
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "world_size": self.world_size,
             "source": self.source,
             **{c: {"alpha_s": ab.alpha_s, "beta_s_per_byte": ab.beta_s_per_byte} for c, ab in self.costs.items()},
+            **({"samples": {c: [list(p) for p in v] for c, v in self.samples.items()}} if self.samples else {}),
         }
 
     @classmethod
@@ -149,6 +167,7 @@ class CollectiveModel:
             int(d["world_size"]),
             {c: AlphaBeta(float(d[c]["alpha_s"]), float(d[c]["beta_s_per_byte"])) for c in COLLECTIVES},
             str(d.get("source", "")),
+            {c: tuple((float(b), float(t)) for b, t in v) for c, v in d.get("samples", {}).items()},
         )
 
 
@@ -211,6 +230,7 @@ def _group_device(group: dist.ProcessGroup | None) -> torch.device:
 # all-gather is the c10d op FSDP2's DefaultAllGather calls).
 
 DEFAULT_MESSAGE_SIZES = tuple(4 * 2**10 * 8**i for i in range(5))  # 4 KiB .. 16 MiB
+SMALL_MESSAGE_REPEATS = 8  # timings per round of a message 1/64 of the largest or smaller
 
 
 def measure_collectives(
@@ -256,7 +276,12 @@ def measure_collectives(
             return lambda: comm.reduce_scatter(shard, full, op=dist.ReduceOp.AVG, group=group)
         return lambda: dist.all_reduce(full, op=dist.ReduceOp.AVG, group=group)
 
-    cells = [(c, nbytes, make_op(c, nbytes)) for c in COLLECTIVES for nbytes in sizes]
+    # Small messages are timed several times a round: they cost little, and their
+    # times scatter most (a TCP hiccup is many times a 4 KiB message's time), so a
+    # median over a few rounds of them alone would bend the fit.
+    cells = [(c, nbytes, make_op(c, nbytes))
+             for c in COLLECTIVES for nbytes in sizes
+             for _ in range(min(SMALL_MESSAGE_REPEATS, max(1, sizes[-1] // (8 * nbytes))))]
 
     def timed_round(since: float) -> tuple[list[float], float, float]:
         """Seconds per cell, seconds since ``since``, and the wall clock: each the max over ranks."""
@@ -280,9 +305,10 @@ def measure_collectives(
         rounds.append(cell_times)
         if len(rounds) >= 3 and elapsed >= time_budget_s:
             break
-    samples: dict[str, list[tuple[float, float]]] = {c: [] for c in COLLECTIVES}
+    timings: dict[tuple[str, int], list[float]] = {}
     for i, (c, nbytes, _) in enumerate(cells):
-        samples[c].append((nbytes, statistics.median(r[i] for r in rounds)))
+        timings.setdefault((c, nbytes), []).extend(r[i] for r in rounds)
+    samples = {c: [(nbytes, statistics.median(timings[c, nbytes])) for nbytes in sizes] for c in COLLECTIVES}
     date = time.strftime("%Y-%m-%d", time.gmtime(wall))  # from the reduced clock: the same string on every rank
     source = (f"measured {backend} {device.type} {world_size} ranks {date}, {comm.all_gather_impl()} all-gather, "
               f"{comm.reduce_scatter_impl()} reduce-scatter")
@@ -330,7 +356,19 @@ def _slowest(models: Sequence[CollectiveModel]) -> CollectiveModel:
     """Per collective, the largest alpha and the largest beta of same-sized groups' models."""
     costs = {c: AlphaBeta(max(m.costs[c].alpha_s for m in models), max(m.costs[c].beta_s_per_byte for m in models))
              for c in COLLECTIVES}
-    return CollectiveModel(models[0].world_size, costs, f"{models[0].source}, slowest of {len(models)} groups")
+    return CollectiveModel(models[0].world_size, costs, f"{models[0].source}, slowest of {len(models)} groups",
+                           combine_samples(models, max))
+
+
+def combine_samples(models: Sequence[CollectiveModel], combine: Callable[[list[float]], float]
+                     ) -> dict[str, tuple[tuple[float, float], ...]]:
+    """Per collective and message size, ``combine`` of the models' measured seconds (models measured at the
+    same sizes; {} when none was measured)."""
+    measured = [m.samples for m in models if m.samples]
+    if not measured:
+        return {}
+    return {c: tuple((nbytes, combine([dict(m[c])[nbytes] for m in measured])) for nbytes, _ in measured[0][c])
+            for c in COLLECTIVES}
 
 
 # --------------------------------------------------------------------------- compute

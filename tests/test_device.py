@@ -1,6 +1,7 @@
 import json
 import math
 import random
+import statistics
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from osdp.device import (
     CollectiveModel,
     DeviceInfo,
     Topology,
+    combine_samples,
     device_preset,
     format_bytes,
     list_presets,
@@ -153,6 +155,28 @@ def test_collective_model_round_trips_through_json():
         2, {c: [(4096, 1e-4 * (i + 1)), (2**20, 1e-3 * (i + 1))] for i, c in enumerate(COLLECTIVES)}, "synthetic"
     )
     assert CollectiveModel.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    assert [n for n, _ in m.samples["all_reduce"]] == [4096, 2**20]
+    assert [t for _, t in m.samples["all_reduce"]] == pytest.approx([3e-4, 3e-3])
+
+
+def test_largest_message_bandwidth_is_the_rate_not_the_fit():
+    # a shaped link: messages within the burst pass at once, the rest at 100 MB/s
+    burst, rate = 96e3, 100e6
+    samples = {c: [(n, 1e-4 + max(0.0, n / 2 - burst) / rate) for n in (4096, 32768, 262144, 2**21, 2**24)]
+               for c in COLLECTIVES}
+    m = CollectiveModel.fit(2, samples)
+    assert m.largest_message_bus_bandwidth("all_gather") == pytest.approx(0.5 * 2**24 / (1e-4 + (2**23 - burst) / rate))
+    assert m.largest_message_bus_bandwidth("all_gather") == pytest.approx(rate, rel=0.02)
+    assert m.bus_bandwidth("all_gather") > 1.05 * rate  # the burst pulls the fitted beta under the rate
+    unmeasured = CollectiveModel.ring(2, dict.fromkeys(COLLECTIVES, 5e9), dict.fromkeys(COLLECTIVES, 1e-5))
+    assert unmeasured.largest_message_bus_bandwidth("reduce_scatter") == pytest.approx(5e9)
+
+
+def test_combined_samples_take_each_size_across_models():
+    fits = [CollectiveModel.fit(2, {c: [(4096, t), (2**20, 8 * t)] for c in COLLECTIVES}) for t in (1e-4, 3e-4, 2e-4)]
+    assert combine_samples(fits, max)["all_gather"] == ((4096, 3e-4), (2**20, 24e-4))
+    assert combine_samples(fits, statistics.median)["reduce_scatter"] == ((4096, 2e-4), (2**20, 16e-4))
+    assert combine_samples([CollectiveModel.zero()], max) == {}
 
 
 def test_world_size_one_costs_nothing():
@@ -179,6 +203,9 @@ def test_measure_collectives_on_two_gloo_ranks():
         t_small, t_large = m.time(c, 4096), m.time(c, 16 << 20)
         assert 0 < t_small <= t_large < 1.0 and math.isfinite(t_large)
         assert m.costs[c].beta_s_per_byte > 0  # 16 MiB take longer than 4 KiB on any machine
+        assert [n for n, _ in m.samples[c]] == [4096, 65536, 16 << 20]
+        nbytes, seconds = m.samples[c][-1]
+        assert m.largest_message_bus_bandwidth(c) == pytest.approx(ring_factor(c, 2) * nbytes / seconds)
 
 
 # ----------------------------------------------------------------------------- compute
@@ -339,3 +366,4 @@ def test_measure_device_on_two_nodes_of_two_gloo_ranks_measures_each_level():
     for model in (t.intra, t.inter, d.collectives):
         for c in COLLECTIVES:
             assert 0 < model.time(c, 4096) <= model.time(c, 1 << 20) < 1.0
+            assert [n for n, _ in model.samples[c]] == [4096, 1 << 20]

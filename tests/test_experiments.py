@@ -596,3 +596,30 @@ def test_a_link_rate_never_confirmed_is_the_closest_mean_and_says_so(monkeypatch
     closest = min(means, key=lambda r: abs(1e11 / statistics.fmean(means[r]) / 1000 - 1))
     assert out["rate_bit_per_s"] == closest
     assert out["probe_flop_per_byte"] == pytest.approx(1e11 / statistics.fmean(means[closest]))
+
+
+def _shaped_device_info(flops: float, rate: float) -> dict:
+    """A device_info whose collectives were measured on a link that passes 96 KB bursts at once and the rest
+    at ``rate`` bytes/s per direction (2 ranks)."""
+    from osdp.device import COLLECTIVES, CollectiveModel, DeviceInfo
+
+    samples = {c: [(n, 1e-4 + max(0.0, n / 2 - 96e3) / rate) for n in (4096, 32768, 262144, 2**21, 2**24)]
+               for c in COLLECTIVES}
+    return DeviceInfo(name="cpu", memory_bytes=None, world_size=2, device_type="cpu",
+                      collectives=CollectiveModel.fit(2, samples, "synthetic"), flops={"float32": flops}).to_dict()
+
+
+def test_the_shaped_link_is_measured_by_its_largest_message_not_the_fit():
+    info = _shaped_device_info(1e11, 90e6)
+    assert run_mod.shaped_busbw({"name": "gpu-ratio"}, info) == pytest.approx(0.5 * 2**24 / (1e-4 + (2**23 - 96e3) / 90e6))
+    assert run_mod.shaped_busbw({"name": "gpu-ratio"}, info) == pytest.approx(90e6, rel=0.02)
+
+
+def test_the_sweep_checks_its_calibration_against_the_link_target(capsys):
+    link = {"name": "gpu-ratio", "target_flop_per_byte": 1000.0}
+    near = sweep.check_calibrated_link(link, {"device_info": _shaped_device_info(1e11, 1.05e8)})
+    assert near == pytest.approx(1e11 / 1.05e8, rel=0.02) and "WARNING" not in capsys.readouterr().out
+    far = sweep.check_calibrated_link(link, {"device_info": _shaped_device_info(1e11, 0.7e8)})
+    assert far == pytest.approx(1e11 / 0.7e8, rel=0.02)
+    assert "WARNING: the calibration's link gives 14" in capsys.readouterr().out
+    assert sweep.check_calibrated_link({"name": "loopback"}, {}) is None
