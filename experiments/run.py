@@ -729,8 +729,9 @@ def calibrate_gpu_ratio(link: dict[str, Any], *, env: dict[str, str] | None = No
 
 
 def collective_table(device_info: dict[str, Any]) -> str:
-    """The fitted alpha and beta of each collective, its bus bandwidth, and beta against the all-gather's: of the
-    world group and, on several nodes, of a node's group and a cross-node group."""
+    """The fitted alpha and beta of each collective, its bus bandwidth (the fit's, and the largest message's),
+    and beta against the all-gather's: of the world group and, on several nodes, of a node's group and a
+    cross-node group."""
     from osdp.device import COLLECTIVES, CollectiveModel
 
     groups = [("world", device_info["collectives"])]
@@ -741,11 +742,11 @@ def collective_table(device_info: dict[str, Any]) -> str:
         model = CollectiveModel.from_dict(collectives)
         ag = model.costs["all_gather"].beta_s_per_byte
         lines.append(f"{'collective':<15} {'alpha (us)':>10} {'beta (ns/B)':>12} {'busbw (MB/s)':>13} "
-                     f"{'beta / AG':>10}   {name}, {model.world_size} ranks")
+                     f"{'largest (MB/s)':>15} {'beta / AG':>10}   {name}, {model.world_size} ranks")
         for c in COLLECTIVES:
             ab = model.costs[c]
             lines.append(f"{c:<15} {ab.alpha_s * 1e6:>10.1f} {ab.beta_s_per_byte * 1e9:>12.3f} "
-                         f"{model.bus_bandwidth(c) / 1e6:>13.1f} "
+                         f"{model.bus_bandwidth(c) / 1e6:>13.1f} {model.largest_message_bus_bandwidth(c) / 1e6:>15.1f} "
                          f"{ab.beta_s_per_byte / ag if ag else float('nan'):>10.2f}")
         lines.append(f"({model.source})")
     return "\n".join(lines)
