@@ -267,6 +267,8 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
         ratio = link.get("measured_flop_per_byte")
         lines += [f"## {result['model']}, {link['name']}: {link.get('label', '')}", ""]
         bw = link.get("measured_busbw_bytes_per_s", {})
+        # the link's own bandwidth (the largest message's; the fit's in results from before it was recorded)
+        link_bw = link.get("measured_largest_busbw_bytes_per_s") or bw.get("all_gather")
         lines += [f"Measured on this group: fp32 FLOP/s {result['device_info']['flops'].get('float32', 0) / 1e9:.0f} G "
                   f"per rank; all-gather busbw {bw.get('all_gather', 0) / 1e6:.0f} MB/s, reduce-scatter "
                   f"{bw.get('reduce_scatter', 0) / 1e6:.0f} MB/s, all-reduce {bw.get('all_reduce', 0) / 1e6:.0f} MB/s; "
@@ -275,9 +277,9 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
                   + (f", {link['measured_largest_flop_per_byte']:.0f} at the largest message "
                      f"({link['measured_largest_busbw_bytes_per_s'] / 1e6:.0f} MB/s, the link's rate)"
                      if link.get("measured_largest_flop_per_byte") else "")
-                  + (f"; {link['core_flops'] / bw['all_gather']:.0f} with the core's best FLOP/s "
+                  + (f"; {link['core_flops'] / link_bw:.0f} with the core's best FLOP/s "
                      f"({link['core_flops'] / 1e9:.0f} G, measured before the sweep; target "
-                     f"{link['target_flop_per_byte']:.0f}, {link.get('ratio_of', '')})" if link.get("core_flops") and bw.get("all_gather") else "")
+                     f"{link['target_flop_per_byte']:.0f}, {link.get('ratio_of', '')})" if link.get("core_flops") and link_bw else "")
                   + ".",
                   f"Micro-batch {mine[0]['batch_size']} x {mine[0]['seq_len']} tokens per rank. Least budget any plan "
                   f"fits (predicted): {mib(result['lowest_budget_bytes'])}; torch-ddp needs "
@@ -457,12 +459,10 @@ def main(argv: list[str] | None = None) -> int:
 def check_calibrated_link(link: dict[str, Any], calibration: dict[str, Any]) -> float | None:
     """The FLOP per byte of the largest all-gather message in the calibration the runs plan with, printed with a
     warning when more than 10% from the link's target (None for a link without one)."""
-    from osdp.device import DeviceInfo
-
     if not link.get("target_flop_per_byte"):
         return None
-    info = DeviceInfo.from_dict(calibration["device_info"])
-    flop_per_byte = info.flops["float32"] / info.collectives.largest_message_bus_bandwidth("all_gather")
+    info = calibration["device_info"]
+    flop_per_byte = info["flops"]["float32"] / run_mod.shaped_busbw(link, info)  # what calibrate_gpu_ratio aims
     off = flop_per_byte / link["target_flop_per_byte"] - 1
     print(f"sweep: {'WARNING: ' if abs(off) > 0.10 else ''}the calibration's link gives {flop_per_byte:.0f} FLOP "
           f"per byte of its largest all-gather message, {off:+.0%} from the target "

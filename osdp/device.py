@@ -230,7 +230,7 @@ def _group_device(group: dist.ProcessGroup | None) -> torch.device:
 # all-gather is the c10d op FSDP2's DefaultAllGather calls).
 
 DEFAULT_MESSAGE_SIZES = tuple(4 * 2**10 * 8**i for i in range(5))  # 4 KiB .. 16 MiB
-SMALL_MESSAGE_REPEATS = 8  # timings per round of a message 1/64 of the largest or smaller
+SMALL_MESSAGE_REPEATS = 8  # timings per round of a message 1/64 of the largest or smaller (fewer, down to 1, above)
 
 
 def measure_collectives(
