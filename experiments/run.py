@@ -278,7 +278,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     from baselines import build_baseline
     from osdp import comm, models
     from osdp.calibration import calibrate
-    from osdp.cost import build_problem, predict
+    from osdp.cost import predict
     from osdp.data import synthetic_batch
     from osdp.device import measure_device
     from osdp.distributed import all_gather_objects, broadcast_object, init_from_env
@@ -286,8 +286,8 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     from osdp.log import Progress
     from osdp.machine import machine_info
     from osdp.plan import Plan
-    from osdp.planner import description_of, planning_descriptions, search
-    from osdp.search import BudgetTooSmall, min_peak
+    from osdp.planner import description_of, least_budget, planning_descriptions, search
+    from osdp.search import BudgetTooSmall
     from osdp.units import structure_signature
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -416,8 +416,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
 
     # ---- budgets: from the least any plan needs (predicted) to torch-ddp's measured peak (one short untimed pass)
     budgets = [int(x) for x in spec.get("budgets") or []]
-    lowest = min(min_peak(build_problem(d, device_info, b, optimizer=optimizer, calibration=calibration))[0]
-                 for d in descriptions)
+    lowest = least_budget(descriptions, device_info, [b], optimizer=optimizer, calibration=calibration)
     ddp_needs = None
     if spec.get("auto_budgets"):
         if "torch-ddp" not in runs:

@@ -4,7 +4,11 @@ Every plan is costed unit by unit, with the same function behind ``predict``
 and ``build_problem``, so the search is exact under this model:
 
     step_s = sum_u time[u, o_u]
-    peak   = base + sum_u mem[u, o_u] + max_u transient[u, o_u]
+    peak  ~= base + sum_u mem[u, o_u] + max_u transient[u, o_u]   (the search's additive bound)
+
+and ``predict`` gives the peak over the step's schedule (``schedule_peak``), with
+the plan's own neighbours (``plan_neighbours``); the planner re-prices the
+search's candidates so (``osdp.planner.search``).
 
 Per unit u and option o = (mode, split k, checkpoint, shard scope), at micro-batch b on N
 ranks, from the unit's description (``osdp.description``: parameter shapes,
@@ -61,10 +65,12 @@ shard scope (on a device with a topology of several nodes)
     (``Topology.inter``); a unit sharded over every rank, and a replicated
     one, pays the world group's costs (``DeviceInfo.collectives``).
 
-The true peak is a maximum over the schedule; this decomposition adds each
-unit's worst phase and the one largest transient, so it over-estimates and
-never under-estimates, as far as the measured parts are exact: most where a
-unit's neighbours are not what the bound assumes.
+The true peak is a maximum over the schedule; the search's decomposition adds each
+unit's worst phase and the one largest transient, so it over-estimates, most where a
+unit's neighbours are not what the bound assumes and where the largest working set
+runs while few units hold their activations (a unit's backward after those after it
+have let theirs go); it leaves out the all-gather output FSDP2 keeps in forward.
+``schedule_peak`` walks the schedule instead.
 
 Plans whose units all take one mode (``UNIFORM_MODES``) know their neighbours:
 with every unit replicated or every unit zero2, no all-gather is prefetched
@@ -224,6 +230,7 @@ class _Context:
     # per unit, the fraction of its parameter bytes in the bucket DDP reduces last, were every unit
     # replicated (the first units in forward order): nothing of the backward is left to hide that all-reduce
     ddp_last_bucket: Mapping[str, float]
+    input_bytes: int = 0  # the micro-batch itself, live through the step
 
     @property
     def compute_bytes(self) -> int:
@@ -316,15 +323,16 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     foreach_temps = _FOREACH_TEMPS[opt] * 4 * shard_numel if foreach else 0
     largest_shard = max((4 * math.ceil(math.prod(s) / shard_n) for s in unit.param_shapes), default=0)
     ddp = mode == "replicate" and replicates_with_ddp(ctx.precision)
+    # what the unit holds all step, from its forward until its backward, and from its backward to the step's end
     if ddp:  # DDP: parameters used in place, gradients are views into buckets that live all step
         held = 0
-        mem = persistent + grad + max(act, foreach_temps)
+        always, before, after = persistent + grad, act, foreach_temps
         rs_input = largest_shard  # a fresh gradient, before the reducer copies it into its bucket
     else:
         held = gathered if (mode != "zero3" and not enclosing) else 0
-        mem = persistent + max(act + held, grad + foreach_temps)
-        if enclosing:  # gathered through the whole step
-            mem += gathered
+        # a unit enclosing others stays gathered through the whole step
+        always, before, after = persistent + (gathered if enclosing else 0), act + held, grad + foreach_temps
+    mem = always + max(before, after)
 
     # the working sets beyond what mem already counts of this unit's activations
     temp_fwd = costs.fwd_peak_bytes.signed_bytes(b) - act
@@ -333,13 +341,13 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     # when its backward ends FSDP copies the unsharded gradients (in the working set) into the reduce buffer
     post = costs.bwd_end_bytes.signed_bytes(b) - act + rs_input
     prefetched, rs_previous = ctx.neighbours.get(unit.path, (0, 0))
+    own = gathered if (mode == "zero3" and not enclosing) else 0
     if enclosing:
         fwd = temp_fwd + flat
         # the root stays gathered into backward (any mode), and FSDP2 dropped its flat buffer after the
         # copy-out in forward (on gloo too: osdp.comm.Lent)
         bwd = temp_bwd + prefetched
     else:
-        own = gathered if mode == "zero3" else 0
         fwd = temp_fwd + own + flat
         bwd = temp_bwd + own + prefetched + rs_previous
         post += prefetched
@@ -412,6 +420,12 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         "optimizer_s": optimizer_s, "persistent_bytes": persistent, "activation_bytes": act,
         "held_bytes": held, "gradient_bytes": grad, "fwd_transient_bytes": fwd, "bwd_transient_bytes": bwd,
         "post_backward_bytes": post, "optimizer_temp_bytes": optimizer_temp,
+        "always_bytes": always, "before_backward_bytes": before, "after_backward_bytes": after, "ddp": float(ddp),
+        "gather_output_bytes": flat,
+        # what its neighbours meet of it in the plan (``plan_neighbours``): the all-gather output FSDP2 prefetches
+        # in backward (a unit resharded after forward) and the reduce-scatter input FSDP2 keeps after its backward
+        "backward_gather_bytes": flat if reshards_after_forward(unit.path, mode) else 0,
+        "kept_reduce_input_bytes": rs_input if mode in ("zero2", "zero3") else 0,
     }
     return OptionCost(time_s, int(mem), int(transient), parts)
 
@@ -443,6 +457,7 @@ def _context(
         description.optimizer_s_per_byte.get(optimizer, 0.0) * calibration.compute_scale,
         unit_neighbours(description, precision, device.world_size) if neighbours is None else neighbours,
         _ddp_last_bucket([(p, shapes[p]) for p in [ROOT, *sequence_order(description)]]),
+        math.ceil(description.input_bytes_per_sample * batch_size),
     )
 
 
@@ -555,10 +570,11 @@ def predict(
 ) -> Prediction:
     """Step time and peak memory per rank of a plan (or one option per unit, in description order).
 
-    ``batch_size`` and ``precision`` default to the plan's. For a plan whose
-    options are all in ``options_for(device_info)`` the numbers are exactly those of
-    ``build_problem(...)``'s ``step_time`` and ``peak`` for the same choice, with
-    ``uniform_mode=`` the plan's mode where all its units take one of ``UNIFORM_MODES``.
+    ``batch_size`` and ``precision`` default to the plan's. The peak is the schedule's
+    (``schedule_peak``, with the plan's neighbours); for a plan whose options are all in
+    ``options_for(device_info)`` the step time and ``breakdown["bound_peak_bytes"]`` are exactly
+    ``build_problem(...)``'s ``step_time`` and ``peak`` for the same choice, with ``uniform_mode=``
+    the plan's mode where all its units take one of ``UNIFORM_MODES``.
     """
     if isinstance(plan_or_choices, Plan):
         batch_size = batch_size or plan_or_choices.batch_size
@@ -581,16 +597,21 @@ def predict(
     mode = uniform_mode_of(options)
     if mode is not None:
         ctx = _uniform(ctx, mode)
+    bounding = [unit_cost(u, o, ctx) for u, o in zip(description.units, options)]  # as the search prices them
+    mem = np.array([c.mem_bytes for c in bounding], dtype=np.int64)
+    transient = np.array([c.transient_bytes for c in bounding], dtype=np.int64)
+    ctx = replace(ctx, neighbours=plan_neighbours(description, bounding, ctx.precision))
     costs = [unit_cost(u, o, ctx) for u, o in zip(description.units, options)]
     times = np.array([c.time_s for c in costs], dtype=np.float64)
-    mem = np.array([c.mem_bytes for c in costs], dtype=np.int64)
-    transient = np.array([c.transient_bytes for c in costs], dtype=np.int64)
     base = _base(ctx)
     step_s = float(times.sum())
-    peak = base + int(mem.sum()) + int(transient.max())
+    peak, moment = schedule_peak(description, costs, base)
     totals = {k: float(sum(c.parts[k] for c in costs)) for k in costs[0].parts}
     breakdown = {
         "base_bytes": base,
+        "peak_moment": moment,
+        # the search's additive bound on the peak (``build_problem``): base + mem + transient
+        "bound_peak_bytes": base + int(mem.sum()) + int(transient.max()),
         "mem_bytes": int(mem.sum()),
         "transient_bytes": int(transient.max()),
         "largest_transient_unit": description.units[int(transient.argmax())].path,
@@ -604,8 +625,98 @@ def predict(
     return Prediction(step_s, peak, breakdown)
 
 
+def plan_neighbours(description: ModelDescription, costs: Sequence[OptionCost],
+                    precision: str) -> dict[str, tuple[int, int]]:
+    """Per unit, the neighbours' FSDP buffers that exist during its backward in a plan whose units cost
+    ``costs`` (``_Context.neighbours``; what the search bounds by ``unit_neighbours``): the all-gather output of
+    the FSDP2 unit whose forward ended just before its own (FSDP2 prefetches it; none unless that unit reshards
+    after forward) and the reduce-scatter input of the one whose backward ended just before its own began (the
+    unit whose forward began next). DDP's units are no FSDP2 units: they are passed over."""
+    by_path = dict(zip(description.paths, costs))
+    ends = [p for p in description.forward_order if p in by_path] or [*sequence_order(description), ROOT]
+    # forwards begin in the order they end, but a unit enclosing others begins before them
+    span = {p: min(i for i, q in enumerate(ends) if q == p or p == ROOT or q.startswith(p + ".")) for p in ends}
+    begins = sorted(ends, key=lambda p: (span[p], -len(ends) if p == ROOT else p.count(".")))
+    fsdp = {p for p in ends if not by_path[p].parts["ddp"]}
+    ends, begins = [p for p in ends if p in fsdp], [p for p in begins if p in fsdp]
+    neighbours = dict.fromkeys(description.paths, (0, 0))
+    for path in fsdp:
+        i, j = ends.index(path), begins.index(path)
+        before = int(by_path[ends[i - 1]].parts["backward_gather_bytes"]) if i > 0 else 0
+        after = int(by_path[begins[j + 1]].parts["kept_reduce_input_bytes"]) if j + 1 < len(begins) else 0
+        neighbours[path] = (before, after)
+    return neighbours
+
+
+def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], base: int) -> tuple[int, str]:
+    """The peak per rank over the step's schedule of units costing ``costs`` (one per unit, in description
+    order), and the moment it is reached.
+
+    The units that run one after another (``sequence_order``) run their forwards in order and their
+    backwards in reverse: while unit v runs, each unit before it holds what it keeps until its backward
+    (``before_backward_bytes``), each unit after it (in backward) what it keeps from its backward on
+    (``after_backward_bytes``); v works on what it holds until its backward (its transients on top), and
+    as its backward ends reduces into what it keeps after; the optimizer step finds every unit after its
+    backward. Units enclosing others (the root) are counted at the larger of their two all step, their
+    working set at the fullest moment inside them. In forward, what the unit that gathered last left
+    lingers (FSDP2 frees an all-gather output when the next is waited for, or as the root's forward ends).
+    """
+    by_path = dict(zip(description.paths, costs))
+    order = sequence_order(description)
+
+    def part(path: str, name: str) -> int:
+        return int(by_path[path].parts[name])
+
+    def own(path: str) -> int:
+        return max(part(path, "before_backward_bytes"), part(path, "after_backward_bytes"))
+
+    enclosing = [p for p in description.paths if p not in set(order)]
+    fixed = base + sum(part(p, "always_bytes") for p in description.paths) + sum(own(p) for p in enclosing)
+    before = np.array([part(p, "before_backward_bytes") for p in order], dtype=np.int64)
+    after = np.array([part(p, "after_backward_bytes") for p in order], dtype=np.int64)
+    held_before = np.cumsum(before) - before  # by the units earlier in forward order
+    held_after = int(after.sum()) - np.cumsum(after)  # by the units later in forward order
+    # In forward FSDP2 keeps a unit's all-gather output until the next unit's all-gather is waited for, or the
+    # root's forward ends: what the unit that gathered last left lingers while units that gather nothing run
+    left, linger_forward = 0, []
+    for path in order:
+        gathered = part(path, "gather_output_bytes")
+        linger_forward.append(0 if gathered else left)
+        left = gathered or left
+    forward = fixed + held_before + before  # with the unit's own activations (no gradients yet)
+    backward = fixed + held_before + np.array([own(p) for p in order], dtype=np.int64) + held_after
+    optimizer = fixed + int(after.sum())
+    moments = [(optimizer, "the optimizer step")]
+    for i, path in enumerate(order):
+        moments += [
+            (int(forward[i]) + linger_forward[i] + part(path, "fwd_transient_bytes"),
+             f"forward of {display_path(path)}"),
+            # its backward works on what it held until then; as it ends it reduces into what it keeps after
+            (int(backward[i]) - own(path) + int(before[i]) + part(path, "bwd_transient_bytes"),
+             f"backward of {display_path(path)}"),
+            (int(backward[i]) + part(path, "post_backward_bytes"), f"the end of the backward of {display_path(path)}"),
+            (optimizer + own(path) - int(after[i]) + part(path, "optimizer_temp_bytes"), "the optimizer step"),
+        ]
+    for path in enclosing:
+        inside = [i for i, p in enumerate(order) if path == ROOT or p.startswith(path + ".")]
+        fullest = max([optimizer, *(int(backward[i]) for i in inside)])
+        working = max(part(path, k) for k in ("bwd_transient_bytes", "post_backward_bytes", "optimizer_temp_bytes"))
+        moments.append((fullest + working, f"the working set of {display_path(path)}"))
+        # its forward, at the latest with every unit inside holding its activations
+        fullest_forward = max([fixed, *(int(forward[i]) + linger_forward[i] for i in inside)])
+        working = part(path, "fwd_transient_bytes")
+        if path == ROOT:  # the head, after the last unit's forward: what was gathered last is freed as it ends
+            gathered = part(path, "gather_output_bytes")
+            fullest_forward = max(fullest_forward + working,
+                                  fixed + int(before.sum()) + working - gathered + (left or gathered))
+        else:
+            fullest_forward += working
+        moments.append((fullest_forward, f"the forward of {display_path(path)}"))
+    return max(moments, key=lambda m: m[0])
+
+
 def _base(ctx: _Context) -> int:
-    return int(ctx.calibration.margin_bytes)
+    return int(ctx.calibration.margin_bytes) + ctx.input_bytes
 
 
 def build_problem(

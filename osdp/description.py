@@ -113,6 +113,8 @@ class ModelDescription:
     device: str
     torch_version: str = torch.__version__
     input_spec: str = ""
+    # bytes of the example input per sample (its storages): the batch is live through the step
+    input_bytes_per_sample: float = 0.0
     forward_order: tuple[str, ...] = ()  # units in the order their forward ends (FSDP2 prefetches backward by it)
     checks: Mapping[str, Any] = field(default_factory=dict)  # whole step vs sum of units, per precision and size
     profile_seconds: float = 0.0

@@ -12,6 +12,7 @@ broadcast, so every rank ends with the same plan or the same error.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -20,13 +21,13 @@ import torch
 import torch.nn as nn
 
 from osdp import granularity
-from osdp.cost import Calibration, build_problems, plan_from_choice
+from osdp.cost import Calibration, Prediction, build_problems, plan_from_choice, predict
 from osdp.device import DeviceInfo, device_preset, parse_size
 from osdp.distributed import broadcast_object, world
 from osdp.plan import Plan
 from osdp.description import ModelDescription
 from osdp.profile import batch_size_of, describe_once
-from osdp.search import BudgetTooSmall, FrontierPoint, Problem, pareto_frontier, sweep_batch_sizes
+from osdp.search import BudgetTooSmall, FrontierPoint, Problem, min_peak, pareto_frontier
 from osdp.units import GRANULARITIES, structure_signature
 
 
@@ -40,6 +41,20 @@ class SearchResult:
     def frontier(self, max_peak: int | None = None) -> list[FrontierPoint]:
         """Throughput vs memory over every candidate batch size and granularity (Pareto-optimal points)."""
         return pareto_frontier(self.problems, max_peak=max_peak)
+
+
+# The search adds up each unit's memory at its fullest (``osdp.cost``: a bound), which can be well over the peak
+# of the plan's schedule (``osdp.cost.schedule_peak``: a unit holding its activations never meets one holding its
+# gradients from the same moment of the step). Plans whose bound is up to this factor over the budget are priced
+# on the schedule, and the fastest that fits the budget there is taken.
+RELAXED_BOUND = 1.25
+
+
+@dataclass
+class _Found:
+    plan: Plan  # the units' decisions, batch size and precision; search() adds the rest
+    description: ModelDescription  # what prices it (osdp.cost.predict), as ``description_of`` gives
+    prediction: Prediction
 
 
 def search(
@@ -61,72 +76,91 @@ def search(
     the whole model ("sub-block", "block"), and per block where the "block" and
     "nested" descriptions are both given (``osdp.granularity``); the plan with
     the fewest units among those within ``GRANULARITY_TOLERANCE`` of the
-    fastest wins. BudgetTooSmall only if none fits, naming the smallest minimum.
+    fastest wins. Among each granularity's Pareto-optimal plans whose additive
+    memory bound is within ``RELAXED_BOUND`` of the budget, the fastest whose
+    schedule peak (``osdp.cost.predict``) fits is taken: the plan reports
+    exactly what ``predict`` gives for it. BudgetTooSmall only if none fits,
+    naming the smallest minimum.
     """
     if isinstance(descriptions, ModelDescription):
         descriptions = [descriptions]
     budget = parse_size(budget)
     settings = dict(precision=mixed_precision, optimizer=optimizer, calibration=calibration)
-    found: list[tuple[Any, ModelDescription, Problem]] = []  # (solution, description of its plan, problem)
-    too_small: list[BudgetTooSmall] = []
-    all_problems: list[Problem] = []
-    seconds = 0.0
+    start = time.perf_counter()
 
-    def solve_over(problems: list[Problem]):
-        nonlocal seconds
-        all_problems.extend(problems)
-        start = time.perf_counter()
-        try:
-            sweep = sweep_batch_sizes(problems, budget)
-            return sweep.best, problems[sweep.best_index]
-        except BudgetTooSmall as e:  # names the minimum and its batch size
-            too_small.append(e)
-            return None
-        finally:
-            seconds += time.perf_counter() - start
+    def priced(problem: Problem, choice: Any, describe: Callable[[Plan], ModelDescription]) -> _Found:
+        plan = plan_from_choice(problem, choice, mixed_precision=mixed_precision)
+        description = describe(plan)
+        return _Found(plan, description,
+                      predict(description, plan, device_info, optimizer=optimizer, calibration=calibration))
 
+    def fastest_fitting(problems: list[Problem], describe: Callable[[Plan], ModelDescription]) -> _Found | None:
+        points = [(pt, p) for p in problems for pt in pareto_frontier(p, max_peak=int(budget * RELAXED_BOUND))]
+        for point, problem in sorted(points, key=lambda x: -x[0].samples_per_s):
+            found = priced(problem, point.choice, describe)
+            if found.prediction.peak_bytes <= budget:
+                return found
+        smallest.extend(priced(p, min_peak(p)[1], describe) for p in problems)  # what the error names
+        fitting = [f for f in smallest[-len(problems):] if f.prediction.peak_bytes <= budget]
+        return min(fitting, key=lambda f: f.prediction.step_s / f.plan.batch_size, default=None)
+
+    candidates: list[tuple[list[Problem], Callable[[Plan], ModelDescription]]] = [
+        ([p for b in batch_sizes for p in build_problems(d, device_info, b, **settings)], lambda _, d=d: d)
+        for d in descriptions if d.granularity != "nested"  # priced per block, with the "block" description
+    ]
     by_granularity = {d.granularity: d for d in descriptions}
-    for description in descriptions:
-        if description.granularity == "nested":
-            continue  # priced per block, with the "block" description (below)
-        got = solve_over([p for b in batch_sizes for p in build_problems(description, device_info, b, **settings)])
-        if got:
-            found.append((got[0], description, got[1]))
     coarse, nested = by_granularity.get("block"), by_granularity.get("nested")
     if coarse is not None and nested is not None:  # each block whole or apart
-        got = solve_over([granularity.build_problem(coarse, nested, device_info, b, **settings) for b in batch_sizes])
-        apart = granularity.apart_in(plan_from_choice(got[1], got[0].choice), coarse, nested) if got else []
-        if apart:  # with every block whole it is the "block" description's plan, found above
-            found.append((got[0], granularity.compose(coarse, nested, apart), got[1]))
-    if not found:
-        raise min(too_small, key=lambda e: e.min_peak_bytes)
-    best, description, problem = found[choose_granularity([(d, b.samples_per_s) for b, d, _ in found])]
-    plan = plan_from_choice(
-        problem,
-        best.choice,
-        mixed_precision=mixed_precision,
+        def per_block(plan: Plan) -> ModelDescription:  # with every block whole, the "block" description's
+            apart = granularity.apart_in(plan, coarse, nested)
+            return granularity.compose(coarse, nested, apart) if apart else coarse
+
+        candidates.append(
+            ([granularity.build_problem(coarse, nested, device_info, b, **settings) for b in batch_sizes], per_block)
+        )
+    smallest: list[_Found] = []  # each problem's plan of the least bound, where nothing else fits
+    found = [f for problems, describe in candidates if (f := fastest_fitting(problems, describe)) is not None]
+    all_problems = [p for problems, _ in candidates for p in problems]
+    seconds = time.perf_counter() - start
+    if not found:  # names a budget at which a plan is found: the least schedule peak of those plans
+        least = min(smallest, key=lambda f: f.prediction.peak_bytes)
+        raise BudgetTooSmall(budget, least.prediction.peak_bytes, least.plan.batch_size)
+    speeds = [(f.description, f.plan.batch_size / f.prediction.step_s) for f in found]
+    best = found[choose_granularity(speeds)]
+    plan = dataclasses.replace(
+        best.plan,
         world_size=device_info.world_size,
         # the prediction is for this node layout (each level's links): the plan says so, and wrap checks it
         ranks_per_node=device_info.topology.ranks_per_node if device_info.topology is not None else None,
         model_signature=model_signature,
-        # what the search priced it at: for a plan taking some blocks apart, at least what its composed
-        # description predicts (``osdp.granularity``), never less
-        predicted_step_s=best.step_time,
-        predicted_peak_bytes=best.peak_bytes,
+        predicted_step_s=best.prediction.step_s,
+        predicted_peak_bytes=best.prediction.peak_bytes,
         search_seconds=seconds,
         meta={
             "budget_bytes": budget,
             "device": device_info.name,
             "calibration": (calibration or Calibration()).source,
             "optimizer": optimizer,
-            "slack_bytes": best.slack_bytes,
-            "predicted_samples_per_s": best.samples_per_s,
-            "granularity": description.granularity,
+            # the search's additive bound on the peak, and when in the step the predicted peak is reached
+            "bound_peak_bytes": best.prediction.breakdown["bound_peak_bytes"],
+            "peak_moment": best.prediction.breakdown["peak_moment"],
+            "predicted_samples_per_s": best.plan.batch_size / best.prediction.step_s,
+            "granularity": best.description.granularity,
             # what each granularity's best plan was predicted to do: why this one was taken
-            "samples_per_s_by_granularity": {d.granularity: b.samples_per_s for b, d, _ in found},
+            "samples_per_s_by_granularity": {d.granularity: speed for d, speed in speeds},
         },
     )
-    return SearchResult(plan, description, all_problems, seconds)
+    return SearchResult(plan, best.description, all_problems, seconds)
+
+
+def least_budget(descriptions: ModelDescription | Sequence[ModelDescription], device_info: DeviceInfo,
+                 batch_sizes: Sequence[int], **settings: Any) -> int:
+    """The least budget per rank ``search`` (same arguments) finds a plan in: what its BudgetTooSmall names."""
+    try:
+        search(descriptions, device_info, batch_sizes, budget=1, **settings)
+    except BudgetTooSmall as e:
+        return e.min_peak_bytes
+    return 1
 
 
 # A finer unit granularity is taken only where it is predicted faster than a coarser one by more than this.
@@ -247,6 +281,6 @@ def plan(
 
 
 __all__ = [
-    "BudgetTooSmall", "SearchResult", "describe_granularities", "description_of", "plan", "planning_description",
-    "planning_descriptions", "search",
+    "BudgetTooSmall", "SearchResult", "describe_granularities", "description_of", "least_budget", "plan",
+    "planning_description", "planning_descriptions", "search",
 ]

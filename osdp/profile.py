@@ -63,7 +63,7 @@ from osdp.recompute import checkpoint_unit, undo_checkpoint
 from osdp.timing import StepTimer
 from osdp.units import Unit, build_units, count_calls, discover_units, param_homes, structure_signature
 
-PROFILE_VERSION = 3  # bump when what is measured changes: old cache entries are ignored
+PROFILE_VERSION = 4  # bump when what is measured changes: old cache entries are ignored
 
 
 class ProfileError(ValueError):
@@ -113,6 +113,12 @@ def input_spec(example_input: Any) -> str:
         return repr(obj)
 
     return json.dumps(spec(example_input), sort_keys=True)
+
+
+def input_bytes_per_sample(example_input: Any) -> float:
+    """Bytes of the example's storages (each once, however many views share it) per sample."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in iter_tensors(example_input)}
+    return sum(storages.values()) / batch_size_of(example_input)
 
 
 def call_model(model: nn.Module, example_input: Any) -> Any:
@@ -822,6 +828,7 @@ def describe(
         source=f"measured on {device_name(device)}",
         device=device_name(device),
         input_spec=input_spec(example_input),
+        input_bytes_per_sample=input_bytes_per_sample(example_input),
         forward_order=tuple(order),
         checks=checks,
         profile_seconds=time.perf_counter() - start,

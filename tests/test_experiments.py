@@ -65,11 +65,11 @@ def result(tiny):
 
     import osdp
     from osdp.cost import predict
-    from osdp.planner import search
-    from osdp.search import BudgetTooSmall, min_peak
+    from osdp.planner import least_budget, search
+    from osdp.search import BudgetTooSmall
 
     model, description, info, problem = tiny
-    lowest, _ = min_peak(problem)
+    lowest = least_budget(description, info, [8])
     settings = dict(batch_size=8, world_size=2, model_signature=description.signature)
     ddp_plan = osdp.strategy_plan(model, "ddp", **settings)
     ddp_needs = predict(description, ddp_plan, info).peak_bytes

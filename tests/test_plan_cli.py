@@ -101,7 +101,10 @@ def test_a_factory_plans_as_the_same_reference_model(user_package, tmp_path, cap
     assert code == 0
     assert by_factory["units"] == by_name["units"]
     assert by_factory["predicted_step_s"] == pytest.approx(by_name["predicted_step_s"], rel=1e-9)
-    assert by_factory["predicted_peak_bytes"] == by_name["predicted_peak_bytes"]
+    # the batches differ only in storage: two tensors, where the built-in one's are views of one (the batch is
+    # live through the step, so the peak counts it)
+    inputs = 2 * 2 * 128 * 8  # long[2, 128] twice
+    assert 0 < by_factory["predicted_peak_bytes"] - by_name["predicted_peak_bytes"] <= inputs
     assert "model my_models:gpt2_mini" in capsys.readouterr().out
 
 

@@ -37,21 +37,33 @@ def _search(description, device, budget):
     return search(description, device, (BATCH,), budget=int(budget)).plan
 
 
+def _least_budget(description, device):
+    """The least budget the search plans in, as its error names it."""
+    with pytest.raises(BudgetTooSmall) as e:
+        _search(description, device, 1)
+    return e.value.min_peak_bytes
+
+
 def test_at_the_minimum_budget_every_unit_is_sharded_and_splits_are_used(gpt2_mini_on_4_gpus):
     description, device, minimum = gpt2_mini_on_4_gpus
-    plan = _search(description, device, minimum)
-    assert plan.predicted_peak_bytes <= minimum
+    assert _search(description, device, minimum).predicted_peak_bytes <= minimum  # the least additive bound
+    # the least budget the error names: a plan's schedule peak, at most the least additive bound, and it fits
+    with pytest.raises(BudgetTooSmall) as e:
+        _search(description, device, minimum // 2)
+    named = e.value.min_peak_bytes
+    assert named <= minimum and e.value.batch_size == BATCH
+    assert named == _least_budget(description, device)  # whatever the budget below it
+    plan = _search(description, device, named)
+    assert plan.predicted_peak_bytes <= named
     blocks = [u for u in plan.units if u.path != ROOT]
     assert all(u.mode == "zero3" for u in blocks), plan.summary()
     assert any(u.split > 1 for u in blocks) and any(u.checkpoint for u in blocks), plan.summary()
-    with pytest.raises(BudgetTooSmall) as e:
-        _search(description, device, minimum - 1)
-    assert e.value.min_peak_bytes == minimum and e.value.batch_size == BATCH
 
 
 def test_more_memory_never_predicts_a_slower_plan(gpt2_mini_on_4_gpus):
-    description, device, minimum = gpt2_mini_on_4_gpus
-    budgets = np.geomspace(minimum, 64 * minimum, 16)
+    description, device, _ = gpt2_mini_on_4_gpus
+    least = _least_budget(description, device)
+    budgets = np.geomspace(least, 64 * least, 16)
     times = [_search(description, device, b).predicted_step_s for b in budgets]
     for (b1, t1), (b2, t2) in zip(zip(budgets, times), zip(budgets[1:], times[1:])):
         # the grid follows the budget, so allow what rounding can cost (far below any real difference)
