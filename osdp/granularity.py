@@ -52,9 +52,9 @@ def blocks_apart(coarse: ModelDescription, nested: ModelDescription) -> dict[str
     blocks = {}
     for unit in coarse.units:
         inside = [p for p in inner if unit.path != ROOT and p.startswith(unit.path + ".")]
-        # a unit enclosing blocks (a wrapper with parameters of its own) is no block: it is priced as the root is
-        encloses_units = any(p.startswith(unit.path + ".") for p in coarse.paths if unit.path != ROOT)
-        if inside and not encloses_units:
+        if any(p.startswith(unit.path + ".") for p in coarse.paths if unit.path != ROOT):
+            continue  # it encloses units of its own (a wrapper with parameters): no block, priced as the root is
+        if inside:
             blocks[unit.path] = (*inside, *([unit.path] if unit.path in inner else []))
         elif unit.path not in inner or inner[unit.path].param_shapes != unit.param_shapes:
             raise ValueError(f"unit '{unit.name}' differs between the 'block' and 'nested' descriptions")
