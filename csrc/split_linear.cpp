@@ -33,10 +33,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <deque>
 #include <mutex>
 #include <numeric>
 #include <optional>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 
@@ -214,6 +216,45 @@ class HostCopyTransport final : public Transport {
   std::vector<at::Tensor> slices_, sinks_;
 };
 
+// On CPU, gloo runs a collective on a worker thread that keeps its tensors (and views of them it made)
+// until it is done with them, which can be after Work::wait() returned: memory the op then lets go of
+// would be freed whenever that thread next runs, so a step's peak would hold one more slice in some steps
+// and not others (osdp.comm.Lent does the same for the Python collectives). LetGo notes how many hold a
+// tensor before it is given to a collective and, once the collective completed, waits until no more do:
+// its TensorImpl (the handle the collective keeps), and, for memory the op owns alone, its storage (views).
+class LetGo {
+ public:
+  void watch(const at::Tensor& t, bool owned) {
+    if (!t.defined() || !t.is_cpu()) return;
+    auto* storage = owned ? t.storage().unsafeGetStorageImpl() : nullptr;
+    items_.push_back({t.unsafeGetTensorImpl(), t.use_count(), storage, storage ? count(storage) : 0});
+  }
+
+  // Called while the op still holds every watched tensor.
+  void wait() {
+    using clock = std::chrono::steady_clock;
+    auto deadline = clock::now() + std::chrono::seconds(1);  // past this, go on (as LET_GO_TIMEOUT_S)
+    for (const auto& item : items_) {
+      while ((count(item.impl) > item.impl_holders || (item.storage && count(item.storage) > item.storage_holders))
+             && clock::now() < deadline) {
+        std::this_thread::yield();  // let the worker thread run
+      }
+    }
+    items_.clear();
+  }
+
+ private:
+  static size_t count(c10::intrusive_ptr_target* target) { return c10::raw::intrusive_ptr::use_count(target); }
+
+  struct Item {
+    c10::TensorImpl* impl;
+    size_t impl_holders;
+    c10::StorageImpl* storage;
+    size_t storage_holders;
+  };
+  std::vector<Item> items_;
+};
+
 // Live and peak bytes of the buffers the op holds.
 struct Counter {
   std::atomic<int64_t> live{0};
@@ -340,6 +381,8 @@ class Gatherer {
     work_[slot] = streams_.on_comm(
         [&] {
           in_[slot] = piece(i);  // on a device: cast/padded on the communication stream, off the compute path
+          let_go_[slot].watch(out_[slot], /*owned=*/true);
+          let_go_[slot].watch(in_[slot], /*owned=*/!in_[slot].storage().is_alias_of(w_.storage()));
           return transport_.gather(out_[slot], in_[slot], i);
         },
         slot);
@@ -349,6 +392,7 @@ class Gatherer {
     int slot = i % buffers_.size();
     streams_.wait(work_[slot], slot);
     work_[slot].reset();
+    let_go_[slot].wait();
     in_[slot].reset();
     return out_[slot];
   }
@@ -371,6 +415,7 @@ class Gatherer {
   std::vector<Counted> buffers_;
   at::Tensor out_[2], in_[2];
   WorkPtr work_[2];
+  LetGo let_go_[2];
 };
 
 at::Tensor forward_loop(const at::Tensor& x, const at::Tensor& w_local, Transport& transport,
@@ -423,6 +468,7 @@ Grads backward_loop(const at::Tensor& grad_out_in, const at::Tensor& x, const at
       at::Tensor reduced;
       int64_t offset;
       int slot;
+      LetGo let_go;
     };
     struct InFlight {
       Streams& streams;
@@ -433,6 +479,8 @@ Grads backward_loop(const at::Tensor& grad_out_in, const at::Tensor& x, const at
     auto finish = [&] {
       auto& p = pending.front();
       streams.wait(p.work, p.slot);
+      p.work.reset();
+      p.let_go.wait();
       if (!in_place) grad_w->narrow(0, p.offset, p.reduced.size(0)).copy_(p.reduced);
       pending.pop_front();
     };
@@ -447,12 +495,14 @@ Grads backward_loop(const at::Tensor& grad_out_in, const at::Tensor& x, const at
         grad_x->addmm_(g_i, w_i);
       }
       if (need_weight_grad) {
-        at::Tensor product = at::mm(g_i.t(), x);  // (n * q, in), rank-major
-        Counted unreduced(reduce_dtype == product.scalar_type() ? product : product.to(reduce_dtype), grad_bytes);
+        Counted unreduced(at::mm(g_i.t(), x).to(reduce_dtype), grad_bytes);  // (n * q, in), rank-major
         auto reduced = in_place ? grad_w->narrow(0, off, q) : at::empty({q, x.size(1)}, x.options().dtype(reduce_dtype));
         int slot = 2 + i % 2;
+        LetGo let_go;
+        let_go.watch(unreduced.tensor(), /*owned=*/true);
+        let_go.watch(reduced, /*owned=*/!in_place);
         auto work = streams.on_comm([&] { return transport.reduce_scatter(reduced, unreduced.tensor(), i); }, slot);
-        pending.push_back({work, std::move(unreduced), reduced, off, slot});
+        pending.push_back({work, std::move(unreduced), reduced, off, slot, std::move(let_go)});
         while (pending.size() > 1) finish();
       }
     }
