@@ -3,7 +3,7 @@
     python experiments/schedule_peak.py --out experiments/results/schedule_peak.json
 
 gpt2-tiny (sequence 32, micro-batch 4), at every unit granularity: every unit replicated, zero2, zero3, and
-random mixes of those with and without checkpointing (seeded). Each plan is priced as ``osdp.wrap`` prices
+random mixes of those with and without checkpointing (seeded); and ``NAMED`` plans. Each plan is priced as ``osdp.wrap`` prices
 it (the describe cache, this job's cached calibration: run ``osdp calibrate --nproc 2`` first), applied, and
 trained for two steps, then two tracked steps (``osdp.memory.PeakMemory``). Prints predicted against
 measured with the moment the prediction puts the peak at, and the additive bound the search uses beside it.
@@ -25,11 +25,19 @@ GRANULARITIES = ("block", "sub-block", "nested")
 PLANS = ("replicate", "zero2", "zero3", "random1", "random2", "random3", "random4")
 MIXED = [("replicate", 1, False), ("zero2", 1, False), ("zero3", 1, False), ("replicate", 1, True),
          ("zero2", 1, True), ("zero3", 1, True)]
+# written out: DDP units (replicated, fp32) inside a zero2 root, a checkpointed one among them
+NAMED = {("sub-block", "ddp-in-zero2"): {
+    "blocks.0.attn": ("zero2", 1, False), "blocks.0.mlp": ("zero3", 1, False),
+    "blocks.1.attn": ("replicate", 1, False), "blocks.1.mlp": ("replicate", 1, True),
+    "wpe": ("zero2", 1, True), "": ("zero2", 1, False)}}
 
 
 def _plan(description, name: str, batch_size: int):
     import osdp
 
+    named = NAMED.get((description.granularity, name))
+    if named is not None:
+        return osdp.Plan([osdp.UnitPlan(p, *named[p]) for p in description.paths], batch_size=batch_size)
     if not name.startswith("random"):
         return osdp.Plan([osdp.UnitPlan(p, name) for p in description.paths], batch_size=batch_size)
     rng = random.Random(int(name.removeprefix("random")))
@@ -86,7 +94,7 @@ def main(argv=None) -> int:
     print(f"{'granularity':<10} {'plan':<9} {'predicted':>10} {'measured':>10} {'error':>7} {'bound':>10} "
           f"{'error':>7}  moment")
     for granularity in GRANULARITIES:
-        for name in PLANS:
+        for name in [*PLANS, *(n for g, n in NAMED if g == granularity)]:
             r = run_local_ranks(_measure, 2, granularity, name, timeout_s=300, collective_timeout_s=60,
                                 threads=1, pin=True)[0]
             r["error"] = r["predicted_peak_bytes"] / r["measured_peak_bytes"] - 1

@@ -13,10 +13,12 @@ broadcast, so every rank ends with the same plan or the same error.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -27,7 +29,7 @@ from osdp.distributed import broadcast_object, world
 from osdp.plan import Plan
 from osdp.description import ModelDescription
 from osdp.profile import batch_size_of, describe_once
-from osdp.search import BudgetTooSmall, FrontierPoint, Problem, min_peak, pareto_frontier
+from osdp.search import BudgetTooSmall, FrontierPoint, Problem, min_peak, pareto_frontier, sweep_batch_sizes
 from osdp.units import GRANULARITIES, structure_signature
 
 
@@ -45,9 +47,11 @@ class SearchResult:
 
 # The search adds up each unit's memory at its fullest (``osdp.cost``: a bound), which can be well over the peak
 # of the plan's schedule (``osdp.cost.schedule_peak``: a unit holding its activations never meets one holding its
-# gradients from the same moment of the step). Plans whose bound is up to this factor over the budget are priced
-# on the schedule, and the fastest that fits the budget there is taken.
+# gradients from the same moment of the step). Where memory binds, the solver runs at bounds on a fixed geometric
+# grid (steps of RELAXED_STEP, the same for every budget, so that more memory never gives a slower plan), from
+# RELAXED_BOUND times the budget down, each plan priced on the schedule: the first that fits the budget is taken.
 RELAXED_BOUND = 1.25
+RELAXED_STEP = 1.05
 
 
 @dataclass
@@ -76,17 +80,18 @@ def search(
     the whole model ("sub-block", "block"), and per block where the "block" and
     "nested" descriptions are both given (``osdp.granularity``); the plan with
     the fewest units among those within ``GRANULARITY_TOLERANCE`` of the
-    fastest wins. Among each granularity's Pareto-optimal plans whose additive
-    memory bound is within ``RELAXED_BOUND`` of the budget, the fastest whose
-    schedule peak (``osdp.cost.predict``) fits is taken: the plan reports
-    exactly what ``predict`` gives for it. BudgetTooSmall only if none fits,
-    naming the smallest minimum.
+    fastest wins. Each granularity's plan is the fastest plan memory does not
+    constrain where its schedule peak (``osdp.cost.predict``) fits, else the
+    faster of the solver's plan at the budget and at the largest additive bound
+    on a fixed grid up to ``RELAXED_BOUND`` times the budget, where their
+    schedule peaks fit: the plan
+    reports exactly what ``predict`` gives for it. BudgetTooSmall only if none
+    fits, naming a budget at which one does.
     """
     if isinstance(descriptions, ModelDescription):
         descriptions = [descriptions]
     budget = parse_size(budget)
     settings = dict(precision=mixed_precision, optimizer=optimizer, calibration=calibration)
-    start = time.perf_counter()
 
     def priced(problem: Problem, choice: Any, describe: Callable[[Plan], ModelDescription]) -> _Found:
         plan = plan_from_choice(problem, choice, mixed_precision=mixed_precision)
@@ -95,14 +100,31 @@ def search(
                       predict(description, plan, device_info, optimizer=optimizer, calibration=calibration))
 
     def fastest_fitting(problems: list[Problem], describe: Callable[[Plan], ModelDescription]) -> _Found | None:
-        points = [(pt, p) for p in problems for pt in pareto_frontier(p, max_peak=int(budget * RELAXED_BOUND))]
-        for point, problem in sorted(points, key=lambda x: -x[0].samples_per_s):
-            found = priced(problem, point.choice, describe)
-            if found.prediction.peak_bytes <= budget:
-                return found
+        def at(bound: int) -> _Found | None:  # the fastest plan within the bound, if it fits on the schedule
+            try:
+                sweep = sweep_batch_sizes(problems, bound)
+            except BudgetTooSmall:
+                return None
+            found = priced(problems[sweep.best_index], sweep.best.choice, describe)
+            return found if found.prediction.peak_bytes <= budget else None
+
+        fastest = [priced(p, _fastest_choice(p), describe) for p in problems]
+        if all(f.prediction.peak_bytes <= budget for f in fastest):  # memory does not bind
+            return max(fastest, key=lambda f: f.plan.batch_size / f.prediction.step_s)
+        least = min(min_peak(p)[0] for p in problems)
+        step = math.floor(math.log(budget * RELAXED_BOUND) / math.log(RELAXED_STEP))
+        at_budget = at(budget)  # the solver's own plan, between two grid bounds
+        while RELAXED_STEP ** step >= least:
+            found = at(int(RELAXED_STEP ** step))
+            if found is not None or RELAXED_STEP ** step < budget:
+                candidates = [f for f in (found, at_budget) if f is not None]
+                if candidates:
+                    return max(candidates, key=lambda f: f.plan.batch_size / f.prediction.step_s)
+            step -= 1
+        # nothing on the grid: the plans of the least bound, if they fit
         smallest.extend(priced(p, min_peak(p)[1], describe) for p in problems)  # what the error names
-        fitting = [f for f in smallest[-len(problems):] if f.prediction.peak_bytes <= budget]
-        return min(fitting, key=lambda f: f.prediction.step_s / f.plan.batch_size, default=None)
+        return min((f for f in smallest[-len(problems):] if f.prediction.peak_bytes <= budget),
+                   key=lambda f: f.prediction.step_s / f.plan.batch_size, default=None)
 
     candidates: list[tuple[list[Problem], Callable[[Plan], ModelDescription]]] = [
         ([p for b in batch_sizes for p in build_problems(d, device_info, b, **settings)], lambda _, d=d: d)
@@ -119,6 +141,7 @@ def search(
             ([granularity.build_problem(coarse, nested, device_info, b, **settings) for b in batch_sizes], per_block)
         )
     smallest: list[_Found] = []  # each problem's plan of the least bound, where nothing else fits
+    start = time.perf_counter()  # the search's time: solving and pricing plans, not building the problems
     found = [f for problems, describe in candidates if (f := fastest_fitting(problems, describe)) is not None]
     all_problems = [p for problems, _ in candidates for p in problems]
     seconds = time.perf_counter() - start
@@ -151,6 +174,11 @@ def search(
         },
     )
     return SearchResult(plan, best.description, all_problems, seconds)
+
+
+def _fastest_choice(problem: Problem) -> np.ndarray:
+    """Each unit's fastest allowed option: the plan memory does not constrain."""
+    return np.where(problem.allowed, problem.time, np.inf).argmin(axis=1)
 
 
 def least_budget(descriptions: ModelDescription | Sequence[ModelDescription], device_info: DeviceInfo,

@@ -156,9 +156,10 @@ def test_the_solver_optimum_is_predicted_exactly(tiny):
 
 
 def test_the_search_takes_plans_whose_schedule_fits_where_their_bound_does_not(tiny):
-    """The solver's additive bound counts every unit at its fullest at once. At a budget of a Pareto-optimal
-    plan's schedule peak, below its bound, the search finds a plan at least that fast whose schedule peak
-    fits, and for some such budget one faster than the solver finds on the bound alone."""
+    """The solver's additive bound counts every unit at its fullest at once. At budgets of Pareto-optimal plans'
+    schedule peaks, below their bounds, the search's plan fits on the schedule, is priced as ``predict``
+    prices it, is never slower than the solver's plan at the budget alone, and is faster somewhere (or the
+    bound fits nothing there at all)."""
     from osdp.planner import RELAXED_BOUND, search
     from osdp.search import pareto_frontier
 
@@ -171,14 +172,13 @@ def test_the_search_takes_plans_whose_schedule_fits_where_their_bound_does_not(t
             continue
         found = search(tiny, dev, [B], budget=schedule, calibration=CALIBRATION).plan
         assert found.predicted_peak_bytes <= schedule
-        assert found.predicted_step_s <= point.step_time
         again = predict(tiny, found, dev, calibration=CALIBRATION)
         assert (again.step_s, again.peak_bytes) == (found.predicted_step_s, found.predicted_peak_bytes)
         try:
             gains.append(solve(problem, schedule).step_time / found.predicted_step_s)
         except BudgetTooSmall:  # nothing fits the bound at all
             gains.append(math.inf)
-    assert gains and max(gains) > 1.0
+    assert gains and min(gains) >= 1 - 1e-9 and max(gains) > 1.0
 
 
 def test_parameter_gradient_and_optimizer_bytes_are_exact(tiny):
