@@ -177,8 +177,11 @@ def search(
 
 
 def _fastest_choice(problem: Problem) -> np.ndarray:
-    """Each unit's fastest allowed option: the plan memory does not constrain."""
-    return np.where(problem.allowed, problem.time, np.inf).argmin(axis=1)
+    """Each unit's fastest allowed option, the one needing least memory among equally fast ones: the plan
+    memory does not constrain."""
+    time_ = np.where(problem.allowed, problem.time, np.inf)
+    fastest = time_ <= time_.min(axis=1, keepdims=True) * (1 + 1e-9)
+    return np.where(fastest, problem.mem + problem.transient, np.iinfo(np.int64).max).argmin(axis=1)
 
 
 def least_budget(descriptions: ModelDescription | Sequence[ModelDescription], device_info: DeviceInfo,
