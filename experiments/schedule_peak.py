@@ -12,7 +12,6 @@ measured with the moment the prediction puts the peak at, and the additive bound
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import sys
@@ -53,7 +52,7 @@ def _measure(rank: int, world_size: int, granularity: str, name: str) -> dict:
     from osdp.calibration import calibrate
     from osdp.cost import predict
     from osdp.data import synthetic_batch
-    from osdp.memory import PeakMemory
+    from osdp.memory import peaks_per_step
     from osdp.optim import make_optimizer
     from osdp.planner import planning_description
 
@@ -67,14 +66,7 @@ def _measure(rank: int, world_size: int, granularity: str, name: str) -> dict:
     pred = predict(description, plan, machine.device_info, calibration=machine.calibration)
     osdp.wrap(model, plan=plan)
     optimizer = make_optimizer("adamw", model.parameters())
-    peaks = []
-    for measured in (False, False, True, True):
-        with PeakMemory("cpu", model, optimizer, *batch) if measured else contextlib.nullcontext() as meter:
-            model(*batch).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if measured:
-            peaks.append(meter.stats().peak_bytes)
+    peaks = peaks_per_step(model, optimizer, batch, warmup=2, steps=2)
     return {"granularity": granularity, "plan": name, "summary": plan.summary(),
             "units": [[u.path, u.mode, u.checkpoint] for u in plan.units],
             "predicted_peak_bytes": pred.peak_bytes, "bound_peak_bytes": pred.breakdown["bound_peak_bytes"],

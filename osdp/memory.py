@@ -11,11 +11,12 @@ that ``osdp.profile.describe`` attributes a GPU model's bytes to its units.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -431,3 +432,20 @@ class PeakMemory:
         if self._stats is None:
             raise RuntimeError("PeakMemory.stats() is available after the with block")
         return self._stats
+
+
+def peaks_per_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor], *,
+                   warmup: int = 2, steps: int = 3) -> list[int]:
+    """Peak bytes of each of ``steps`` training steps (forward of ``model(*batch)``, which returns the loss,
+    backward, optimizer step) on CPU, after ``warmup`` untracked ones (the optimizer's state exists by then,
+    and DDP rebuilds its buckets in its second iteration)."""
+    peaks = []
+    for step in range(warmup + steps):
+        meter = PeakMemory("cpu", model, optimizer, *batch)
+        with meter if step >= warmup else contextlib.nullcontext():
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if step >= warmup:
+            peaks.append(meter.stats().peak_bytes)
+    return peaks

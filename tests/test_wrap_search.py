@@ -1,7 +1,5 @@
 """osdp.wrap(model, device_mem=..., example_input=...) searches once, agrees on every rank, and fits."""
 
-import contextlib
-
 import torch
 
 import osdp
@@ -65,7 +63,7 @@ def test_wrap_searches_once_and_every_rank_applies_the_same_plan():
 def _peaks_under_searched_plans(rank, world_size):
     """Plans osdp.wrap searches at budgets from the least any plan needs to what the fastest needs, each
     trained: its measured peaks per rank (three steps after the optimizer's state exists)."""
-    from osdp.memory import PeakMemory
+    from osdp.memory import peaks_per_step
     from osdp.optim import make_optimizer
 
     config = models.get_config("gpt2-tiny", seq_len=32)
@@ -87,15 +85,7 @@ def _peaks_under_searched_plans(rank, world_size):
         budget = int(least + fraction * (most - least))
         model = wrapped(budget)
         optimizer = make_optimizer("adamw", model.parameters())  # what the plan was priced with
-        peaks = []
-        # two steps first: DDP rebuilds its buckets in its second iteration (a few bytes of bookkeeping)
-        for measured in (False, False, True, True, True):
-            with PeakMemory("cpu", model, optimizer, *batch) if measured else contextlib.nullcontext() as meter:
-                model(*batch).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            if measured:
-                peaks.append(meter.stats().peak_bytes)
+        peaks = peaks_per_step(model, optimizer, batch, warmup=2, steps=3)
         plan = osdp.plan_of(model)
         out.append((budget, plan.predicted_peak_bytes, peaks, plan.summary()))
     return out
