@@ -49,7 +49,8 @@ class SearchResult:
 # of the plan's schedule (``osdp.cost.schedule_peak``: a unit holding its activations never meets one holding its
 # gradients from the same moment of the step). Where memory binds, the solver runs at bounds on a fixed geometric
 # grid (steps of RELAXED_STEP, the same for every budget, so that more memory never gives a slower plan), from
-# RELAXED_BOUND times the budget down, each plan priced on the schedule: the first that fits the budget is taken.
+# RELAXED_BOUND times the budget down, each plan priced on the schedule: the first that fits the budget is taken,
+# or the solver's plan at the budget itself where that is faster.
 RELAXED_BOUND = 1.25
 RELAXED_STEP = 1.05
 
@@ -117,9 +118,9 @@ def search(
         while RELAXED_STEP ** step >= least:
             found = at(int(RELAXED_STEP ** step))
             if found is not None or RELAXED_STEP ** step < budget:
-                candidates = [f for f in (found, at_budget) if f is not None]
-                if candidates:
-                    return max(candidates, key=lambda f: f.plan.batch_size / f.prediction.step_s)
+                fitting = [f for f in (found, at_budget) if f is not None]
+                if fitting:
+                    return max(fitting, key=lambda f: f.plan.batch_size / f.prediction.step_s)
             step -= 1
         # nothing on the grid: the plans of the least bound, if they fit
         smallest.extend(priced(p, min_peak(p)[1], describe) for p in problems)  # what the error names
