@@ -600,7 +600,7 @@ def predict(
     bounding = [unit_cost(u, o, ctx) for u, o in zip(description.units, options)]  # as the search prices them
     mem = np.array([c.mem_bytes for c in bounding], dtype=np.int64)
     transient = np.array([c.transient_bytes for c in bounding], dtype=np.int64)
-    ctx = replace(ctx, neighbours=plan_neighbours(description, bounding, ctx.precision))
+    ctx = replace(ctx, neighbours=plan_neighbours(description, bounding))
     costs = [unit_cost(u, o, ctx) for u, o in zip(description.units, options)]
     times = np.array([c.time_s for c in costs], dtype=np.float64)
     base = _base(ctx)
@@ -625,8 +625,7 @@ def predict(
     return Prediction(step_s, peak, breakdown)
 
 
-def plan_neighbours(description: ModelDescription, costs: Sequence[OptionCost],
-                    precision: str) -> dict[str, tuple[int, int]]:
+def plan_neighbours(description: ModelDescription, costs: Sequence[OptionCost]) -> dict[str, tuple[int, int]]:
     """Per unit, the neighbours' FSDP buffers that exist during its backward in a plan whose units cost
     ``costs`` (``_Context.neighbours``; what the search bounds by ``unit_neighbours``): the all-gather output of
     the FSDP2 unit whose forward ended just before its own (FSDP2 prefetches it; none unless that unit reshards
@@ -670,7 +669,8 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
     def own(path: str) -> int:
         return max(part(path, "before_backward_bytes"), part(path, "after_backward_bytes"))
 
-    enclosing = [p for p in description.paths if p not in set(order)]
+    sequence = set(order)
+    enclosing = [p for p in description.paths if p not in sequence]
     fixed = base + sum(part(p, "always_bytes") for p in description.paths) + sum(own(p) for p in enclosing)
     before = np.array([part(p, "before_backward_bytes") for p in order], dtype=np.int64)
     after = np.array([part(p, "after_backward_bytes") for p in order], dtype=np.int64)

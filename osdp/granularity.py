@@ -52,7 +52,7 @@ def blocks_apart(coarse: ModelDescription, nested: ModelDescription) -> dict[str
     blocks = {}
     for unit in coarse.units:
         inside = [p for p in inner if unit.path != ROOT and p.startswith(unit.path + ".")]
-        if any(p.startswith(unit.path + ".") for p in coarse.paths if unit.path != ROOT):
+        if unit.path != ROOT and any(p.startswith(unit.path + ".") for p in coarse.paths):
             continue  # it encloses units of its own (a wrapper with parameters): no block, priced as the root is
         if inside:
             blocks[unit.path] = (*inside, *([unit.path] if unit.path in inner else []))

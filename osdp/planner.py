@@ -61,6 +61,10 @@ class _Found:
     description: ModelDescription  # what prices it (osdp.cost.predict), as ``description_of`` gives
     prediction: Prediction
 
+    @property
+    def samples_per_s(self) -> float:
+        return self.plan.batch_size / self.prediction.step_s
+
 
 def search(
     descriptions: ModelDescription | Sequence[ModelDescription],
@@ -111,21 +115,21 @@ def search(
 
         fastest = [priced(p, _fastest_choice(p), describe) for p in problems]
         if all(f.prediction.peak_bytes <= budget for f in fastest):  # memory does not bind
-            return max(fastest, key=lambda f: f.plan.batch_size / f.prediction.step_s)
+            return max(fastest, key=lambda f: f.samples_per_s)
         least = min(min_peak(p)[0] for p in problems)
         step = math.floor(math.log(budget * RELAXED_BOUND) / math.log(RELAXED_STEP))
         at_budget = at(budget)  # the solver's own plan, between two grid bounds
-        while RELAXED_STEP ** step >= least:
-            found = at(int(RELAXED_STEP ** step))
-            if found is not None or RELAXED_STEP ** step < budget:
-                fitting = [f for f in (found, at_budget) if f is not None]
-                if fitting:
-                    return max(fitting, key=lambda f: f.plan.batch_size / f.prediction.step_s)
+        while (bound := RELAXED_STEP ** step) >= least:
+            found = at(int(bound))
+            fitting = [f for f in (found, at_budget) if f is not None]
+            if fitting and (found is not None or bound < budget):
+                return max(fitting, key=lambda f: f.samples_per_s)
             step -= 1
-        # nothing on the grid: the plans of the least bound, if they fit
-        smallest.extend(priced(p, min_peak(p)[1], describe) for p in problems)  # what the error names
-        return min((f for f in smallest[-len(problems):] if f.prediction.peak_bytes <= budget),
-                   key=lambda f: f.prediction.step_s / f.plan.batch_size, default=None)
+        # nothing on the grid: the plans of the least bound, if they fit (and what the error names)
+        least_bound = [priced(p, min_peak(p)[1], describe) for p in problems]
+        smallest.extend(least_bound)
+        return max((f for f in least_bound if f.prediction.peak_bytes <= budget), key=lambda f: f.samples_per_s,
+                   default=None)
 
     candidates: list[tuple[list[Problem], Callable[[Plan], ModelDescription]]] = [
         ([p for b in batch_sizes for p in build_problems(d, device_info, b, **settings)], lambda _, d=d: d)
@@ -149,7 +153,7 @@ def search(
     if not found:  # names a budget at which a plan is found: the least schedule peak of those plans
         least = min(smallest, key=lambda f: f.prediction.peak_bytes)
         raise BudgetTooSmall(budget, least.prediction.peak_bytes, least.plan.batch_size)
-    speeds = [(f.description, f.plan.batch_size / f.prediction.step_s) for f in found]
+    speeds = [(f.description, f.samples_per_s) for f in found]
     best = found[choose_granularity(speeds)]
     plan = dataclasses.replace(
         best.plan,
@@ -168,7 +172,7 @@ def search(
             # the search's additive bound on the peak, and when in the step the predicted peak is reached
             "bound_peak_bytes": best.prediction.breakdown["bound_peak_bytes"],
             "peak_moment": best.prediction.breakdown["peak_moment"],
-            "predicted_samples_per_s": best.plan.batch_size / best.prediction.step_s,
+            "predicted_samples_per_s": best.samples_per_s,
             "granularity": best.description.granularity,
             # what each granularity's best plan was predicted to do: why this one was taken
             "samples_per_s_by_granularity": {d.granularity: speed for d, speed in speeds},
