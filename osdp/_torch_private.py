@@ -26,6 +26,7 @@ __all__ = [
     "fsdp_collective_comm",
     "output_tensors",
     "queue_at_backward_end",
+    "set_implicit_replication",
     "ddp_bucket_bytes",
     "ddp_check_reducer_finalized",
     "ddp_post_forward",
@@ -84,6 +85,14 @@ def queue_at_backward_end(callback) -> None:
     from torch.autograd import Variable
 
     Variable._execution_engine.queue_callback(callback)
+
+
+def set_implicit_replication(allowed: bool) -> None:
+    """What ``torch.distributed.tensor.experimental.implicit_replication`` sets on entry (True) and exit (False),
+    for a window that is not a ``with`` block: DTensor ops take plain tensors as replicated DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher._allow_implicit_replication = allowed
 
 
 def output_tensors(output: Any) -> list:

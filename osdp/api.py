@@ -31,7 +31,7 @@ def wrap(
     strategy: str | None = None,
     device: torch.device | str | None = None,
     mixed_precision: str | None = None,
-    find_unused_parameters: bool = False,
+    find_unused_parameters: bool | None = None,
     **plan_options: Any,
 ) -> nn.Module:
     """Make ``model`` data parallel in place, under a memory budget, a given plan, or a baseline.
@@ -43,10 +43,13 @@ def wrap(
     * ``wrap(model, plan=plan)``: apply a :class:`Plan` or its JSON;
     * ``wrap(model, strategy="fsdp")``: a baseline, ``ddp``, ``zero2`` or ``fsdp``.
 
-    ``find_unused_parameters`` is ``DistributedDataParallel``'s, for replicated
-    units: set it when a step may leave parameters without a gradient (a
-    module not called, a branch not taken). Without it (faster, DDP's default)
-    such a step raises from ``backward()``, before the optimizer steps.
+    Whatever the plan, the model answers as a ``fully_shard``-ed one:
+    ``model.set_requires_gradient_sync(False)`` and FSDP2's other methods, on
+    the model and on every unit; parameters left without a gradient in a
+    step, ``requires_grad`` changed between steps, and
+    ``torch.nn.utils.clip_grad_norm_`` where FSDP2 supports it
+    (``osdp.clip_grad_norm_`` everywhere). ``find_unused_parameters`` is
+    ignored (kept for code written against osdp 0.x).
 
     Collective: every rank of the default process group calls it the same way.
     Returns the model, now managed by FSDP2; ``osdp.plan_of(model)`` gives the

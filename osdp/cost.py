@@ -90,7 +90,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from osdp.device import CollectiveModel, DeviceInfo
-from osdp.fsdp_ext.replicate import replicates_with_ddp
+from osdp.fsdp_ext.replicate import USED_FLAG_BYTES, replicates_with_ddp
 from osdp.plan import MODES, ROOT, Plan, PlanError, UnitPlan, display_path, reshards_after_forward
 from osdp.description import ModelDescription, UnitProfile
 from osdp.search.problem import NODE_OPTIONS, OPTIONS, Option, Problem, SubUnits
@@ -326,6 +326,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     # what the unit holds all step, from its forward until its backward, and from its backward to the step's end
     if ddp:  # DDP: parameters used in place, gradients are views into buckets that live all step
         held = 0
+        grad += USED_FLAG_BYTES * len(unit.param_shapes)  # the reducer's flag per parameter, in its bucket
         always, before, after = persistent + grad, act, foreach_temps
         rs_input = largest_shard  # a fresh gradient, before the reducer copies it into its bucket
     else:

@@ -61,7 +61,7 @@ from osdp.optim import make_optimizer
 from osdp.plan import ROOT, display_path
 from osdp.recompute import checkpoint_unit, undo_checkpoint
 from osdp.timing import StepTimer
-from osdp.units import Unit, build_units, count_calls, discover_units, param_homes, structure_signature
+from osdp.units import Unit, build_units, discover_units, param_homes, structure_signature, trace_calls
 
 PROFILE_VERSION = 4  # bump when what is measured changes: old cache entries are ignored
 
@@ -420,11 +420,11 @@ def resolve_units(
     call counts, so a module that runs twice per forward is merged into its
     parent; given units that run twice or own no parameters are refused.
     """
-    counts = count_calls(model, lambda: _checked_forward(model, units, batch, loss_fn))
+    calls = trace_calls(model, lambda: _checked_forward(model, units, batch, loss_fn))
     if units is None:
-        return discover_units(model, counts, granularity)
+        return discover_units(model, calls, granularity)
     units = build_units(model, [u.path for u in units])
-    _check_units(model, units, counts)
+    _check_units(model, units, calls.counts)
     return units
 
 

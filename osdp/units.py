@@ -23,6 +23,14 @@ A unit is a module whose parameters are gathered, sharded and reduced together
 * a parameter shared by several modules (tied embeddings, a module registered
   twice) belongs to one unit at the lowest common ancestor of its owners, and
   a module that runs more than once per forward is moved up the same way;
+* units follow the calls, not only the module tree: a container that cannot be
+  called (``ModuleDict``, ``ModuleList``, ``ParameterDict``: no ``forward``)
+  is never a unit, the module that calls its children is (FSDP2 gathers a
+  unit in its forward hooks, which a container never runs); and given a
+  traced forward (:func:`trace_calls`), a parameter used while its unit's
+  forward is not running (a weight read by the parent's functional code, a
+  module whose children are called through a lambda) moves that unit up to a
+  module whose forward encloses every use;
 * the root is always a unit and takes every parameter not in another unit.
 
 Units with the same structure (class, parameter names, shapes and dtypes) get
@@ -32,10 +40,12 @@ the same ``signature``, so repeated transformer blocks are measured once.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from osdp.plan import ROOT, display_path
 
@@ -98,26 +108,96 @@ def _has_matrix_param(module: nn.Module) -> bool:
     return any(p.dim() >= 2 for p in module.parameters())
 
 
+def is_callable(module: nn.Module) -> bool:
+    """Whether ``module`` has a forward of its own (containers such as ``ModuleDict`` do not: FSDP2 refuses
+    them, and their hooks would never run)."""
+    return type(module).forward is not nn.Module.forward
+
+
+def _called_ancestor(path: str, modules: Mapping[str, nn.Module]) -> str:
+    """``path`` itself if its module can be called, else its nearest ancestor that can."""
+    while path != ROOT and not is_callable(modules[path]):
+        path = _parent(path)
+    return path
+
+
+@dataclass
+class CallTrace:
+    """What one forward did: how often each module ran, and, per parameter (by id), the modules running
+    (outermost first) wherever an operation used it."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    uses: dict[int, set[tuple[str, ...]]] = field(default_factory=dict)
+
+
+class _ParameterUses(TorchFunctionMode):
+    """Notes the running modules at every operation that takes a parameter (reading an attribute such as
+    ``.shape`` is no use)."""
+
+    def __init__(self, params: Mapping[int, nn.Parameter], running: list[str], uses: dict):
+        super().__init__()
+        self.params, self.running, self.uses = params, running, uses
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") != "__get__":
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, nn.Parameter) and id(t) in self.params:
+                    self.uses.setdefault(id(t), set()).add(tuple(self.running))
+        return func(*args, **kwargs)
+
+
+def trace_calls(model: nn.Module, run) -> CallTrace:
+    """Run ``run()`` (a forward of ``model``) and note what it called and where it used each parameter."""
+    trace = CallTrace()
+    running: list[str] = [ROOT]
+    handles = []
+    for path, module in model.named_modules():
+        def enter(_m, _args, path=path):
+            trace.counts[path] = trace.counts.get(path, 0) + 1
+            running.append(path)
+
+        def leave(_m, _args, _out):
+            running.pop()
+
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    params = {id(p): p for p in model.parameters()}
+    try:
+        with _ParameterUses(params, running, trace.uses):
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return trace
+
+
+def count_calls(model: nn.Module, run) -> dict[str, int]:
+    """Run ``run()`` (a forward of ``model``) and count how often each module is called."""
+    return trace_calls(model, run).counts
+
+
 def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     modules = dict(model.named_modules())
+    # a container of sub-block shape (the Linears of an MLP kept in a ModuleDict) is the module that calls them
     sub_block = {
-        path
+        _called_ancestor(path, modules)
         for path, m in modules.items()
         if path != ROOT
         and any(True for _ in m.children())
         and all(not any(True for _ in c.children()) for c in m.children())
         and _has_matrix_param(m)
-    }
+    } - {ROOT}
     leaves = {
-        path
+        _called_ancestor(path, modules)
         for path, m in modules.items()
         if path != ROOT
         and not any(True for _ in m.children())
-        and _parent(path) not in sub_block
+        and not any(_is_within(path, b) for b in sub_block)
         and any(p.dim() >= 2 for p in m.parameters(recurse=False))
-    }
+    } - {ROOT}
     if granularity == "block":  # a module holding two or more sub-blocks (attention and MLP) replaces them
         parents: dict[str, list[str]] = {}
         for path in sub_block:
@@ -128,10 +208,9 @@ def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
     return sorted(sub_block | leaves)
 
 
-def _resolve_sharing(
-    model: nn.Module, candidates: Iterable[str], call_counts: Mapping[str, int] | None
-) -> set[str]:
-    """Move candidates that share parameters (or run twice) up to a common ancestor."""
+def _resolve_sharing(model: nn.Module, candidates: Iterable[str], calls: CallTrace | None) -> set[str]:
+    """Move candidates that share parameters, run twice, or whose parameters are used outside their forward
+    up to a common ancestor that can be called."""
     modules = dict(model.named_modules())
     module_paths = _module_paths(model)
     owners = _param_owners(model)
@@ -146,11 +225,14 @@ def _resolve_sharing(
                 if not _is_within(owner, path)
             ]
             outside += [q for q in module_paths[id(module)] if q != path]
+            if calls is not None:  # used where this unit's forward is not running: not gathered there
+                outside += [running[-1] for p in module.parameters() for running in calls.uses.get(id(p), ())
+                            if path not in running]
             if outside:
-                path = _common_ancestor([path, *outside])
+                path = _called_ancestor(_common_ancestor([path, *outside]), modules)
                 continue
-            if call_counts is not None and call_counts.get(path, 0) > 1:
-                path = _parent(path)
+            if calls is not None and calls.counts.get(path, 0) > 1:
+                path = _called_ancestor(_parent(path), modules)
                 continue
             break
         if path != ROOT:
@@ -229,12 +311,13 @@ def _nearest_unit(path: str, units: set[str]) -> str:
 
 
 def discover_units(
-    model: nn.Module, call_counts: Mapping[str, int] | None = None, granularity: str = "sub-block"
+    model: nn.Module, calls: CallTrace | Mapping[str, int] | None = None, granularity: str = "sub-block"
 ) -> list[Unit]:
     """The default units of ``model``, bottom-up, root last.
 
-    ``call_counts`` (module path -> calls in one forward, e.g. from
-    :func:`count_calls`) moves modules that run more than once up to their parent.
+    ``calls`` (a forward traced by :func:`trace_calls`, or only its call counts)
+    moves modules that run more than once up to their parent, and units whose
+    parameters are used outside their forward up to where they are used.
     ``granularity="block"`` takes each module holding two or more sub-blocks
     (a transformer block: attention and MLP) as one unit instead of its
     sub-blocks: fewer, larger units pay FSDP2's per-unit costs fewer times,
@@ -244,14 +327,16 @@ def discover_units(
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if calls is not None and not isinstance(calls, CallTrace):
+        calls = CallTrace(counts=dict(calls))
     if granularity == "nested":
-        coarse = [u.path for u in discover_units(model, call_counts, "block")]
-        fine = _resolve_sharing(model, _candidates(model, "sub-block"), call_counts)
+        coarse = [u.path for u in discover_units(model, calls, "block")]
+        fine = _resolve_sharing(model, _candidates(model, "sub-block"), calls)
         blocks = set(coarse) - {ROOT}
         units = build_units(model, coarse + [p for p in fine if p not in blocks and _parent(p) in blocks])
         empty = {u.path for u in units if u.numel == 0 and u.path != ROOT}  # a block its sub-blocks fill
         return build_units(model, [u.path for u in units if u.path not in empty]) if empty else units
-    units = build_units(model, _resolve_sharing(model, _candidates(model, granularity), call_counts))
+    units = build_units(model, _resolve_sharing(model, _candidates(model, granularity), calls))
     if granularity == "block":
         small = _small_leaves(model, units)
         if small:
@@ -267,22 +352,6 @@ def _small_leaves(model: nn.Module, units: list[Unit]) -> set[str]:
     if not blocks:
         return set()
     return {u.path for u in units if u.path in leaves and u.numel < min(blocks)}
-
-
-def count_calls(model: nn.Module, run) -> dict[str, int]:
-    """Run ``run()`` (a forward of ``model``) and count how often each module is called."""
-    counts: dict[str, int] = {}
-    handles = []
-    for path, module in model.named_modules():
-        def hook(_m, _args, path=path):
-            counts[path] = counts.get(path, 0) + 1
-        handles.append(module.register_forward_pre_hook(hook))
-    try:
-        run()
-    finally:
-        for h in handles:
-            h.remove()
-    return counts
 
 
 def structure_signature(model: nn.Module) -> str:

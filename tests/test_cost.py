@@ -182,7 +182,8 @@ def test_the_search_takes_plans_whose_schedule_fits_where_their_bound_does_not(t
 
 
 def test_parameter_gradient_and_optimizer_bytes_are_exact(tiny):
-    """FSDP2 pads dim 0 to a multiple of N; replicate keeps everything; Adam keeps two fp32 moments."""
+    """FSDP2 pads dim 0 to a multiple of N; replicate keeps everything (and its reducer a used-flag per parameter
+    beside the gradients); Adam keeps two fp32 moments."""
     mlp = tiny.unit("blocks.0.mlp")
     n = 3
     padded = sum(math.ceil(s[0] / n) * n * math.prod(s[1:]) for s in mlp.param_shapes)
@@ -195,7 +196,8 @@ def test_parameter_gradient_and_optimizer_bytes_are_exact(tiny):
             parts = predict(tiny, plan, device(n), **ctx_args).breakdown["units"]["blocks.0.mlp"]
             steps = 4 * len(mlp.param_shapes) if opt == "adamw" else 0
             assert parts["persistent_bytes"] == 4 * numel * (1 + states) + steps
-            assert parts["gradient_bytes"] == 4 * numel
+            flags = 4 * len(mlp.param_shapes) if mode == "replicate" else 0  # the reducer's, one per parameter
+            assert parts["gradient_bytes"] == 4 * numel + flags
             # zero2 keeps its gathered copy from forward to backward; replicate (fp32: DDP) uses its own in place
             assert parts["held_bytes"] == (4 * padded if mode == "zero2" else 0)
 

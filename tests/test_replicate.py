@@ -1,4 +1,4 @@
-"""Replicated units run on DDP's reducer: what DistributedDataParallel does, composed with sharded units.
+"""Replicated units run on osdp's reducer: what DistributedDataParallel does, composed with sharded units.
 
 Equality with one process under every mode is test_wrap's; here: the units are
 what the plan says (plain parameters in one reducer vs FSDP2 DTensors), the
@@ -39,15 +39,16 @@ def _what_runs_each_unit(rank, world_size):
     }
 
 
-def test_replicated_units_are_left_to_ddp_and_sharded_ones_to_fsdp2():
+def test_replicated_units_are_left_to_the_reducer_and_sharded_ones_to_fsdp2():
     kinds = run_ranks(_what_runs_each_unit, 2, timeout=120)[0]
     assert {mode for mode, _, _ in kinds.values()} == {"replicate", "zero2", "zero3"}
     for path, (mode, is_fsdp, dtensors) in kinds.items():
         assert dtensors, path
-        if mode == "replicate":  # plain tensors, used in place (a replicated root stays FSDP2's root, holding none)
-            assert not any(dtensors) and (not is_fsdp or path == ROOT), path
+        assert is_fsdp, path  # every unit answers FSDP2's methods (a replicated one holds none of its parameters)
+        if mode == "replicate":  # plain tensors, used in place
+            assert not any(dtensors), path
         else:
-            assert is_fsdp and all(dtensors), path
+            assert all(dtensors), path
 
 
 def _peaks(rank, world_size):

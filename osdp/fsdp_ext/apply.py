@@ -11,14 +11,15 @@ the root, as ``fully_shard`` expects:
   instead, FSDP2's hybrid sharding: sharded within the node, replicated
   across nodes, gradients reduce-scattered within the node and all-reduced
   across; ranks per node are torchrun's ``LOCAL_WORLD_SIZE``;
-* ``replicate``: the parameters of every replicated unit go to one DDP
-  reducer (``fsdp_ext.replicate``): bucketed all-reduces overlapped with
-  backward and no second copy of the parameters, exactly as
-  ``DistributedDataParallel``; they stay plain tensors, which optimizers,
-  state dicts and DCP handle beside the sharded units' DTensors. In bf16
-  plans replicated units are FSDP2's on an (N, 1) mesh (HSDP with a shard
-  group of one), whose ``MixedPrecisionPolicy`` makes the bf16 copy that
-  compute needs;
+* ``replicate``: the parameters of every replicated unit go to one reducer
+  (``fsdp_ext.replicate``): bucketed all-reduces overlapped with backward and
+  no second copy of the parameters, as ``DistributedDataParallel``; they stay
+  plain tensors, which optimizers, state dicts and DCP handle beside the
+  sharded units' DTensors. The unit is still ``fully_shard``-ed, with those
+  parameters ignored, so that it answers FSDP2's methods
+  (``fsdp_ext.module_api``). In bf16 plans replicated units are FSDP2's on an
+  (N, 1) mesh (HSDP with a shard group of one), whose ``MixedPrecisionPolicy``
+  makes the bf16 copy that compute needs;
 * ``split: k``: the unit's large Linears become ``SplitLinear`` (k slices,
   gathered one at a time); FSDP2 leaves their weights alone;
 * ``checkpoint``: activation checkpointing of the unit (``osdp.recompute``:
@@ -34,6 +35,7 @@ every rank, so nothing hangs and the model is left untouched.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import replace
 
 import torch
@@ -47,8 +49,9 @@ from osdp.distributed import all_gather_objects, ranks_per_node, world
 from osdp.plan import ROOT, Plan, PlanError, UnitPlan, display_path
 from osdp.recompute import checkpoint_unit
 from osdp.split import SplitLinear, apply_split, split_parameters, splittable_linears
-from osdp.fsdp_ext.replicate import ReplicatedParameters, replicates_with_ddp
-from osdp.units import Unit, build_units, structure_signature, unit_parameters
+from osdp.fsdp_ext.module_api import UnitExtras, extend_unit
+from osdp.fsdp_ext.replicate import ReplicaReducer, replicates_with_ddp
+from osdp.units import Unit, build_units, is_callable, structure_signature, unit_parameters
 
 _PLAN_ATTR = "_osdp_plan"
 _REPLICATED_ATTR = "_osdp_replicated"
@@ -169,6 +172,12 @@ def validate_plan(model: nn.Module, plan: Plan, world_size: int) -> list[Unit]:
             close = [p for p in modules if p and (p.endswith(u.path) or u.path.endswith(p))][:3]
             hint = f"; did you mean {close}?" if close else ""
             raise PlanError(f"unit '{display_path(u.path)}': no such module in the model{hint}")
+    for u in plan.units:
+        if not is_callable(modules[u.path]):
+            raise PlanError(
+                f"unit '{display_path(u.path)}' is a {type(modules[u.path]).__name__}, which has no forward of its "
+                "own: FSDP2 gathers a unit in its forward, so make the module that calls its children the unit"
+            )
     units = build_units(model, plan.paths)
     for unit in units:
         if unit.numel == 0 and unit.path != ROOT:
@@ -231,12 +240,16 @@ def check_same_plan_everywhere(plan: Plan, local_error: Exception | None, local_
 
 
 def apply_plan(
-    model: nn.Module, plan: Plan, device: torch.device | str | None = None, find_unused_parameters: bool = False,
+    model: nn.Module, plan: Plan, device: torch.device | str | None = None, find_unused_parameters: bool | None = None,
 ) -> nn.Module:
     """Apply ``plan`` to ``model`` in place (collective over the default process group).
 
-    ``find_unused_parameters``: replicated units may get no gradient in a step (see ``ReplicatedParameters``).
+    ``find_unused_parameters`` is accepted for code written against osdp 0.x and means nothing now: a
+    parameter without a gradient in a backward is always handled (``fsdp_ext.replicate``).
     """
+    if find_unused_parameters is not None:
+        warnings.warn("osdp: find_unused_parameters is no longer needed (parameters left without a gradient "
+                      "are always handled) and is ignored", DeprecationWarning, stacklevel=3)
     ensure_process_group()
     _, world_size = world()
     device = torch.device(device) if device is not None else default_device()
@@ -257,7 +270,8 @@ def apply_plan(
     mp_policy = mixed_precision_policy(plan.mixed_precision)
     replicate_with_ddp = replicates_with_ddp(plan.mixed_precision)
     owned = unit_parameters(model, plan.paths)
-    replicated: set[nn.Parameter] = set()  # left to the DDP reducer, so ignored by every fully_shard
+    replicated: set[nn.Parameter] = set()  # left to the reducer, so ignored by every fully_shard
+    extras: dict[str, UnitExtras] = {}
     for unit in units:  # bottom-up, root last
         decision = plan.unit(unit.path)
         if decision.split > 1:
@@ -267,23 +281,32 @@ def apply_plan(
         module = model.get_submodule(unit.path)  # a unit that is itself a Linear was just replaced
         if decision.checkpoint:
             checkpoint_unit(module)
-        if decision.mode == "replicate" and replicate_with_ddp:
+        by_ddp = decision.mode == "replicate" and replicate_with_ddp
+        if by_ddp:
             replicated.update(owned[unit.path])
-            if unit.path != ROOT or not any(isinstance(m, FSDPModule) for m in model.modules()):
-                continue
-            # The root stays FSDP2's root, holding none of its own parameters (DDP has them): otherwise
-            # every top-level sharded unit would be a root of its own, and FSDP2 keeps a root's
-            # parameters gathered after forward (zero3 would hold memory as zero2) and prefetches nothing.
+        # Every unit is FSDP2's, a replicated one holding none of its parameters (the reducer has them): it
+        # answers FSDP2's methods, and the root stays the root (otherwise every top-level sharded unit would
+        # be a root of its own, keeping its parameters gathered after forward and prefetching nothing).
         fully_shard(
             module,
-            mesh=meshes.for_unit(decision),
+            mesh=meshes.shard if by_ddp else meshes.for_unit(decision),
             reshard_after_forward=decision.reshards_after_forward,
             mp_policy=mp_policy,
             ignored_params=(split_parameters(module) | replicated) or None,
         )
+        extras[unit.path] = UnitExtras(
+            replicated=list(owned[unit.path]) if by_ddp else [],
+            split_linears=[m for m in _own_modules(module, {modules[p] for p in unit.nested})
+                           if isinstance(m, SplitLinear)],
+        )
+    reducer = None
     if replicated:
-        in_order = {n: p for n, p in model.named_parameters() if p in replicated}  # DDP buckets them in reverse
-        setattr(model, _REPLICATED_ATTR, ReplicatedParameters(model, in_order, device, find_unused_parameters))
+        in_order = {n: p for n, p in model.named_parameters() if p in replicated}
+        reducer = ReplicaReducer(model, in_order)
+        setattr(model, _REPLICATED_ATTR, reducer)
+    for path, extra in extras.items():
+        extra.reducer = reducer
+        extend_unit(model.get_submodule(path), extra)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.register_forward_hook(_reshard_after_forward_without_grad)
@@ -292,6 +315,16 @@ def apply_plan(
     comm.install(model)  # the reduce-scatter of osdp.comm's setting on every unit (FSDP2's own by default)
     setattr(model, _PLAN_ATTR, plan)
     return model
+
+
+def _own_modules(unit: nn.Module, nested: set[nn.Module]) -> list[nn.Module]:
+    """The modules of ``unit`` that are not inside a unit nested in it."""
+    own, stack = [], [unit]
+    while stack:
+        module = stack.pop()
+        own.append(module)
+        stack.extend(c for c in module.children() if c not in nested)
+    return own
 
 
 def reducer_storages(model: nn.Module) -> list[torch.UntypedStorage]:
@@ -303,21 +336,11 @@ def reducer_storages(model: nn.Module) -> list[torch.UntypedStorage]:
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
     """Whether the next backward reduces gradients (False: accumulate them locally), for every unit.
 
-    The OSDP form of ``FSDPModule.set_requires_gradient_sync`` and
-    ``DistributedDataParallel.no_sync``: call it with False before the
-    micro-batches that only accumulate, and with True before the last one.
-    Every unit then reduces once per window: FSDP2 units and split Linears keep
-    the unsharded gradient meanwhile (as FSDP2 does), replicated units DDP's.
+    The same as ``model.set_requires_gradient_sync(...)``, which a wrapped model has as every
+    ``fully_shard``-ed one does (``fsdp_ext.module_api``).
     """
     plan_of(model)  # raises unless wrapped
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
-        elif isinstance(module, SplitLinear):
-            module.requires_gradient_sync = requires_gradient_sync
-    replicated = getattr(model, _REPLICATED_ATTR, None)
-    if replicated is not None:
-        replicated.set_requires_gradient_sync(requires_gradient_sync)
+    model.set_requires_gradient_sync(requires_gradient_sync)
 
 
 def _reshard_after_forward_without_grad(module: FSDPModule, args, output):

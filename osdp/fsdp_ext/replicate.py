@@ -1,170 +1,351 @@
-"""Replicated units, reduced the way ``DistributedDataParallel`` reduces them.
+"""Replicated units' gradients, reduced as ``DistributedDataParallel`` reduces them, driven by the gradients.
 
-Every replicated unit's parameters go to one DDP reducer: gradients are
-copied into buckets (25 MiB, the first 1 MiB, rebuilt after the first step in
-the order backward produces them) and each bucket is all-reduced
-asynchronously as soon as it is full, while backward goes on. Parameters stay
-plain tensors, used in place: no second copy during forward and backward, as
-with DDP itself. Sharded units around and inside them are FSDP2's, which
-leaves these parameters alone (``ignored_params``).
+Every replicated unit's parameters share one reducer: their gradients live in
+flat buckets (1 MiB first, then up to 25 MiB, reordered after the first backward
+to the order it produced them, as DDP does) and each bucket is all-reduced
+asynchronously as soon as every parameter in it has its gradient, while backward
+goes on; the backward waits for them at its end. Parameters stay plain tensors,
+used in place: no second copy during forward and backward. Sharded units around
+and inside them are FSDP2's, which leaves these parameters alone
+(``ignored_params``).
 
-This is what ``torch.distributed._composable.replicate`` does for a whole
-module; OSDP needs it for a set of units that may sit under a sharded root,
-which ``replicate`` refuses, so the reducer is driven from the model's own
-forward hooks here.
+The reducer follows the gradients, not the forward, so whatever the user's code
+does that FSDP2 allows stays allowed here (DESIGN.md section 9):
+
+* a parameter that gets no gradient in a backward (a branch not taken, an
+  output not used) is still reduced: each bucket carries one flag per parameter,
+  summed by the same all-reduce, and a parameter no rank used keeps no gradient,
+  as on one process; the buckets of a backward that some parameters skipped are
+  all-reduced as it ends, in the same order on every rank;
+* ``requires_grad`` changed after wrapping (either way) rebuilds the buckets at
+  the next forward or backward, so unfrozen parameters are reduced too; a change
+  in the middle of a backward raises on every rank;
+* a model called twice before one backward, parameters used outside their
+  unit's forward, several backwards per step: every gradient that arrives is
+  reduced once, and the all-reduce is linear, so what was reduced before stays;
+* gradient sync is per parameter (``set_requires_gradient_sync`` on the model or
+  on a unit, ``fsdp_ext.module_api``), so accumulation windows may differ by unit.
 
 Plans in bf16 replicate with FSDP2 instead (``fsdp_ext.apply``): compute in
 bf16 needs a bf16 copy of the parameters either way, which FSDP2's
-``MixedPrecisionPolicy`` makes and DDP's experimental mixed precision only
-makes for a module it runs itself.
+``MixedPrecisionPolicy`` makes.
 """
 
 from __future__ import annotations
 
-import re
-import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.experimental import implicit_replication
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from osdp._torch_private import (
-    ddp_check_reducer_finalized, ddp_post_forward, ddp_pre_forward, output_tensors, queue_at_backward_end,
-)
+from osdp._torch_private import output_tensors, queue_at_backward_end, set_implicit_replication
+
+FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's: the first bucket small, so the first all-reduce starts early
+BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb
+USED_FLAG_BYTES = 4  # each bucket's flag per parameter, in the parameters' dtype (fp32 plans)
 
 
 def replicates_with_ddp(mixed_precision: str) -> bool:
-    """Whether a plan's replicated units run on the DDP reducer (fp32) or on FSDP2 (bf16)."""
+    """Whether a plan's replicated units run on the reducer here (fp32) or on FSDP2 (bf16)."""
     return mixed_precision == "fp32"
 
 
 class UnusedParametersError(RuntimeError):
-    """Replicated parameters got no gradient in a backward while unused parameters were not looked for."""
+    """Kept for code written against osdp 0.x: replicated parameters without a gradient are reduced now."""
 
 
-class ReplicatedParameters:
-    """One DDP reducer over ``params`` (name -> parameter), run by forward hooks on ``model`` (the root).
+@dataclass(eq=False)
+class _Bucket:
+    params: list[nn.Parameter]
+    views: list[torch.Tensor]  # each parameter's gradient, in ``buffer``
+    used: torch.Tensor  # one flag per parameter, after the gradients in ``buffer``: summed by the all-reduce
+    buffer: torch.Tensor
+    fired: int = 0  # parameters whose gradient arrived in this backward
+    work: dist.Work | None = None
 
-    ``find_unused_parameters`` is DDP's: False (DDP's default, and faster: no walk of the autograd graph
-    after each forward) expects every parameter to get a gradient in every backward; a backward where one
-    does not raises ``UnusedParametersError`` from ``backward()``, before any optimizer step, naming them.
-    """
 
-    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], device: torch.device,
-                 find_unused_parameters: bool = False):
-        self.names = list(params)
-        self.params = nn.ParameterList(params.values())
-        self.ddp = DistributedDataParallel(
-            self.params,
-            device_ids=[device] if device.type == "cuda" else None,
-            # gradients are views into the buckets: one copy of them, not two
-            gradient_as_bucket_view=True,
-            find_unused_parameters=find_unused_parameters,
-        )
-        if dist.get_backend(self.ddp.process_group) == "fake":
-            # the fake process group (one process posing as a rank, for memory) completes an all-reduce
-            # with no value, which DDP's built-in hook refuses: the bucket stays as it is, as the fake
-            # group leaves every other collective's output
-            self.ddp.register_comm_hook(None, _unreduced)
-        # The reducer allocates its buckets where no Python code sees them, and the CPU memory tracker
-        # must count them. The gradients are views into them after a backward, so each optimizer step
-        # notes their storages. (A Python comm hook sees the buckets too, but cost ~5% of a gpt2-mini
-        # step on gloo here against DDP's built-in all-reduce.)
-        self._buckets: dict[int, weakref.ref] = {}  # storage address -> a bucket's storage
-        self._step_hook = register_optimizer_step_pre_hook(_weak(self._note_buckets))
+@dataclass(eq=False)
+class _Param:
+    bucket: _Bucket
+    index: int  # in the bucket
+    reduce: bool = True  # set_requires_gradient_sync
+    all_reduce: bool = True  # set_requires_all_reduce
+    divide_by: float | None = None  # set_gradient_divide_factor (None: the world size)
+    used_since_reduced: bool = False  # a gradient arrived since its last reduction (locally)
+    fired: bool = field(default=False)  # in this backward
+
+
+class ReplicaReducer:
+    """One reducer over ``params`` (name -> parameter, in ``model.parameters()`` order) of ``model``'s
+    replicated units. Collective to build (every replica starts from rank 0's values, as DDP's do)."""
+
+    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], group: dist.ProcessGroup | None = None):
+        self.names = {p: name for name, p in params.items()}
+        self.params = list(params.values())
+        self.group = group if group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group)
+        self._fake = dist.get_backend(self.group) == "fake"  # collectives do nothing (memory planning)
+        self._settings: dict[nn.Parameter, dict] = {}
+        self._state: dict[nn.Parameter, _Param] = {}
+        self._buckets: list[_Bucket] = []
+        self._hooks: dict[nn.Parameter, torch.utils.hooks.RemovableHandle] = {}
+        self._requires_grad: tuple[bool, ...] = ()
+        self._order: dict[nn.Parameter, None] = {}  # the order gradients first arrived in, to rebuild by
+        self._reordered = False
+        self._any_reducing = True
+        self._in_backward = False
+        self._next = 0  # the next bucket to all-reduce in this backward: in bucket order, on every rank
+        self._mixed = any(isinstance(p, DTensor) for p in model.parameters())
+        self._broadcast_from_rank0()
+        self._build()
         _step_mixed_optimizers_with_implicit_replication()
-        self._hooks = [
-            model.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True),
+        self._forward_hooks = [
+            model.register_forward_pre_hook(self._pre_forward, prepend=True),
             model.register_forward_hook(self._post_forward),
         ]
 
-    def __del__(self) -> None:
-        self._step_hook.remove()
+    # -- what the user's calls set -----------------------------------------------------------------
+
+    def set_requires_gradient_sync(self, params, requires_gradient_sync: bool) -> None:
+        for p in params:
+            self._setting(p)["reduce"] = self._setting(p)["all_reduce"] = requires_gradient_sync
+        self._apply_settings()
+
+    def set_requires_all_reduce(self, params, requires_all_reduce: bool) -> None:
+        for p in params:
+            self._setting(p)["all_reduce"] = requires_all_reduce
+        self._apply_settings()
+
+    def set_gradient_divide_factor(self, params, factor: float | None) -> None:
+        for p in params:
+            self._setting(p)["divide_by"] = factor
+        self._apply_settings()
 
     def bucket_storages(self) -> list[torch.UntypedStorage]:
-        """The reducer's gradient buckets (known from the first optimizer step on): memory to count."""
-        alive = (ref() for ref in self._buckets.values())
-        return [s for s in alive if s is not None]
+        """The gradient buckets: memory to count (the replicated gradients are views into them)."""
+        return [b.buffer.untyped_storage() for b in self._buckets]
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        """False: gradients accumulate locally (as under ``DistributedDataParallel.no_sync``)."""
-        self.ddp.require_backward_grad_sync = requires_gradient_sync
+    def _setting(self, p: nn.Parameter) -> dict:
+        return self._settings.setdefault(p, {})
 
-    def _note_buckets(self, *_) -> None:
-        # DDP rebuilds its buckets after the first step, and a new bucket can take a freed one's address:
-        # the entry of a bucket that is gone is replaced, not kept (its storage was then never counted)
-        self._buckets = {key: ref for key, ref in self._buckets.items() if ref() is not None}
-        for p in self.params:
-            if p.grad is not None:
-                storage = p.grad.untyped_storage()
-                ref = self._buckets.get(storage._cdata)
-                if ref is None or ref() is not storage:
-                    self._buckets[storage._cdata] = weakref.ref(storage)
+    def _apply_settings(self) -> None:
+        for p, state in self._state.items():
+            for key, value in self._settings.get(p, {}).items():
+                setattr(state, key, value)
+        self._any_reducing = any(s.reduce and s.all_reduce for s in self._state.values())
 
-    def _pre_forward(self, module, args, kwargs):
-        return ddp_pre_forward(self.ddp, args, kwargs)
+    # -- buckets --------------------------------------------------------------------------------------
 
-    def _post_forward(self, module, args, output):
-        output = ddp_post_forward(self.ddp, output)
-        if torch.is_grad_enabled() and self.ddp.require_backward_grad_sync and not self.ddp.find_unused_parameters:
+    def _broadcast_from_rank0(self) -> None:
+        if self.params and not self._fake:
+            with torch.no_grad():
+                for p in self.params:
+                    dist.broadcast(p.detach(), src=dist.get_global_rank(self.group, 0), group=self.group)
+
+    def _build(self) -> None:
+        """Buckets over the parameters that require a gradient: in the first backward's order once known,
+        else in reverse (the order backward roughly produces them), by dtype and device."""
+        trained = [p for p in self.params if p.requires_grad]
+        order = [p for p in self._order if p.requires_grad] if self._reordered else []
+        seen = set(order)
+        order += [p for p in reversed(trained) if p not in seen]
+        old = self._state
+        self._buckets, self._state = [], {}
+        pending: dict[tuple, list[nn.Parameter]] = {}
+        for p in order:
+            key = (p.dtype, p.device)
+            group = pending.setdefault(key, [])
+            group.append(p)
+            cap = FIRST_BUCKET_BYTES if not self._buckets else BUCKET_BYTES
+            if sum(q.numel() for q in group) * p.element_size() >= cap:
+                self._buckets.append(self._bucket(pending.pop(key)))
+        for group in pending.values():
+            self._buckets.append(self._bucket(group))
+        for bucket in self._buckets:
+            for i, p in enumerate(bucket.params):
+                before = old.get(p)
+                self._state[p] = _Param(bucket, i, used_since_reduced=before.used_since_reduced if before else False)
+        self._apply_settings()
+        for p in list(self._hooks):
+            if p not in self._state:
+                self._hooks.pop(p).remove()
+        for p in self._state:
+            if p not in self._hooks:
+                self._hooks[p] = p.register_post_accumulate_grad_hook(self._on_gradient)
+        self._requires_grad = self._requires_grad_now()
+
+    def _bucket(self, params: list[nn.Parameter]) -> _Bucket:
+        numel = sum(p.numel() for p in params)
+        p0 = params[0]
+        buffer = torch.zeros(numel + len(params), dtype=p0.dtype, device=p0.device)
+        views, offset = [], 0
+        with torch.no_grad():
+            for p in params:
+                view = buffer[offset:offset + p.numel()].view_as(p)
+                if p.grad is not None:  # gradients accumulated so far move into the bucket
+                    view.copy_(p.grad)
+                    p.grad = view
+                views.append(view)
+                offset += p.numel()
+        return _Bucket(params, views, buffer[numel:], buffer)
+
+    def _requires_grad_now(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for p in self.params)
+
+    def _follow_requires_grad(self) -> None:
+        if self._requires_grad_now() != self._requires_grad:
+            self._build()
+
+    # -- forward and backward -------------------------------------------------------------------------
+
+    def _pre_forward(self, *_) -> None:
+        if not self._in_backward:
+            if self._mixed:
+                close_implicit_replication()
+            self._follow_requires_grad()
+
+    def _post_forward(self, _module, _args, output):
+        if torch.is_grad_enabled() and self._mixed:
+            # backward, clipping and stepping come next (see open_implicit_replication); not from the end of
+            # the backward: the autograd engine restores the thread's DTensor settings when it ends
+            open_implicit_replication()
+        # A rank whose backward gives none of these parameters a gradient must still join the others'
+        # all-reduces: the backward through the output arms the reducer too.
+        if torch.is_grad_enabled() and self._state:
             grads_from = [t for t in output_tensors(output) if t.requires_grad]
             if grads_from:
-                register_multi_grad_hook(grads_from, self._check_after_backward, mode="any")
+                register_multi_grad_hook(grads_from, self._arm, mode="any")
         return output
 
-    def _check_after_backward(self, _grad) -> None:
-        # Runs as backward starts; the check must follow the reducer's own end-of-backward callback, which
-        # it queues once its last bucket is ready, so it queues itself again from the first callback.
-        queue_at_backward_end(lambda: queue_at_backward_end(self._check_reducer_finalized))
+    def _arm(self, *_) -> None:
+        if self._in_backward:
+            return
+        self._follow_requires_grad()
+        self._in_backward = True
+        self._next = 0
+        queue_at_backward_end(self._end_backward)
 
-    def _check_reducer_finalized(self) -> None:
+    def _on_gradient(self, param: nn.Parameter) -> None:
+        self._arm()
+        state = self._state.get(param)
+        if state is None:
+            return  # unfrozen after this backward began: _end_backward raises
+        if state.fired:  # a second gradient in one backward (reentrant checkpointing of a shared weight)
+            if state.bucket.work is not None:
+                raise RuntimeError(
+                    f"replicated parameter {self.names[param]} got a second gradient in one backward after its "
+                    "bucket was reduced (a weight shared by two reentrant checkpointed regions): checkpoint with "
+                    "use_reentrant=False, as osdp's own checkpointing does"
+                )
+            return
+        state.fired = True
+        state.used_since_reduced = True
+        view = state.bucket.views[state.index]
+        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            with torch.no_grad():  # into the bucket at once (as DDP does): the new gradient is freed now
+                view.copy_(param.grad)
+            param.grad = view
+        if not self._order_known() and param not in self._order:
+            self._order[param] = None
+        if not self._any_reducing:
+            return
+        state.bucket.fired += 1
+        while self._next < len(self._buckets) and self._buckets[self._next].fired == len(self._buckets[self._next].params):
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
+    def _order_known(self) -> bool:
+        return self._reordered or len(self._order) >= len(self._state)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        """Fill ``bucket`` with this rank's gradients (and used flags) and start its all-reduce."""
+        with torch.no_grad():
+            for i, p in enumerate(bucket.params):
+                state, view = self._state[p], bucket.views[i]
+                if not (state.reduce and state.all_reduce):  # accumulates locally this time: out of the bucket
+                    if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+                        p.grad = view.clone()
+                    view.zero_()
+                    bucket.used[i] = 0
+                    continue
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                    p.grad = view
+                bucket.used[i] = 1 if state.used_since_reduced else 0
+        bucket.work = None if self._fake else dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        changed = self._requires_grad_now() != self._requires_grad
         try:
-            ddp_check_reducer_finalized(self.ddp)
-        except RuntimeError as e:
-            listed = _UNUSED_INDICES.search(str(e))
-            unused = [self.names[int(i)] for i in listed.group(1).split()] if listed else []
-            which = f" ({', '.join(unused)})" if unused else ""
-            raise UnusedParametersError(
-                f"replicated parameters got no gradient in this backward{which}: a module the forward did not "
-                "call, or a branch it did not take. Nothing was reduced or stepped with them; wrap the model with "
-                "osdp.wrap(..., find_unused_parameters=True), which looks for them after every forward, as "
-                "DistributedDataParallel does with that setting"
-            ) from None
+            if changed:
+                flipped = [self.names[p] for p, was in zip(self.params, self._requires_grad) if p.requires_grad != was]
+                raise RuntimeError(
+                    f"requires_grad of replicated parameters changed during a backward ({', '.join(flipped[:4])}"
+                    f"{' ...' if len(flipped) > 4 else ''}): their gradients were not reduced. Change "
+                    "requires_grad between steps (after optimizer.step(), before the next forward)"
+                )
+            if self._any_reducing:
+                while self._next < len(self._buckets):  # what some parameters' absence held back
+                    self._launch(self._buckets[self._next])
+                    self._next += 1
+                for bucket in self._buckets:
+                    self._finish(bucket)
+        finally:
+            for bucket in self._buckets:
+                bucket.fired, bucket.work = 0, None
+            for state in self._state.values():
+                state.fired = False
+            if changed:
+                self._build()
+            elif not self._reordered and self._order_known():
+                self._reordered = True
+                built = [p for b in self._buckets for p in b.params]
+                if len(built) != len(self._order) or any(a is not b for a, b in zip(self._order, built)):
+                    self._build()
+
+    def _finish(self, bucket: _Bucket) -> None:
+        if bucket.work is not None:
+            bucket.work.wait()
+        numel = bucket.buffer.numel() - len(bucket.params)
+        with torch.no_grad():
+            bucket.buffer[:numel].div_(self.world_size)
+            # read on the host only where this rank has no gradient (no device sync otherwise)
+            used = bucket.used.tolist() if any(p.grad is None for p in bucket.params) else None
+            for i, p in enumerate(bucket.params):
+                state = self._state[p]
+                if not (state.reduce and state.all_reduce):
+                    continue
+                state.used_since_reduced = False
+                view = bucket.views[i]
+                if p.grad is None and used[i] == 0:
+                    continue  # no rank gave it a gradient: none, as on one process
+                if state.divide_by is not None:
+                    view.mul_(self.world_size / state.divide_by)
+                p.grad = view
 
 
-# DDP's message lists the parameters (indices into the reducer's list) that got no gradient on this rank
-_UNUSED_INDICES = re.compile(r"did not receive grad for rank \d+: ([\d ]+)")
-
-
-def _weak(method):
-    """A hook calling ``method`` while its object lives: a global hook must not keep a model alive."""
-    ref = weakref.WeakMethod(method)
-
-    def hook(*args):
-        bound = ref()
-        if bound is not None:
-            bound(*args)
-
-    return hook
-
-
-def _unreduced(_state, bucket):  # unannotated: DDP checks a hook's annotations by identity
-    future = torch.futures.Future()
-    future.set_result(bucket.buffer())
-    return future
-
-
-# Optimizers over a model with replicated and sharded units hold plain tensors (DDP's) beside DTensors
-# (FSDP2's and split weights). torch's foreach and fused kernels, the default on CUDA, refuse such a mix
-# in one list, so the step of such an optimizer runs under DTensor's implicit replication, which takes
-# the plain tensors as replicated: they are, DDP has made them equal on every rank.
-_implicit: dict[int, object] = {}  # id(optimizer) -> its implicit_replication context, during its step
+# A model with replicated and sharded units holds plain tensors (the reducer's) beside DTensors (FSDP2's and
+# split weights). DTensor ops refuse such a mix, and the calls that take every parameter at once do mix them:
+# an optimizer's foreach step, ``torch.nn.utils.clip_grad_norm_``. From the end of a training forward of such
+# a model to the end of the next optimizer step (backward, clipping, stepping), and during the step of any
+# optimizer holding both kinds, DTensor takes the plain tensors as replicated: they are, the reducer has made
+# them equal on every rank. The window closes at the next forward if no optimizer steps.
 _hooks_installed = False
+
+
+def open_implicit_replication() -> None:
+    set_implicit_replication(True)
+
+
+def close_implicit_replication() -> None:
+    set_implicit_replication(False)
 
 
 def _mixes_plain_and_dtensors(optimizer: torch.optim.Optimizer) -> bool:
@@ -174,20 +355,12 @@ def _mixes_plain_and_dtensors(optimizer: torch.optim.Optimizer) -> bool:
 
 def _enter_implicit_replication(optimizer: torch.optim.Optimizer, *_) -> None:
     if _mixes_plain_and_dtensors(optimizer):
-        context = implicit_replication()
-        context.__enter__()
-        _implicit[id(optimizer)] = context
-
-
-def _exit_implicit_replication(optimizer: torch.optim.Optimizer, *_) -> None:
-    context = _implicit.pop(id(optimizer), None)
-    if context is not None:
-        context.__exit__(None, None, None)
+        open_implicit_replication()
 
 
 def _step_mixed_optimizers_with_implicit_replication() -> None:
     global _hooks_installed
     if not _hooks_installed:
         register_optimizer_step_pre_hook(_enter_implicit_replication)
-        register_optimizer_step_post_hook(_exit_implicit_replication)
+        register_optimizer_step_post_hook(lambda *_: close_implicit_replication())
         _hooks_installed = True
