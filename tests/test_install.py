@@ -1,6 +1,7 @@
 """osdp as users install it: an sdist and a wheel built with ``python -m build`` from a clean copy of
-the tree, the wheel installed into a fresh virtual environment that reuses this environment's torch
-(``--system-site-packages``, ``pip install --no-deps --no-index``: no network), the split op built
+the tree, the wheel installed into a fresh virtual environment that reuses this environment's torch (a ``.pth``
+naming the running interpreter's site-packages, whether it is the system Python, a venv or a conda
+environment; ``pip install --no-deps --no-index``: no network), the split op built
 there by ``osdp build-ext`` from the installed copy of its sources, and a 2-rank split Linear step
 through it compared with nn.Linear. The one real compile of the suite besides ``split_library``."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import tarfile
@@ -31,6 +33,34 @@ def _run(command, timeout, **kwargs):
     return done
 
 
+def _running_site_packages():
+    """The site-packages of the interpreter running the tests (``sys.executable``): a venv's own (and its
+    base's when it was made with ``--system-site-packages``), a conda environment's, or the system
+    Python's, plus the user site where that interpreter enables it."""
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [d for d in dict.fromkeys(os.path.realpath(d) for d in dirs) if os.path.isdir(d)]
+
+
+def _reuse_running_environment(python):
+    """Let the venv of ``python`` import this environment's packages (torch, pip, build tools).
+    ``--system-site-packages`` would expose the *base* interpreter's, which inside a venv or a conda
+    environment lacks torch. The directories go in as plain ``.pth`` lines, appended after the venv's
+    own site-packages (so the installed osdp wins) and without running their ``.pth`` files (so an
+    editable install of this checkout does not leak in)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}  # the .pth alone
+    purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                   timeout=120, env=env).stdout.strip()
+    (Path(purelib) / "_osdp_test_running_env.pth").write_text("".join(f"{d}\n" for d in _running_site_packages()))
+    probe = "import json, sys, torch; print(json.dumps([sys.prefix, torch.__version__, torch.__file__]))"
+    done = _run([str(python), "-c", probe], timeout=300, env=env)
+    prefix, version, torch_file = json.loads(done.stdout.strip().splitlines()[-1])
+    assert os.path.realpath(prefix) == os.path.realpath(Path(python).parent.parent), (prefix, python)
+    assert version == torch.__version__, (version, torch.__version__)
+    assert os.path.realpath(torch_file) == os.path.realpath(torch.__file__), (torch_file, torch.__file__)
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("install")
@@ -47,8 +77,9 @@ def installed(tmp_path_factory):
 
     start = time.perf_counter()
     venv = tmp / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], timeout=300)  # pip: this one
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=300)  # pip: this environment's
     python = venv / "bin" / "python"
+    _reuse_running_environment(python)
     _run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index", str(wheel)], timeout=300)
     timings["install_s"] = time.perf_counter() - start
 
