@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from osdp.distributed import raise_on_any_rank
+from osdp.fsdp_ext.budget_check import check_first_step
 from osdp.fsdp_ext.apply import (
     apply_plan, check_model, default_device, ensure_process_group, plan_of, set_requires_gradient_sync,
 )
@@ -32,6 +33,7 @@ def wrap(
     device: torch.device | str | None = None,
     mixed_precision: str | None = None,
     find_unused_parameters: bool | None = None,
+    check_budget: bool = True,
     **plan_options: Any,
 ) -> nn.Module:
     """Make ``model`` data parallel in place, under a memory budget, a given plan, or a baseline.
@@ -50,6 +52,11 @@ def wrap(
     ``torch.nn.utils.clip_grad_norm_`` where FSDP2 supports it
     (``osdp.clip_grad_norm_`` everywhere). ``find_unused_parameters`` is
     ignored (kept for code written against osdp 0.x).
+
+    With ``device_mem``, the first training step is measured (CUDA's
+    allocator peak, or a live-bytes tracker on CPU, for that step only) and
+    a peak over the budget warns on that rank (``BudgetExceededWarning``);
+    ``check_budget=False`` turns that off.
 
     Collective: every rank of the default process group calls it the same way.
     Returns the model, now managed by FSDP2; ``osdp.plan_of(model)`` gives the
@@ -87,7 +94,11 @@ def wrap(
     if mixed_precision is not None:
         plan.mixed_precision = mixed_precision
         plan.__post_init__()
-    return apply_plan(model, plan, device=device, find_unused_parameters=find_unused_parameters)
+    model = apply_plan(model, plan, device=device, find_unused_parameters=find_unused_parameters)
+    if device_mem is not None and check_budget:
+        check_first_step(model, torch.device(device) if device is not None else default_device(),
+                         plan.meta["budget_bytes"], plan.predicted_peak_bytes)
+    return model
 
 
 __all__ = ["wrap", "plan_of", "set_requires_gradient_sync", "strategy_plan"]

@@ -173,11 +173,14 @@ class LiveBytesTracker:
         tracker.peak_bytes, tracker.peak_breakdown()
     """
 
-    def __init__(self, *roots: nn.Module | torch.optim.Optimizer | torch.Tensor) -> None:
+    def __init__(self, *roots: nn.Module | torch.optim.Optimizer | torch.Tensor, saved_tensors: bool = True) -> None:
         for r in roots:
             if not isinstance(r, (nn.Module, torch.optim.Optimizer, torch.Tensor)):
                 raise TypeError(f"roots must be modules, optimizers or tensors, got {type(r).__name__}")
         self._roots = roots
+        # with saved_tensors, tensors saved for backward are told apart as activations (a saved-tensors hook,
+        # which must be entered outside any forward: inside one, checkpointing's own hooks are out of order)
+        self._classify_saved = saved_tensors
         self._lock = threading.RLock()  # frees arrive from any thread, possibly inside our own calls
         self._live: dict[int, _Storage] = {}  # StorageImpl address -> record, while alive
         self._category: list[int] = []  # by handle; kept after the free for the breakdown
@@ -207,7 +210,8 @@ class LiveBytesTracker:
             register_optimizer_step_pre_hook(self._on_step),
             register_optimizer_step_post_hook(self._on_step),
         ]
-        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._saved = (torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t) if self._classify_saved
+                       else contextlib.nullcontext())
         self._saved.__enter__()
         self._classify_roots()
         self.reset_peak()
@@ -398,11 +402,12 @@ class PeakMemory:
     ``stats()`` reads the result.
     """
 
-    def __init__(self, device: torch.device | str, *roots: nn.Module | torch.optim.Optimizer | torch.Tensor) -> None:
+    def __init__(self, device: torch.device | str, *roots: nn.Module | torch.optim.Optimizer | torch.Tensor,
+                 saved_tensors: bool = True) -> None:
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"peak memory is measured on cpu or cuda, not {self.device.type}")
-        self._tracker = LiveBytesTracker(*roots) if self.device.type == "cpu" else None
+        self._tracker = LiveBytesTracker(*roots, saved_tensors=saved_tensors) if self.device.type == "cpu" else None
         self._stats: MemoryStats | None = None
 
     def __enter__(self) -> "PeakMemory":

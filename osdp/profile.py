@@ -63,7 +63,7 @@ from osdp.recompute import checkpoint_unit, undo_checkpoint
 from osdp.timing import StepTimer
 from osdp.units import Unit, build_units, discover_units, param_homes, structure_signature, trace_calls
 
-PROFILE_VERSION = 4  # bump when what is measured changes: old cache entries are ignored
+PROFILE_VERSION = 5  # bump when what is measured changes: old cache entries are ignored
 
 
 class ProfileError(ValueError):
@@ -288,17 +288,28 @@ class _Saved:
         """act and ckpt bytes per unit (see UnitWorkload). Call it between forward and backward.
 
         A checkpointed unit keeps its inputs alive: those it saves itself, and
-        those nobody saves (dead by now); inputs saved by another unit or kept
-        alive by the caller (the batch) cost nothing extra.
+        those nobody saves (dead by now); inputs kept alive by the caller (the
+        batch) cost nothing extra. An input another unit saved (T5's position
+        bias, a decoder's encoder memory) is that unit's while it saves its
+        activations, but only a checkpoint keeps it once that unit is
+        checkpointed too (the root and units enclosing others never are): the
+        first unit that takes it as input counts it, so
+        that a plan checkpointing both stays within its prediction (one that
+        checkpoints only the borrower is over-predicted by those bytes).
         """
         out = {p: {"act": 0, "ckpt": 0} for p in paths}
         for key, owner in self.first_saver.items():
             out[owner]["act"] += self.nbytes[key]
-        for path, inputs in self.segments.inputs.items():
+        lenders = {u.path for u in checkpointable(self.segments.units)}  # the root and enclosing units never are
+        borrowed: set[int] = set()
+        for path, inputs in self.segments.inputs.items():  # in forward order
             alive = {k: n for k, n, ref in inputs if ref() is not None and k not in self.param_keys}
             dead = {k: n for k, n, ref in inputs if ref() is None}
             own = sum(n for k, n in alive.items() if self.first_saver.get(k) == path)
-            out[path]["ckpt"] = own + sum(dead.values())
+            lent = {k: n for k, n in alive.items()
+                    if self.first_saver.get(k) in lenders and self.first_saver.get(k) != path and k not in borrowed}
+            borrowed.update(lent)
+            out[path]["ckpt"] = own + sum(dead.values()) + sum(lent.values())
         return out
 
 
@@ -746,8 +757,29 @@ def describe(
     (measured on a bf16 copy, as FSDP's mixed precision computes). ``units``
     default to ``osdp.discover_units`` at ``granularity`` with call counts, so
     a module that runs twice per forward is merged into its parent. The model's parameters,
-    gradients and RNG state are left as they were.
+    gradients, buffers and RNG state are left as they were.
     """
+    with _buffers_kept(model):
+        return _describe(model, example_input, loss_fn=loss_fn, batch_sizes=batch_sizes, precisions=precisions,
+                         units=units, granularity=granularity, optimizers=optimizers, repeats=repeats,
+                         time_budget_s=time_budget_s, cache=cache, progress=progress, name=name)
+
+
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module):
+    """Buffers as they were after the block: a training forward updates some (BatchNorm's running statistics,
+    step counters), and a describe on rank 0 alone must leave them as the other ranks' and an unwrapped run's."""
+    saved = {b: b.detach().clone() for b in model.buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved.items():
+                b.copy_(value)
+
+
+def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, granularity, optimizers, repeats,
+              time_budget_s, cache, progress, name) -> ModelDescription:
     start = time.perf_counter()
     params = list(model.parameters())
     if not params:

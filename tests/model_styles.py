@@ -1,0 +1,150 @@
+"""Models written the way they come in the wild, not by this project: the contract tests wrap them as they are.
+
+Each style: ``build()`` (seeded), ``batch(rows, generator)`` (the example input: a tuple of positional
+arguments), ``loss(output, batch, step)`` (what the user's loop computes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, SEQ = 128, 16
+
+
+class LambdaMLPBlock(nn.Module):
+    """A small research GPT's block: the MLP's Linears kept in a ModuleDict that is never called itself, its
+    forward a lambda stored on the block."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(h)
+        self.attn = nn.Linear(h, 3 * h)
+        self.proj = nn.Linear(h, h)
+        self.ln_2 = nn.LayerNorm(h)
+        self.mlp = nn.ModuleDict(dict(c_fc=nn.Linear(h, 4 * h), c_proj=nn.Linear(4 * h, h)))
+        m = self.mlp
+        self.mlpf = lambda x: m.c_proj(F.gelu(m.c_fc(x)))
+
+    def forward(self, x):
+        q, k, v = self.attn(self.ln_1(x)).chunk(3, dim=-1)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.mlpf(self.ln_2(x))
+
+
+class LambdaGPT(nn.Module):
+    """Returns ``(logits, loss)``; the head is tied to the embedding and applied as a functional call."""
+
+    def __init__(self, h=32, layers=2):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(VOCAB, h), wpe=nn.Embedding(SEQ, h),
+            h=nn.ModuleList([LambdaMLPBlock(h) for _ in range(layers)]), ln_f=nn.LayerNorm(h)))
+
+    def forward(self, idx, targets):
+        t = self.transformer
+        x = t.wte(idx) + t.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in t.h:
+            x = block(x)
+        logits = F.linear(t.ln_f(x), t.wte.weight)  # the embedding's weight, used outside its module
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class Seq2Seq(nn.Module):
+    """An encoder-decoder built from PyTorch's own layers (MultiheadAttention uses its out_proj's weight
+    without calling it)."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, h)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(h, 4, 64, dropout=0.0, batch_first=True), 2)
+        self.decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(h, 4, 64, dropout=0.0, batch_first=True), 2)
+        self.out = nn.Linear(h, VOCAB)
+
+    def forward(self, src, tgt):
+        memory = self.encoder(self.embed(src))
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        return self.out(self.decoder(self.embed(tgt), memory, tgt_mask=mask, tgt_is_causal=True))
+
+
+class SmallCNN(nn.Module):
+    """Convolutions with GroupNorm, a classifier, an auxiliary head a step may leave unused, and a buffer that
+    counts the training forwards."""
+
+    def __init__(self, classes=10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1, stride=2), nn.GroupNorm(4, 32), nn.ReLU(),
+            nn.Conv2d(32, 32, 3, padding=1, stride=2), nn.GroupNorm(4, 32), nn.ReLU(),
+        )
+        self.classifier = nn.Linear(32 * 4 * 4, classes)
+        self.aux = nn.Linear(32 * 4 * 4, classes)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        if self.training and torch.is_grad_enabled():
+            self.seen += 1
+        f = self.features(x).flatten(1)
+        return self.classifier(f), self.aux(f)
+
+
+def t5():
+    """Hugging Face T5 as its users build it (small sizes): a relative position bias computed in the first
+    layer and passed to the others, embeddings shared by encoder and decoder and tied to the head."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                      dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)  # dropout: no two runs agree
+    return T5ForConditionalGeneration(config)
+
+
+def _tokens(rows, g):
+    return (torch.randint(0, VOCAB, (rows, SEQ), generator=g), torch.randint(0, VOCAB, (rows, SEQ), generator=g))
+
+
+def _images(rows, g):
+    return torch.randn(rows, 3, 16, 16, generator=g), torch.randint(0, 10, (rows,), generator=g)
+
+
+def _seq2seq_loss(out, batch, step):
+    return F.cross_entropy(out.flatten(0, 1), batch[1].flatten())
+
+
+def _cnn_loss(out, batch, step):
+    logits, aux = out
+    loss = F.cross_entropy(logits, batch[1])
+    return loss + 0.3 * F.cross_entropy(aux, batch[1]) if step % 2 == 0 else loss  # aux unused on odd steps
+
+
+STYLES = {
+    # name: (model class, batch maker, loss(output, batch, step), the example's inputs from a batch)
+    "lambda_gpt": (LambdaGPT, _tokens, lambda out, batch, step: out[1], lambda b: b),
+    "seq2seq": (Seq2Seq, _tokens, _seq2seq_loss, lambda b: b),
+    "cnn": (SmallCNN, _images, _cnn_loss, lambda b: b[:1]),
+    "t5": (t5, _tokens, lambda out, batch, step: out.loss, lambda b: {"input_ids": b[0], "labels": b[1]}),
+}
+
+
+def build(style: str) -> nn.Module:
+    torch.manual_seed(0)
+    return STYLES[style][0]()
+
+
+def batches(style: str, rows: int, steps: int) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(1)
+    return [STYLES[style][1](rows, g) for _ in range(steps)]
+
+
+def loss_of(style: str, out, batch, step: int) -> torch.Tensor:
+    return STYLES[style][2](out, batch, step)
+
+
+def inputs_of(style: str, batch):
+    """The model's inputs from a batch: a tuple of positional arguments or a dict of keyword arguments."""
+    return STYLES[style][3](batch)
+
+
+def call(model: nn.Module, inputs):
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)

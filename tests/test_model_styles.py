@@ -1,0 +1,133 @@
+"""Models written by others, wrapped by a budget search at three budgets: the same training as one process, and
+the budget kept by PyTorch's own ``FSDPMemTracker``.
+
+Each style (``model_styles``) is wrapped with ``osdp.wrap(model, device_mem=B, example_input=...)`` at the least
+budget any plan needs, halfway to what the fastest plan needs, and that; trained on 2 gloo ranks
+(each its slice of the global batch; SGD with momentum, which the search is told it prices) and compared
+with one process training the global batch; its steps after
+the optimizer's state exists are measured by ``FSDPMemTracker``; ``osdp.check_replicas`` after every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import osdp
+import model_styles as styles
+from dist_harness import run_ranks
+from training_check import full_state
+
+STEPS = 4
+WARMUP = 2  # steps before the optimizer's state exists and the reducer has its final buckets
+ROWS = 4  # per rank: the example's micro-batch
+ATOL = 1e-5
+
+# what the search runs the example with (any scalar of the output: its cost is the model's)
+PLANNING_LOSS = {
+    "lambda_gpt": lambda out: out[1],
+    "seq2seq": lambda out: out.square().mean(),
+    "cnn": lambda out: out[0].square().mean() + out[1].square().mean(),
+    "t5": lambda out: out.loss,
+}
+
+
+def _train(model, style, steps, rank=0, world_size=1, measure=False):
+    from osdp._torch_private import FSDPMemTracker
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses, peaks = [], []
+    for step, batch in enumerate(steps):
+        n = batch[0].shape[0] // world_size
+        mine = tuple(t[rank * n:(rank + 1) * n] for t in batch)
+        tracker = FSDPMemTracker(model, opt) if measure and step >= WARMUP else None
+        with tracker if tracker is not None else contextlib.nullcontext():
+            loss = styles.loss_of(style, styles.call(model, styles.inputs_of(style, mine)), mine, step)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        if tracker is not None:
+            (snapshot,) = tracker.get_tracker_snapshot("peak").values()
+            peaks.append(snapshot["Total"])
+        if world_size > 1:
+            osdp.check_replicas(model)
+        losses.append(loss.item())
+    return losses, peaks
+
+
+def _wrap(style, budget, example):
+    model = styles.build(style)
+    osdp.wrap(model, device_mem=budget, example_input=styles.inputs_of(style, example),
+              loss_fn=PLANNING_LOSS[style], optimizer="sgd-momentum")
+    return model
+
+
+def _under_searched_plans(rank, world_size, style, steps):
+    example = tuple(t[rank * ROWS:(rank + 1) * ROWS] for t in steps[0])
+    try:
+        _wrap(style, 1024, example)
+        raise AssertionError("1 KiB was enough")
+    except osdp.BudgetTooSmall as e:
+        least = e.min_peak_bytes
+    most = osdp.plan_of(_wrap(style, "64GiB", example)).predicted_peak_bytes
+    out = []
+    for fraction in (0.0, 0.5, 1.0):
+        budget = int(least + fraction * (most - least))
+        model = _wrap(style, budget, example)
+        losses, peaks = _train(model, style, steps, rank, world_size, measure=True)
+        plan = osdp.plan_of(model)
+        state = full_state(model)  # collective: every rank takes part
+        out.append((budget, plan.summary(), plan.predicted_peak_bytes, losses, peaks, state if rank == 0 else None))
+    return out
+
+
+@pytest.mark.parametrize("style", list(styles.STYLES))
+def test_a_model_written_by_others_trains_as_one_process_within_its_budget(style):
+    steps = styles.batches(style, 2 * ROWS, STEPS)
+    reference = styles.build(style)
+    ref_losses, _ = _train(reference, style, steps)
+    ref_state = reference.state_dict()
+    ranks = run_ranks(_under_searched_plans, 2, style, steps, timeout=600)
+    assert len({summary for _, summary, *_ in ranks[0]}) >= 2, "the budgets gave one plan"
+    for i, (budget, summary, predicted, _, _, state) in enumerate(ranks[0]):
+        losses = [sum(r[i][3][s] for r in ranks) / 2 for s in range(STEPS)]
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= ATOL, (summary, losses, ref_losses)
+        assert set(state) == set(ref_state), summary
+        diff = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+        assert diff <= ATOL, (summary, diff)
+        assert predicted <= budget, (summary, predicted, budget)
+        for r in ranks:
+            assert max(r[i][4]) <= budget, (f"{summary}: measured {max(r[i][4])} B over the budget {budget} B "
+                                            f"(predicted {predicted} B)")
+
+
+def _first_step_warnings(rank, world_size):
+    import warnings
+
+    steps = styles.batches("lambda_gpt", 4 * ROWS, 1)
+    example = tuple(t[:ROWS] for t in steps[0])
+    try:
+        _wrap("lambda_gpt", 1024, example)
+    except osdp.BudgetTooSmall as e:
+        least = e.min_peak_bytes
+    caught = {}
+    for rows in (ROWS, 2 * ROWS):  # the example's micro-batch, then twice it
+        model = _wrap("lambda_gpt", least, example)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                model(*(t[:rows] for t in steps[0]))[1].backward()
+                opt.step()
+                opt.zero_grad()
+        caught[rows] = [str(w.message) for w in seen if issubclass(w.category, osdp.BudgetExceededWarning)]
+    return caught
+
+
+def test_a_first_step_over_the_budget_warns_with_the_figures():
+    for caught in run_ranks(_first_step_warnings, 2, timeout=300):
+        assert caught[ROWS] == []  # within the budget: silent
+        (message,) = caught[2 * ROWS]  # the first step only
+        assert "over the budget" in message and "lower by at least" in message, message
