@@ -432,6 +432,11 @@ def resolve_units(
     parent; given units that run twice or own no parameters are refused.
     """
     calls = trace_calls(model, lambda: _checked_forward(model, units, batch, loss_fn))
+    if not calls.uses:
+        raise ProfileError(
+            "the forward of the example batch used none of the model's parameters: there is nothing to train or "
+            "to shard; check that the example reaches the model's layers (and loss_fn its output)"
+        )
     if units is None:
         return discover_units(model, calls, granularity)
     units = build_units(model, [u.path for u in units])

@@ -250,3 +250,40 @@ def test_check_replicas_names_a_replicated_parameter_one_rank_changed():
     for message in messages:  # every rank raises the same error
         assert message is not None and "head.bias" in message, messages
     assert messages[0] == messages[1]
+
+
+# -- what cannot be done raises on every rank, before anything diverges ---------------------------------------
+
+
+def _flip_during_backward(rank, world_size):
+    model = build()
+    osdp.wrap(model, plan=plans()["replicate"].to_json())
+    x, y = batches()[0][0]
+    logits, _ = model(x[rank * 2:(rank + 1) * 2])
+    logits.register_hook(lambda g: model.blocks[1].mlp.requires_grad_(False))  # as backward starts
+    try:
+        ce(logits, y[rank * 2:(rank + 1) * 2]).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_requires_grad_changed_during_a_backward_raises_on_every_rank():
+    for message in run_ranks(_flip_during_backward, 2, timeout=120):
+        assert message is not None and "changed during a backward" in message, message
+        assert "blocks.1.mlp" in message and "between steps" in message, message
+
+
+def test_a_forward_that_uses_no_parameter_is_refused_before_the_search():
+    class Detached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.unused = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return x.sum() * 2
+
+    from osdp.profile import ProfileError, resolve_units
+
+    with pytest.raises(ProfileError, match="used none of the model's parameters"):
+        resolve_units(Detached(), torch.randn(2, 4), None, None)

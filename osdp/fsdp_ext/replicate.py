@@ -328,7 +328,8 @@ class ReplicaReducer:
                     continue  # no rank gave it a gradient: none, as on one process
                 if state.divide_by is not None:
                     view.mul_(self.world_size / state.divide_by)
-                p.grad = view
+                if p.grad is not view:
+                    p.grad = view
 
 
 # A model with replicated and sharded units holds plain tensors (the reducer's) beside DTensors (FSDP2's and
