@@ -13,6 +13,8 @@ traced that way).
 
 from __future__ import annotations
 
+import functools
+
 import torch.nn as nn
 import torch.utils.checkpoint
 
@@ -27,6 +29,7 @@ def checkpoint_unit(module: nn.Module) -> None:
         return  # already checkpointed
     if cls not in _CHECKPOINTED:
 
+        @functools.wraps(cls.forward)  # its signature too: callers inspect it (the Trainer picks dataset columns by it)
         def forward(self, *args, **kwargs):
             return torch.utils.checkpoint.checkpoint(cls.forward, self, *args, use_reentrant=False, **kwargs)
 

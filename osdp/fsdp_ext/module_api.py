@@ -64,8 +64,23 @@ def _replicated(module: nn.Module, recurse: bool) -> dict[ReplicaReducer, list[n
     return by_reducer
 
 
+class WrappedTwiceError(RuntimeError):
+    """A model osdp.wrap made data parallel, handed to ``DistributedDataParallel`` as well."""
+
+
 class UnitModule:
     """Mixed in before ``FSDP<cls>``: FSDP2's methods, extended to what the plan left outside FSDP2."""
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        # DistributedDataParallel reads this first thing, on every rank, before any collective: a second data
+        # parallel wrapper would reduce every gradient twice (and cannot broadcast sharded units' DTensors)
+        raise WrappedTwiceError(
+            "this model is data parallel already (osdp.wrap): DistributedDataParallel around it would reduce every "
+            "gradient a second time. Train it as it is; with the Hugging Face Trainer use "
+            "osdp.integrations.hf.Trainer (same arguments), in an accelerate loop "
+            "osdp.integrations.hf.prepare(accelerator, model, optimizer, dataloader)"
+        )
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         super().set_requires_gradient_sync(requires_gradient_sync, recurse=recurse)
