@@ -260,7 +260,11 @@ def _flip_during_backward(rank, world_size):
     osdp.wrap(model, plan=plans()["replicate"].to_json())
     x, y = batches()[0][0]
     logits, _ = model(x[rank * 2:(rank + 1) * 2])
-    logits.register_hook(lambda g: model.blocks[1].mlp.requires_grad_(False))  # as backward starts
+
+    def freeze(grad):  # as backward starts
+        model.blocks[1].mlp.requires_grad_(False)
+
+    logits.register_hook(freeze)
     try:
         ce(logits, y[rank * 2:(rank + 1) * 2]).backward()
     except RuntimeError as e:
