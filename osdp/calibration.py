@@ -58,13 +58,14 @@ from osdp.cost import Calibration, predict, sqrt_segments
 from osdp.description import ModelDescription
 from osdp.device import (COLLECTIVES, AlphaBeta, CollectiveModel, DeviceInfo, combine_samples, measure_collectives,
                          measure_device)
-from osdp.fsdp_ext.replicate import replicates_with_ddp
+from osdp.fsdp_ext.apply import apply_plan
 from osdp.distributed import all_gather_objects, broadcast_object, world
 from osdp.harness import Job, meet_at_every_unit, quiet_meetings, run_jobs
-from osdp.log import Progress
+from osdp.log import Progress, log
 from osdp.machine import cpu_model, host
-from osdp.plan import MODES, ROOT, Plan, UnitPlan
+from osdp.plan import MODES, Plan, ROOT, UnitPlan, replicates_with_ddp
 from osdp.profile import cache_dir, describe_once
+from osdp.units import discover_units
 
 CALIBRATION_VERSION = 13  # bump when what is measured changes: older cache entries are not read
 PROFILE_ENV = "OSDP_CALIBRATION_PROFILE"
@@ -107,12 +108,10 @@ class CalibrationNet(nn.Module):
 
 def can_split(device: torch.device) -> bool:
     """Collective: whether this build of osdp applies split plans (every rank finds the same)."""
-    import osdp
-
     net = CalibrationNet().to(device)
-    plan = Plan([UnitPlan(u.path, "zero3", split=1 if u.path == ROOT else 2) for u in osdp.discover_units(net)])
+    plan = Plan([UnitPlan(u.path, "zero3", split=1 if u.path == ROOT else 2) for u in discover_units(net)])
     try:
-        osdp.wrap(net, plan=plan, device=device)
+        apply_plan(net, plan, device=device)
         return True
     except (RuntimeError, ValueError):
         return False
@@ -247,12 +246,10 @@ def _net_and_batch(spec: NetSpec, device: torch.device) -> tuple[Callable[[], nn
 def calibration_jobs(device: torch.device, profile: CalibrationProfile, *, splits: bool = True) -> dict[str, Job]:
     """The synthetic-model jobs ``fit_calibration`` needs: ``calibration-NET-KIND`` (KIND a mode, ``ckpt``
     or ``split``)."""
-    import osdp
-
     jobs: dict[str, Job] = {}
     for spec in profile.nets:
         build, batch = _net_and_batch(spec, device)
-        paths = [u.path for u in osdp.discover_units(build())]
+        paths = [u.path for u in discover_units(build())]
 
         def plan(mode: str, split: int = 1, ckpt: bool = False, b: int = spec.batch) -> Plan:
             return Plan([UnitPlan(p, mode, 1 if p == ROOT else split, ckpt and p != ROOT) for p in paths],
@@ -792,6 +789,10 @@ def calibrate(device: torch.device | None = None, *, force: bool = False, measur
     found = None if force else cached_calibration(key) if world()[0] == 0 else None
     found = broadcast_object(found)
     if found is not None:
+        if found.details.get("busy"):
+            log(f"the calibration of this job was measured on a busy machine (a fixed step's time varied "
+                f"{found.details['busy_spread']:.2f}x): its predictions carry that noise; measure it again when "
+                f"the machine is quiet: osdp calibrate --force --nproc {key.world_size}")
         return found
     others = other_calibrations(key) if world()[0] == 0 else []
     if not measure:
@@ -805,15 +806,14 @@ def calibrate(device: torch.device | None = None, *, force: bool = False, measur
          + (f" (only for other jobs: {' | '.join(others)})" if others else "")
          + ": measuring it once (about a minute on 2 CPU ranks)")
     record = measure_calibration(device, profile, progress=show)
+    # Cached even when the machine was busy (a shared cloud VM may stay so): with the noise it was measured
+    # under, which every later job is told of, rather than measured again on every run.
+    path = _save(record) if world()[0] == 0 else None
     if record.details.get("busy"):
-        # what was measured describes the other processes' competition for the machine, not the machine:
-        # this job plans with it, and no later job finds it
-        show.done(f"done in {record.seconds:.0f} s, NOT cached: the machine was busy while it measured (a fixed "
-                  f"step's time varied {record.details['busy_spread']:.2f}x, quiet is <= {profile.busy_spread}x), "
-                  "so its costs are those of sharing the machine; this job plans with them. When it is quiet: "
-                  f"osdp calibrate --nproc {key.world_size}")
-    elif world()[0] == 0:
-        path = _save(record)
+        show.done(f"done in {record.seconds:.0f} s, cached in {path} with the noise it was measured under: the "
+                  f"machine was busy (a fixed step's time varied {record.details['busy_spread']:.2f}x, quiet is <= "
+                  f"{profile.busy_spread}x). When it is quiet: osdp calibrate --force --nproc {key.world_size}")
+    else:
         show.done(f"done in {record.seconds:.0f} s, cached in {path}")
     return record
 

@@ -148,7 +148,7 @@ def complete_checkpoints(directory: str | os.PathLike) -> list[Path]:
 
 
 def _plan_record(model: nn.Module) -> tuple[str | None, dict | None]:
-    from osdp.api import plan_of
+    from osdp.fsdp_ext.apply import plan_of
 
     try:
         plan = plan_of(model)

@@ -90,8 +90,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from osdp.device import CollectiveModel, DeviceInfo
-from osdp.fsdp_ext.replicate import USED_FLAG_BYTES, replicates_with_ddp
-from osdp.plan import MODES, ROOT, Plan, PlanError, UnitPlan, display_path, reshards_after_forward
+from osdp.plan import MODES, Plan, PlanError, ROOT, UnitPlan, display_path, replicates_with_ddp, reshards_after_forward
 from osdp.description import ModelDescription, UnitProfile
 from osdp.search.problem import NODE_OPTIONS, OPTIONS, Option, Problem, SubUnits
 
@@ -103,6 +102,8 @@ _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 DDP_FIRST_BUCKET_BYTES = 2**20  # and its first bucket's (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 _REDUCE_BYTES = 4  # gradients are reduced in fp32 (MixedPrecisionPolicy(reduce_dtype=float32) for bf16)
+# osdp's reducer (fsdp_ext.replicate) carries a used flag per replicated parameter in its bucket, fp32
+USED_FLAG_BYTES = 4
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from osdp.distributed import all_gather_objects
+from osdp.fsdp_ext.apply import apply_plan
 from osdp.memory import PeakMemory, iter_tensors
 from osdp.optim import make_optimizer
 from osdp.plan import ROOT, Plan
@@ -61,12 +62,10 @@ class _Trainer:
     """One job's model, wrapped by its plan, and its optimizer: steps on demand."""
 
     def __init__(self, job: Job, device: torch.device, optimizer: str, loss_fn: Callable | None):
-        import osdp
-
         self.job, self.device, self.loss_fn = job, device, loss_fn
         self.model = job.build().to(device)
-        if job.plan is not None:
-            osdp.wrap(self.model, plan=job.plan, device=device)
+        if job.plan is not None:  # what osdp.wrap(model, plan=...) does (the planner measures with this harness)
+            apply_plan(self.model, job.plan, device=device)
         elif job.parallelize is not None:
             self.model = job.parallelize(self.model)
         elif job.lockstep:

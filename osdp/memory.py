@@ -373,14 +373,12 @@ class LiveBytesTracker:
                 if p.grad is not None:
                     self._note(p.grad, _GRAD)
 
-        from osdp.fsdp_ext.apply import reducer_storages
-
         for root in self._roots:
             if isinstance(root, nn.Module):
                 if isinstance(root, DistributedDataParallel):
                     self._note_ddp_buckets(root)
                 params(root.parameters())
-                for storage in reducer_storages(root):  # gradients live there, between steps too
+                for storage in hidden_gradient_storages(root):  # gradients live there, between steps too
                     self._note_storage(storage, _GRAD)
                 for b in root.buffers():
                     self._note(b, _BUFFER)
@@ -392,6 +390,22 @@ class LiveBytesTracker:
                         self._note(t, _OPTIM)
             else:
                 self._note(root, _INPUT)
+
+
+# Where a wrapped model keeps gradients that no parameter's .grad shows between steps (a reducer's buckets):
+# functions of the model, registered by whoever wraps it (osdp.fsdp_ext.apply), so that this module, which
+# the wrapping code uses, needs none of it.
+_GRADIENT_STORAGE_SOURCES: list = []
+
+
+def register_gradient_storages(source) -> None:
+    """``source(model)`` gives storages of gradients that live in ``model`` all step: count them as gradients."""
+    if source not in _GRADIENT_STORAGE_SOURCES:
+        _GRADIENT_STORAGE_SOURCES.append(source)
+
+
+def hidden_gradient_storages(model: nn.Module) -> list[torch.UntypedStorage]:
+    return [s for source in _GRADIENT_STORAGE_SOURCES for s in source(model)]
 
 
 class PeakMemory:

@@ -42,6 +42,12 @@ def display_path(path: str) -> str:
     return path if path != ROOT else "<root>"
 
 
+def replicates_with_ddp(mixed_precision: str) -> bool:
+    """Whether a plan's replicated units run on osdp's reducer, DDP's way (fp32: ``fsdp_ext.replicate``), or on
+    FSDP2 with a shard group of one (bf16, whose MixedPrecisionPolicy makes the bf16 copy compute needs)."""
+    return mixed_precision == "fp32"
+
+
 def reshards_after_forward(path: str, mode: str) -> bool:
     """Whether a unit's gathered parameters are freed after its forward: zero3's, except the root's.
 

@@ -224,6 +224,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "median_step_s": median,
         "step_s_min": min(step_times, default=float("nan")),
         "step_s_max": max(step_times, default=float("nan")),
+        # the middle half of the steps: the spread this run's noise gives a median
+        "step_s_quartiles": statistics.quantiles(step_times, n=4)[::2] if len(step_times) >= 2 else None,
         "tokens_per_s": tokens / median if step_times else float("nan"),
         "peak_bytes": peak,
         "peak_breakdown": breakdown,
@@ -249,10 +251,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  "-" if r["peak_bytes"] is None else format_bytes(r["peak_bytes"])] for r in per_rank]
         print(format_table(rows, ["rank", "step ms (median)", "tokens/s", "peak memory"], "rrrr"))
         if plan.predicted_step_s is not None and step_times:
-            measured = record["measured_step_s"]
-            print(f"step time: predicted {plan.predicted_step_s * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms "
-                  f"(median, slowest rank): {plan.predicted_step_s / measured - 1:+.1%} "
-                  f"(priced with the calibration {plan.meta.get('calibration', 'not recorded')})", flush=True)
+            print(step_time_line(plan.predicted_step_s, max(per_rank, key=lambda r: r["median_step_s"]),
+                                 plan.meta.get("calibration", "not recorded")), flush=True)
         if losses:
             print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {first_step}..{args.steps - 1}", flush=True)
         else:
@@ -283,3 +283,21 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def step_time_line(predicted_s: float, slowest: dict, calibration: str) -> str:
+    """The measured median step (the slowest rank's) with the spread of its middle half, the prediction, and
+    whether they differ by more than that spread: a difference within the run's own noise says nothing."""
+    measured = slowest["median_step_s"]
+    line = f"step time: measured {measured * 1e3:.1f} ms (median of the slowest rank"
+    quartiles = slowest.get("step_s_quartiles")
+    if quartiles is None:
+        return line + f"), predicted {predicted_s * 1e3:.1f} ms ({predicted_s / measured - 1:+.1%})"
+    low, high = quartiles
+    line += (f"; its middle half {low * 1e3:.1f}-{high * 1e3:.1f} ms), predicted {predicted_s * 1e3:.1f} ms "
+             f"({predicted_s / measured - 1:+.1%})")
+    if low <= predicted_s <= high:
+        return line + ": within this run's spread"
+    return line + (f": outside this run's spread, so the calibration ({calibration}) priced this machine "
+                   "otherwise than it ran now (noise from other processes, or a stale calibration: osdp calibrate "
+                   "--force measures it again)")

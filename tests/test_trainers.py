@@ -105,6 +105,25 @@ def _compare(name, got, ref):
 # -- Trainer under every kind of plan ---------------------------------------------------------------------------
 
 
+def _all_reduced_bytes_during(run) -> int:
+    """Bytes ``torch.distributed.all_reduce`` reduced while ``run()`` ran (osdp's reducer calls it; a second
+    DistributedDataParallel would add its own C++ all-reduces of every gradient, and fail the next check)."""
+    import torch.distributed as dist
+
+    real, total = dist.all_reduce, [0]
+
+    def counting(tensor, *args, **kwargs):
+        total[0] += tensor.numel() * tensor.element_size()
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        run()
+    finally:
+        dist.all_reduce = real
+    return total[0]
+
+
 def _train_with_trainer(rank, world_size, plan_jsons, output_dir, accumulate):
     from osdp.integrations.hf import Trainer
 
@@ -115,7 +134,11 @@ def _train_with_trainer(rank, world_size, plan_jsons, output_dir, accumulate):
         osdp.wrap(model, plan=plan_json)
         trainer = Trainer(model=model, args=arguments(f"{output_dir}/{name}", PER_RANK, accumulate=accumulate),
                           train_dataset=dataset(world_size * PER_RANK * STEPS * accumulate))
-        trainer.train()
+        reduced = _all_reduced_bytes_during(trainer.train)
+        if name == "ddp":  # every gradient byte all-reduced once per step (and its reducer's flag), not twice
+            params = list(model.parameters())
+            per_step = sum(p.numel() * p.element_size() for p in params) + 4 * len(params)
+            assert per_step * STEPS <= reduced < 2 * per_step * STEPS, (reduced, per_step * STEPS)
         wrapped = trainer.model_wrapped
         assert wrapped is model, f"{name}: the Trainer wrapped the model again, in {type(wrapped).__name__}"
         osdp.check_replicas(model)

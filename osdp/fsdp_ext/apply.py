@@ -46,11 +46,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from osdp import comm
 from osdp.caches import disable_caches_in_training
 from osdp.distributed import all_gather_objects, ranks_per_node, world
-from osdp.plan import ROOT, Plan, PlanError, UnitPlan, display_path
+from osdp.plan import Plan, PlanError, ROOT, UnitPlan, display_path, replicates_with_ddp
+from osdp.memory import register_gradient_storages
 from osdp.recompute import checkpoint_unit
 from osdp.split import SplitLinear, apply_split, split_parameters, splittable_linears
 from osdp.fsdp_ext.module_api import UnitExtras, extend_unit
-from osdp.fsdp_ext.replicate import ReplicaReducer, replicates_with_ddp
+from osdp.fsdp_ext.replicate import ReplicaReducer
 from osdp.units import Unit, build_units, is_callable, structure_signature, unit_parameters
 
 _PLAN_ATTR = "_osdp_plan"
@@ -331,6 +332,9 @@ def reducer_storages(model: nn.Module) -> list[torch.UntypedStorage]:
     """Storages the DDP reducer of a wrapped model's replicated units owns (its gradient buckets)."""
     replicated = getattr(model, _REPLICATED_ATTR, None)
     return [] if replicated is None else replicated.bucket_storages()
+
+
+register_gradient_storages(reducer_storages)  # osdp.memory counts the reducer's buckets
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:

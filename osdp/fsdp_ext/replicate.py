@@ -43,15 +43,10 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from osdp._torch_private import output_tensors, queue_at_backward_end, set_implicit_replication
+from osdp.plan import replicates_with_ddp  # noqa: F401 - where osdp 0.x had it
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's: the first bucket small, so the first all-reduce starts early
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb
-USED_FLAG_BYTES = 4  # each bucket's flag per parameter, in the parameters' dtype (fp32 plans)
-
-
-def replicates_with_ddp(mixed_precision: str) -> bool:
-    """Whether a plan's replicated units run on the reducer here (fp32) or on FSDP2 (bf16)."""
-    return mixed_precision == "fp32"
 
 
 class UnusedParametersError(RuntimeError):
