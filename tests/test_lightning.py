@@ -25,9 +25,9 @@ L = pytest.importorskip("lightning.pytorch")
 import osdp  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
 from osdp.checkpoint import MARKER  # noqa: E402
-from osdp.plan import Plan, UnitPlan  # noqa: E402
+from osdp.plan import Plan  # noqa: E402
 from toy_models import GPT  # noqa: E402
-from training_check import full_state  # noqa: E402
+from training_check import full_state, plan_kinds  # noqa: E402
 
 WORLD = 2
 PER_RANK = 2
@@ -49,14 +49,7 @@ def dataset(n):
 
 
 def plans():
-    paths = [u.path for u in osdp.discover_units(build())]
-    modes = ["replicate", "zero2", "zero3"]
-    return {
-        "ddp": Plan.for_strategy(paths, "ddp"),
-        "zero2": Plan.for_strategy(paths, "zero2"),
-        "fsdp": Plan.for_strategy(paths, "fsdp"),
-        "mixed": Plan([UnitPlan(p, modes[i % 3], checkpoint=i % 2 == 1) for i, p in enumerate(paths)]),
-    }
+    return plan_kinds(build())
 
 
 def make_optimizer(params, adam):

@@ -1,7 +1,8 @@
 """Hugging Face's Trainer and accelerate over an osdp-wrapped model (osdp.integrations.hf), on 2 gloo ranks.
 
-A tiny GPT-2 built from a config (no download, dropout off) is wrapped under a ddp, a zero2, an fsdp and
-a mixed plan and trained by ``osdp.integrations.hf.Trainer`` for a few steps (clipping on, with and
+A tiny GPT-2 built from a config (no download, dropout off) is wrapped under a ddp, a zero2, an fsdp, a
+mixed plan and one searched at a budget (no split plan: GPT-2's projections are Conv1D, which osdp does not
+split, and its head is tied) and trained by ``osdp.integrations.hf.Trainer`` for a few steps (clipping on, with and
 without gradient accumulation, a checkpoint saved and resumed); losses and final parameters equal, within
 1e-5, a plain ``transformers.Trainer`` run in one process on the global batch. A plain accelerate loop
 (``osdp.integrations.hf.prepare``) trains the same. Setups that cannot work fail on every rank, before
@@ -21,8 +22,8 @@ pytest.importorskip("accelerate")
 import osdp  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
 from osdp.checkpoint import MARKER  # noqa: E402
-from osdp.plan import Plan, UnitPlan  # noqa: E402
-from training_check import full_state  # noqa: E402
+from osdp.plan import Plan  # noqa: E402
+from training_check import full_state, plan_kinds  # noqa: E402
 
 WORLD = 2
 PER_RANK = 2
@@ -56,16 +57,25 @@ def arguments(output_dir, per_device, steps=STEPS, accumulate=1, **overrides):
 
 
 def plans():
-    paths = [u.path for u in osdp.discover_units(build())]
-    modes = ["replicate", "zero2", "zero3"]
-    return {
-        "ddp": Plan.for_strategy(paths, "ddp"),
-        "zero2": Plan.for_strategy(paths, "zero2"),
-        "fsdp": Plan.for_strategy(paths, "fsdp"),
-        # the root is not checkpointed: osdp.recompute's forward (*args, **kwargs) hides the model's signature,
-        # from which the Trainer picks the dataset's columns
-        "mixed": Plan([UnitPlan(p, modes[i % 3], checkpoint=i % 2 == 1 and p != "") for i, p in enumerate(paths)]),
-    }
+    return plan_kinds(build())  # the mixed plan checkpoints the root: the Trainer reads its forward's signature
+
+
+SEARCHED = "searched"  # osdp.wrap(device_mem=...) halfway between the least budget and the fastest plan's
+
+
+def _wrap(model, how):
+    if how != SEARCHED:
+        osdp.wrap(model, plan=how)
+        return
+    example = {k: torch.stack([row[k] for row in dataset(PER_RANK)]) for k in ("input_ids", "labels")}
+    try:
+        osdp.wrap(build(), device_mem=1024, example_input=example, loss_fn=lambda out: out.loss)
+    except osdp.BudgetTooSmall as e:
+        least = e.min_peak_bytes
+    probe = build()
+    osdp.wrap(probe, device_mem="64GiB", example_input=example, loss_fn=lambda out: out.loss)
+    most = osdp.plan_of(probe).predicted_peak_bytes
+    osdp.wrap(model, device_mem=(least + most) // 2, example_input=example, loss_fn=lambda out: out.loss)
 
 
 def _rank_environment(rank, world_size):
@@ -131,7 +141,7 @@ def _train_with_trainer(rank, world_size, plan_jsons, output_dir, accumulate):
     out = {}
     for name, plan_json in plan_jsons.items():
         model = build()
-        osdp.wrap(model, plan=plan_json)
+        _wrap(model, plan_json)
         trainer = Trainer(model=model, args=arguments(f"{output_dir}/{name}", PER_RANK, accumulate=accumulate),
                           train_dataset=dataset(world_size * PER_RANK * STEPS * accumulate))
         reduced = _all_reduced_bytes_during(trainer.train)
@@ -152,6 +162,8 @@ def test_trainer_trains_every_plan_as_one_process(tmp_path, accumulate):
     chosen = {n: p.to_json() for n, p in plans().items()}
     if accumulate > 1:
         chosen = {n: chosen[n] for n in ("ddp", "mixed")}
+    else:
+        chosen[SEARCHED] = SEARCHED
     got = run_ranks(_train_with_trainer, WORLD, chosen, str(tmp_path), accumulate, timeout=240)
     ref = reference(tmp_path, accumulate=accumulate)
     for name in chosen:

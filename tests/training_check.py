@@ -32,6 +32,18 @@ def train(model, batches, rank: int = 0, world_size: int = 1, optimizer=None) ->
     return losses
 
 
+def plan_kinds(model) -> dict:
+    """The plans a test trains a foreign model under: the three baselines, and a mixed plan (every mode in turn,
+    every other unit checkpointed, the root among them)."""
+    from osdp.plan import Plan, UnitPlan
+
+    paths = [u.path for u in osdp.discover_units(model)]
+    modes = ["replicate", "zero2", "zero3"]
+    plans = {s: Plan.for_strategy(paths, s) for s in ("ddp", "zero2", "fsdp")}
+    plans["mixed"] = Plan([UnitPlan(p, modes[i % 3], checkpoint=i % 2 == 1) for i, p in enumerate(paths)])
+    return plans
+
+
 def cloned(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict's tensors copied out of the model (training on does not change them)."""
     return {k: v.detach().clone() for k, v in state.items()}

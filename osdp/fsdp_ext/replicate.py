@@ -273,6 +273,8 @@ class ReplicaReducer:
                     view.copy_(p.grad)
                     p.grad = view
                 bucket.used[i] = 1 if state.used_since_reduced else 0
+            # divided before the all-reduce, as DDP's hook does: it runs here, while backward goes on
+            bucket.buffer[:bucket.buffer.numel() - len(bucket.params)].div_(self.world_size)
         bucket.work = None if self._fake else dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
 
     def _end_backward(self) -> None:
@@ -308,9 +310,7 @@ class ReplicaReducer:
     def _finish(self, bucket: _Bucket) -> None:
         if bucket.work is not None:
             bucket.work.wait()
-        numel = bucket.buffer.numel() - len(bucket.params)
         with torch.no_grad():
-            bucket.buffer[:numel].div_(self.world_size)
             # read on the host only where this rank has no gradient (no device sync otherwise)
             used = bucket.used.tolist() if any(p.grad is None for p in bucket.params) else None
             for i, p in enumerate(bucket.params):
