@@ -2,14 +2,19 @@
 
 ``Progress("describe gpt2-mini")("warm-up")`` prints
 ``osdp describe gpt2-mini: warm-up (1.2s)``: on a terminal one line rewritten
-in place, elsewhere (logs, pipes) one line per message. Only rank 0 of the
+in place, elsewhere (logs, pipes) one line per message, where a run of messages
+that differ only in their numbers ("setting up 3/20", "step 4/17") is shown at
+most every few seconds, and its last one at the end. Only rank 0 of the
 default process group prints, so a multi-rank job says each thing once.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import time
+
+REPEAT_EVERY_S = 5.0  # in a log, a message like the last one (numbers aside) is shown at most this often
 
 
 def _rank() -> int:
@@ -25,11 +30,28 @@ class Progress:
         self.task, self.start = task, time.perf_counter()
         self.enabled = enabled and _rank() == 0
         self.tty = self.enabled and sys.stderr.isatty()
+        self._kind, self._shown_at, self._held = None, 0.0, None  # a log's run of like messages
 
     def __call__(self, message: str) -> None:
-        if self.enabled:
-            line = f"osdp {self.task}: {message} ({time.perf_counter() - self.start:.1f}s)"
-            print(("\r\033[K" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        line = f"osdp {self.task}: {message} ({now - self.start:.1f}s)"
+        if self.tty:
+            print("\r\033[K" + line, end="", file=sys.stderr, flush=True)
+            return
+        kind = re.sub(r"\d+", "#", message)
+        if kind == self._kind and now - self._shown_at < REPEAT_EVERY_S:
+            self._held = line  # like the last one shown: held, printed if it ends the run
+            return
+        self._flush_held(kind)
+        self._kind, self._shown_at = kind, now
+        print(line, file=sys.stderr, flush=True)
+
+    def _flush_held(self, next_kind: str | None) -> None:
+        if self._held is not None and next_kind != self._kind:
+            print(self._held, file=sys.stderr, flush=True)
+        self._held = None
 
     def done(self, message: str) -> None:
         """The last message: on a terminal, the line is kept."""

@@ -26,6 +26,7 @@ from osdp import granularity
 from osdp.cost import Calibration, Prediction, build_problems, plan_from_choice, predict
 from osdp.device import DeviceInfo, device_preset, parse_size
 from osdp.distributed import broadcast_object, world
+from osdp.log import Progress
 from osdp.plan import Plan
 from osdp.description import ModelDescription
 from osdp.profile import batch_size_of, describe_once
@@ -230,20 +231,29 @@ def description_of(plan: Plan, descriptions: Sequence[ModelDescription]) -> Mode
 
 def planning_description(
     model: nn.Module, example_input: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    mixed_precision: str = "fp32", granularity: str = "sub-block",
+    mixed_precision: str = "fp32", granularity: str = "sub-block", progress: bool = True,
 ) -> ModelDescription:
     """Collective: a description ``osdp.plan`` searches over: rank 0 describes the model (or reads it
     from the describe cache) while the others wait, and every rank gets it (or rank 0's error). The
     validation and the experiments take theirs from here, so that they predict what ``osdp.wrap`` would."""
     return describe_once(model, example_input, loss_fn=loss_fn, precisions=(mixed_precision,),
-                         granularity=granularity)
+                         granularity=granularity, progress=progress)
 
 
 def planning_descriptions(model: nn.Module, example_input: Any, **settings: Any) -> list[ModelDescription]:
-    """Collective: ``planning_description`` at every unit granularity that gives other units than the finer."""
-    return describe_granularities(
-        lambda granularity: planning_description(model, example_input, granularity=granularity, **settings)
-    )
+    """Collective: ``planning_description`` at every unit granularity that gives other units than the finer,
+    reported as one task (a line per unit size, not each description's own lines)."""
+    name = getattr(getattr(model, "config", None), "name", None) or type(model).__name__
+    show = Progress(f"describe {name}")
+
+    def one(granularity: str) -> ModelDescription:
+        show(f"{granularity} units ({GRANULARITIES.index(granularity) + 1}/{len(GRANULARITIES)})")
+        return planning_description(model, example_input, granularity=granularity, progress=False, **settings)
+
+    descriptions = describe_granularities(one)
+    cached = sum(bool(getattr(d, "from_cache", False)) for d in descriptions)
+    show.done(f"{len(descriptions)} unit sizes" + (f", {cached} from the cache" if cached else ""))
+    return descriptions
 
 
 def describe_granularities(describe_one: Callable[..., ModelDescription]) -> list[ModelDescription]:
