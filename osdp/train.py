@@ -264,6 +264,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
+def step_time_line(predicted_s: float, slowest: dict, calibration: str) -> str:
+    """The measured median step (the slowest rank's) with the spread of its middle half, the prediction, and
+    whether they differ by more than that spread: a difference within the run's own noise says nothing."""
+    measured = slowest["median_step_s"]
+    line = f"step time: measured {measured * 1e3:.1f} ms (median of the slowest rank"
+    quartiles = slowest.get("step_s_quartiles")
+    if quartiles is None:
+        return line + f"), predicted {predicted_s * 1e3:.1f} ms ({predicted_s / measured - 1:+.1%})"
+    low, high = quartiles
+    line += (f"; its middle half {low * 1e3:.1f}-{high * 1e3:.1f} ms), predicted {predicted_s * 1e3:.1f} ms "
+             f"({predicted_s / measured - 1:+.1%})")
+    if low <= predicted_s <= high:
+        return line + ": within this run's spread"
+    return line + (f": outside this run's spread, so the calibration ({calibration}) priced this machine "
+                   "otherwise than it ran now (noise from other processes, or a stale calibration: osdp calibrate "
+                   "--force measures it again)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="osdp train", description=__doc__.splitlines()[0])
@@ -284,20 +302,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def step_time_line(predicted_s: float, slowest: dict, calibration: str) -> str:
-    """The measured median step (the slowest rank's) with the spread of its middle half, the prediction, and
-    whether they differ by more than that spread: a difference within the run's own noise says nothing."""
-    measured = slowest["median_step_s"]
-    line = f"step time: measured {measured * 1e3:.1f} ms (median of the slowest rank"
-    quartiles = slowest.get("step_s_quartiles")
-    if quartiles is None:
-        return line + f"), predicted {predicted_s * 1e3:.1f} ms ({predicted_s / measured - 1:+.1%})"
-    low, high = quartiles
-    line += (f"; its middle half {low * 1e3:.1f}-{high * 1e3:.1f} ms), predicted {predicted_s * 1e3:.1f} ms "
-             f"({predicted_s / measured - 1:+.1%})")
-    if low <= predicted_s <= high:
-        return line + ": within this run's spread"
-    return line + (f": outside this run's spread, so the calibration ({calibration}) priced this machine "
-                   "otherwise than it ran now (noise from other processes, or a stale calibration: osdp calibrate "
-                   "--force measures it again)")

@@ -40,3 +40,15 @@ def test_osdp_train_launches_ranks_and_matches_single_process(tmp_path):
         opt.zero_grad()
         ranks = [r["losses"][step] for r in record["per_rank"]]
         assert abs(sum(ranks) / 2 - loss.item()) < 1e-4, (step, ranks, loss.item())
+
+
+def test_the_readme_default_run_searches_trains_and_reports_its_prediction(tmp_path):
+    """`osdp train` as the README's first command runs it (fewer steps): a budget search, training, and the end
+    line that sets the prediction against the measured median and its spread."""
+    cmd = [sys.executable, "-m", "osdp.train", "--steps", "6", "--warmup", "2"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("step time: measured")), None)
+    assert line is not None and "predicted" in line and "middle half" in line, proc.stdout[-2000:]
+    assert "this run's spread" in line, line
