@@ -3,8 +3,8 @@
 ``Progress("describe gpt2-mini")("warm-up")`` prints
 ``osdp describe gpt2-mini: warm-up (1.2s)``: on a terminal one line rewritten
 in place, elsewhere (logs, pipes) one line per message, where a run of messages
-that differ only in their numbers ("setting up 3/20", "step 4/17") is shown at
-most every few seconds, and its last one at the end. Only rank 0 of the
+alike up to their first number ("setting up 3/20 ...", "step 4/17 ...") is
+shown at most every few seconds, and its last one at the end. Only rank 0 of the
 default process group prints, so a multi-rank job says each thing once.
 """
 
@@ -40,7 +40,7 @@ class Progress:
         if self.tty:
             print("\r\033[K" + line, end="", file=sys.stderr, flush=True)
             return
-        kind = re.sub(r"\d+", "#", message)
+        kind = re.split(r"\d", message, maxsplit=1)[0] if re.search(r"\d", message) else message
         if kind == self._kind and now - self._shown_at < REPEAT_EVERY_S:
             self._held = line  # like the last one shown: held, printed if it ends the run
             return
