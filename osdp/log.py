@@ -5,16 +5,23 @@
 in place, elsewhere (logs, pipes) one line per message, where a run of messages
 alike up to their first number ("setting up 3/20 ...", "step 4/17 ...") is
 shown at most every few seconds, and its last one at the end. Only rank 0 of the
-default process group prints, so a multi-rank job says each thing once.
+default process group prints, so a multi-rank job says each thing once; none
+prints with ``OSDP_QUIET=1`` (``osdp train --quiet``).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
 
 REPEAT_EVERY_S = 5.0  # in a log, a message like the last one (numbers aside) is shown at most this often
+QUIET_ENV = "OSDP_QUIET"  # set (osdp train --quiet does, for its ranks too): no progress lines at all
+
+
+def _quiet() -> bool:
+    return os.environ.get(QUIET_ENV, "") not in ("", "0")
 
 
 def _rank() -> int:
@@ -28,7 +35,7 @@ class Progress:
 
     def __init__(self, task: str, enabled: bool = True):
         self.task, self.start = task, time.perf_counter()
-        self.enabled = enabled and _rank() == 0
+        self.enabled = enabled and _rank() == 0 and not _quiet()
         self.tty = self.enabled and sys.stderr.isatty()
         self._kind, self._shown_at, self._held = None, 0.0, None  # a log's run of like messages
 
@@ -62,7 +69,7 @@ class Progress:
 
 def log(message: str) -> None:
     """One line ``osdp: message`` on stderr, from rank 0."""
-    if _rank() == 0:
+    if _rank() == 0 and not _quiet():
         print(f"osdp: {message}", file=sys.stderr, flush=True)
 
 

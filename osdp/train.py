@@ -44,6 +44,7 @@ from osdp import checkpoint, models
 from osdp.data import CorpusLoader, synthetic_batch
 from osdp.distributed import all_gather_objects, init_from_env, launch_local, peer_failures, warn_shared_store
 from osdp.fsdp_ext.apply import complete_plan
+from osdp.log import QUIET_ENV
 from osdp.machine import machine_info
 from osdp.memory import PeakMemory
 from osdp.optim import make_optimizer
@@ -78,6 +79,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress lines (describe, calibrate) and no per-step lines: the plan and the results only")
     p.add_argument("--json", type=Path, help="write the run's record (plan, losses, per-rank metrics) here")
     p.add_argument("--nproc", type=int, default=2, help="local ranks to launch when not under torchrun (default 2)")
     p.add_argument("--max-restarts", type=int, default=0,
@@ -205,7 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         losses.append(loss_value)
         if step >= args.warmup and step != memory_step:
             step_times.append(elapsed)
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+        if rank == 0 and not args.quiet and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {loss_value:.4f}  {elapsed * 1e3:8.1f} ms", flush=True)
         done = step + 1
         if args.checkpoint_dir is not None and (
@@ -296,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--checkpoint-every needs --checkpoint-dir")
     if args.checkpoint_keep < 1:
         parser.error("--checkpoint-keep must be >= 1")
+    if args.quiet:
+        os.environ[QUIET_ENV] = "1"  # the ranks inherit it
     if "RANK" not in os.environ:
         return launch_local(args.nproc, "osdp.train", argv, max_restarts=args.max_restarts)
     run(args)

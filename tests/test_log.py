@@ -23,3 +23,14 @@ def test_silenced_progress_prints_nothing(capsys):
     show("warm-up")
     show.done("done")
     assert capsys.readouterr().err == ""
+
+
+def test_quiet_silences_every_progress_line(capsys, monkeypatch):
+    from osdp.log import QUIET_ENV, log
+
+    monkeypatch.setenv(QUIET_ENV, "1")
+    show = Progress("describe x")
+    show("warm-up")
+    show.done("done")
+    log("a note")
+    assert capsys.readouterr().err == ""
