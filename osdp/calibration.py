@@ -65,6 +65,7 @@ from osdp.log import Progress, log
 from osdp.machine import cpu_model, host
 from osdp.plan import MODES, Plan, ROOT, UnitPlan, replicates_with_ddp
 from osdp.profile import cache_dir, describe_once
+from osdp.store import write_atomically
 from osdp.units import discover_units
 
 CALIBRATION_VERSION = 13  # bump when what is measured changes: older cache entries are not read
@@ -688,13 +689,14 @@ def other_calibrations(key: CalibrationKey) -> list[str]:
     return out
 
 
-def _save(record: MachineCalibration) -> Path:
+def _where(path: Path | None) -> str:
+    return f"cached in {path}" if path is not None else "not cached (see the warning)"
+
+
+def _save(record: MachineCalibration) -> Path | None:
+    """Cache ``record``; None if the cache cannot be written (the run goes on, with a warning)."""
     path = calibration_path(record.key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(record.to_dict(), indent=1))
-    tmp.replace(path)
-    return path
+    return path if write_atomically(path, json.dumps(record.to_dict(), indent=1)) else None
 
 
 # --------------------------------------------------------------------------- measuring
@@ -810,11 +812,11 @@ def calibrate(device: torch.device | None = None, *, force: bool = False, measur
     # under, which every later job is told of, rather than measured again on every run.
     path = _save(record) if world()[0] == 0 else None
     if record.details.get("busy"):
-        show.done(f"done in {record.seconds:.0f} s, cached in {path} with the noise it was measured under: the "
+        show.done(f"done in {record.seconds:.0f} s, {_where(path)} with the noise it was measured under: the "
                   f"machine was busy (a fixed step's time varied {record.details['busy_spread']:.2f}x, quiet is <= "
                   f"{profile.busy_spread}x). When it is quiet: osdp calibrate --force --nproc {key.world_size}")
     else:
-        show.done(f"done in {record.seconds:.0f} s, cached in {path}")
+        show.done(f"done in {record.seconds:.0f} s, {_where(path)}")
     return record
 
 

@@ -61,6 +61,7 @@ from osdp.optim import make_optimizer
 from osdp.plan import ROOT, display_path
 from osdp.recompute import checkpoint_unit, undo_checkpoint
 from osdp.timing import StepTimer
+from osdp.store import write_atomically
 from osdp.units import Unit, build_units, discover_units, param_homes, structure_signature, trace_calls
 
 PROFILE_VERSION = 5  # bump when what is measured changes: old cache entries are ignored
@@ -874,10 +875,7 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
     )
     show.done(f"done in {description.profile_seconds:.1f}s")
     if cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(description.to_json())
-        tmp.replace(path)
+        write_atomically(path, description.to_json())
     return description
 
 

@@ -16,8 +16,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "osdp"
 
 # The stages, first to last; a module (or a package, for all its modules) is in one.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("plain data and tools", ["osdp._version", "osdp._torch_private", "osdp.sizes", "osdp.log", "osdp.plan",
-                              "osdp.description", "osdp.search"]),
+    ("plain data and tools", ["osdp._version", "osdp._torch_private", "osdp.sizes", "osdp.log", "osdp.store",
+                              "osdp.plan", "osdp.description", "osdp.search"]),
     ("ranks, measurement, built-in models", ["osdp.distributed", "osdp.local_ranks", "osdp.comm", "osdp.timing",
                                              "osdp.memory", "osdp.machine", "osdp.models", "osdp.data",
                                              "osdp.optim"]),
