@@ -42,7 +42,7 @@ class ContractNet(nn.Module):
     """Embedding, two blocks, a head and an auxiliary head whose output a step may not use, a module never
     called, and a step-counting buffer."""
 
-    def __init__(self, vocab=130, h=32):  # 130 rows: shards padded on 4 ranks
+    def __init__(self, vocab=131, h=32):  # 131 rows: every sharding of them is padded
         super().__init__()
         self.wte = nn.Embedding(vocab, h)
         self.blocks = nn.ModuleList([Block(h) for _ in range(2)])
