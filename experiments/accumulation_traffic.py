@@ -5,7 +5,7 @@ the last).
     python experiments/accumulation_traffic.py --out experiments/results/accumulation_traffic.json
 
 gpt2-mini on 2 gloo ranks, a plan that splits every unit it can (zero3, k = 2) and keeps the others
-zero3; split Linears run the PyTorch loop here and every reduction is ``osdp.comm``'s pairwise
+zero3; split Linears run the PyTorch loop here and every reduction is ``osdp.distributed.collectives``'s pairwise
 reduce-scatter, so that each can be counted (the C++ op issues the same ones; the bytes are the same
 with the native reduce-scatter). Counted: the inputs of every reduce-scatter per optimizer step, split
 slices apart from FSDP2's units. One reduction per accumulation window means the bytes do not
@@ -30,7 +30,7 @@ MODEL, BATCH, SEQ = "gpt2-mini", 8, 64
 def split_everywhere(model, k: int = 2):
     """The plan that splits every unit but the root in k where it can, zero3 everywhere."""
     import osdp
-    from osdp.plan import ROOT, Plan, UnitPlan
+    from osdp.schema.plan import ROOT, Plan, UnitPlan
     from osdp.split import splittable_linears
 
     modules = dict(model.named_modules())
@@ -41,12 +41,13 @@ def split_everywhere(model, k: int = 2):
 
 def _count(rank: int, world_size: int, micro_batches: list[int]) -> dict:
     import osdp
-    from osdp import comm, models
-    from osdp.data import synthetic_batch
+    from osdp.distributed import collectives as comm
+    from osdp import models
+    from osdp.models.data import synthetic_batch
     from osdp.split import set_backend
 
     set_backend("python")
-    # every reduction through osdp.comm's pairwise reduce-scatter (the same traffic as NCCL's), so that
+    # every reduction through osdp.distributed.collectives's pairwise reduce-scatter (the same traffic as NCCL's), so that
     # each can be counted: FSDP2 units' through FSDPReduceScatter, the rest are split slices
     comm.set_reduce_scatter("pairwise")
     counts = {"all": 0, "fsdp": 0}

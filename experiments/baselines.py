@@ -29,7 +29,7 @@ A transformer block is an entry of the model's block list
 Hugging Face models ``transformer.h``, ``model.layers``, ``encoder.layer``...
 
 One experiment setting applies to them as to OSDP's runs: the reduce-scatter
-of ``osdp.comm`` (``OSDP_REDUCE_SCATTER``), installed on the ``fully_shard``-ed
+of ``osdp.distributed.collectives`` (``OSDP_REDUCE_SCATTER``), installed on the ``fully_shard``-ed
 modules, so that every strategy's reductions are charged alike (FSDP2's own
 unless the setting is ``pairwise``).
 """
@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from osdp import comm
+from osdp.distributed import collectives as comm
 from osdp._torch_private import checkpoint_wrapper
 from osdp.distributed import ranks_per_node
 

@@ -16,7 +16,7 @@ memory is no limit (attention and MLP apart, or whole blocks). Each model and
 link is one ``run.py`` part: in each repeat the pairs run one after another
 (their order rotated between repeats), a pair's two models alive together and
 stepped in turn (which goes first alternating between repeats), a step timed on
-the slowest rank, peaks measured in the same runs (on CPU with ``osdp.memory``,
+the slowest rank, peaks measured in the same runs (on CPU with ``osdp.machine.memory``,
 DDP's buckets included). A pair's speed ratio is the median, over every pair of
 steps taken one after the other, of native step / OSDP step (> 1: OSDP
 faster): each ratio compares two steps that saw the same host, which a shared
@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run  # noqa: E402
-from osdp.machine import machine_info  # noqa: E402
+from osdp.machine.identity import machine_info
 
 PAIRS = [
     ("osdp-replicate", "torch-ddp"),

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from osdp.machine import machine_info
+from osdp.machine.identity import machine_info
 from osdp.search import OPTIONS, Problem, pareto_frontier, plot_frontier, sweep_batch_sizes
 from osdp.search.problem import format_bytes
 
@@ -129,10 +129,10 @@ MULTI_NODE_TARGET_S = 0.100
 
 
 def multi_node(repeats: int, out: Path, machine: dict) -> None:
-    from osdp.device import device_preset
-    from osdp.model_source import from_reference
-    from osdp.plan_cli import DEFAULT_BATCH_CANDIDATES, describe_for
-    from osdp.planner import search
+    from osdp.machine.presets import device_preset
+    from osdp.describe.sources import from_reference
+    from osdp.cli.plan import DEFAULT_BATCH_CANDIDATES, describe_for
+    from osdp.planner import find_plan
 
     rows = []
     header = f"{'model':<9} {'device':<19} {'budget':>10} {'units':>5} {'options':>7} {'search s':>9} " \
@@ -143,7 +143,7 @@ def multi_node(repeats: int, out: Path, machine: dict) -> None:
         dev = device_preset(device, 64)
         descriptions = describe_for(from_reference(model, None), dev, DEFAULT_BATCH_CANDIDATES, "fp32")
         for budget in (dev.memory_bytes, 12 * GiB):
-            results = [search(descriptions, dev, DEFAULT_BATCH_CANDIDATES, budget=budget) for _ in range(repeats)]
+            results = [find_plan(descriptions, dev, DEFAULT_BATCH_CANDIDATES, budget=budget) for _ in range(repeats)]
             seconds = min(r.search_seconds for r in results)
             plan = results[-1].plan
             problem = results[-1].problems[0]

@@ -50,9 +50,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import osdp.split as split
 from osdp._torch_private import TorchDispatchMode
-from osdp.local_ranks import run_local_ranks
-from osdp.machine import machine_info
-from osdp.timing import StepTimer
+from osdp.distributed.local_ranks import run_local_ranks
+from osdp.machine.identity import machine_info
+from osdp.machine.timing import StepTimer
 
 MODELS = {  # (in, out) of each Linear, GELU between
     "linear_4096x16384": [(4096, 16384)],

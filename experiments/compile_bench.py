@@ -5,7 +5,7 @@
 gpt2-mini (micro-batch 8 x 128 per rank) on 2 gloo ranks of one thread each, under DDP, FSDP (zero3) and a
 plan that splits every unit it can in 2 (zero3 elsewhere). Each plan runs eager, compiled per unit
 (``osdp.compile_units``, as torchtitan compiles each block) and compiled whole (``model.compile()``). Every
-run's model is alive at once and they take one step each in turn (``osdp.harness.run_jobs``), so all see
+run's model is alive at once and they take one step each in turn (``osdp.runtime.jobs.run_jobs``), so all see
 the same load; compilation happens in the warm-up steps, which are not timed. A step takes as long as its
 slowest rank; a run's time is the median over its steps. Reported per plan: tokens/s of each way and the
 compiled/eager ratio; and what Dynamo compiled (graphs) and where it broke the graph, with the reasons.
@@ -49,8 +49,8 @@ def _explained(reason: str) -> str:
 def _measure(rank: int, world_size: int, steps: int, backend: str, mode: str | None) -> dict:
     import osdp
     from osdp import models
-    from osdp.data import synthetic_batch
-    from osdp.harness import Job, run_jobs
+    from osdp.models.data import synthetic_batch
+    from osdp.runtime.jobs import Job, run_jobs
     from torch._dynamo.utils import counters
 
     config = models.get_config(MODEL, seq_len=SEQ)

@@ -25,7 +25,7 @@ collectives are not executed), and every record says which.
    ``torch.cuda.max_memory_allocated`` per plan.
 4. compute: the same plans' measured compute step (no communication under the
    fake group) against the cost model's prediction from the model measured on
-   this GPU (``osdp.profile.describe``) and from the analytic description; Kendall
+   this GPU (``osdp.describe.measured.describe``) and from the analytic description; Kendall
    tau. The CUDA presets' matmul FLOP/s against what this GPU measures.
 5. mfu: gpt2-small and gpt2-medium, bf16 autocast training on one GPU, eager and
    ``torch.compile``: tokens/s and MFU against the data-sheet bf16 peak.
@@ -54,8 +54,8 @@ from typing import Any, Callable
 
 import torch
 
-from osdp.machine import machine_info
-from osdp.timing import StepTimer
+from osdp.machine.identity import machine_info
+from osdp.machine.timing import StepTimer
 
 EXPERIMENTS = Path(__file__).resolve().parent
 ROOT = EXPERIMENTS.parent
@@ -206,7 +206,7 @@ def memory_summary(record: dict[str, Any]) -> dict[str, Any]:
 
 def compute_summary(plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Kendall tau and errors of the predicted compute step (measured and analytic descriptions)."""
-    from osdp.validate import kendall_tau
+    from osdp.cli.validate import kendall_tau
 
     out: dict[str, Any] = {}
     for key, label in (("predicted_compute_s", "measured"), ("predicted_compute_analytic_s", "analytic")):
@@ -224,7 +224,7 @@ def compute_summary(plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def preset_for(name: str) -> str | None:
-    """The osdp.device preset describing a GPU of this name (the CPU's for the CPU)."""
+    """The osdp.machine preset describing a GPU of this name (the CPU's for the CPU)."""
     if name == "cpu":
         return "cpu-loopback"
     for key, preset in (("A100", "a100-80gb-nvlink"), ("V100", "v100-32gb-nvlink"), ("H100", "h100-nvlink"),
@@ -236,7 +236,8 @@ def preset_for(name: str) -> str | None:
 
 def part_flops(device: torch.device) -> dict[str, Any]:
     """Matmul FLOP/s measured here against the preset's (data sheet x MFU_FRACTION) and the data sheet."""
-    from osdp.device import DEVICE_PRESETS, MFU_FRACTION, datasheet_peak_flops, measure_flops
+    from osdp.machine.presets import DEVICE_PRESETS, MFU_FRACTION, datasheet_peak_flops
+    from osdp.machine.measure import measure_flops
 
     name = device_name(device)
     preset = preset_for(name)
@@ -264,7 +265,7 @@ def train_throughput(model_name: str, batch: int, device: torch.device, backend:
                      warmup: int) -> dict[str, Any]:
     """Tokens/s of bf16 autocast training (fp32 weights, AdamW) of a reference model on one device."""
     from osdp import models
-    from osdp.data import synthetic_batch
+    from osdp.models.data import synthetic_batch
 
     torch.manual_seed(0)
     config = models.get_config(model_name)
@@ -296,7 +297,7 @@ def train_throughput(model_name: str, batch: int, device: torch.device, backend:
         times.append(timer.seconds)
     peak = None
     if device.type == "cuda":  # (on CPU the live-bytes tracker would trace into the compiled graph)
-        from osdp.memory import PeakMemory
+        from osdp.machine.memory import PeakMemory
 
         with PeakMemory(device) as meter:
             step()
@@ -314,7 +315,8 @@ def train_throughput(model_name: str, batch: int, device: torch.device, backend:
 
 
 def part_mfu(sizes: Sizes, device: torch.device, remaining: Callable[[], float], flops: dict | None) -> dict[str, Any]:
-    from osdp.device import datasheet_peak_flops, measure_flops
+    from osdp.machine.presets import datasheet_peak_flops
+    from osdp.machine.measure import measure_flops
 
     peak = (datasheet_peak_flops(device_name(device)) or {}).get("bfloat16")
     reference = "data-sheet dense bf16 peak"

@@ -21,7 +21,7 @@ trace; collectives from the preset; micro-batch chosen among
 ``--batch-sizes``), then train the OSDP plan and FSDP (zero3 everywhere, the
 same micro-batch) for a few steps each on the real device: median step time
 after warm-up and the peak of one step (``torch.cuda.max_memory_allocated``;
-on CPU osdp.memory's live-bytes tracker). Writes ``gpu_paper_config.json``
+on CPU osdp.machine.memory's live-bytes tracker). Writes ``gpu_paper_config.json``
 and ``gpu_paper_config.png`` to ``--out``.
 
 ``--plans`` adds ZeRO-2 and the fixed plans of ``osdp validate`` (checkpointing,
@@ -30,7 +30,7 @@ other budgets, all at OSDP's micro-batch. Every run records the predicted
 peak and, with the collectives left out (the fake group has none), the
 predicted compute step from the analytic description and, with
 ``--measured-compute``, from the model measured on this device
-(``osdp.profile.describe``), beside the measured ones.
+(``osdp.describe.measured.describe``), beside the measured ones.
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def device_info_for(args, device: torch.device):
     """The preset's collectives at ``--world-size``, this device's measured matmul FLOP/s, the budget."""
-    from osdp.device import device_preset, measure_flops
+    from osdp.machine.presets import device_preset
+    from osdp.machine.measure import measure_flops
 
     info = device_preset(args.preset, args.world_size)
     flops = {"float32": measure_flops(device, torch.float32)}
@@ -93,7 +94,7 @@ def device_info_for(args, device: torch.device):
 
 def compute_only(info):
     """``info`` with free collectives: what a step costs under the fake group, which runs none."""
-    from osdp.device import AlphaBeta, CollectiveModel
+    from osdp.machine.collective_model import AlphaBeta, CollectiveModel
 
     free = CollectiveModel(info.world_size, {c: AlphaBeta(0.0, 0.0) for c in info.collectives.costs}, "none (fake group)")
     return dataclasses.replace(info, collectives=free)
@@ -105,10 +106,10 @@ def plans_to_run(args, description, info) -> tuple[dict[str, tuple[Any, int | No
     OSDP at ``--budget`` (named "osdp") and at each of ``--extra-budgets``
     ("osdp@SIZE"); the fixed plans of ``--plans`` at OSDP's micro-batch.
     """
-    from osdp.device import parse_size
-    from osdp.planner import search
+    from osdp.sizes import parse_size
+    from osdp.planner import find_plan
     from osdp.search import BudgetTooSmall
-    from osdp.validate import default_plans
+    from osdp.cli.validate import default_plans
 
     candidates = sorted(set(args.batch_sizes))
     budgets = {"osdp": parse_size(args.budget)} if "osdp" in args.plans else {}
@@ -116,7 +117,7 @@ def plans_to_run(args, description, info) -> tuple[dict[str, tuple[Any, int | No
     plans, not_fitting = {}, []
     for name, budget in budgets.items():
         try:
-            result = search(description, info, candidates, budget=budget, mixed_precision=args.mixed_precision,
+            result = find_plan(description, info, candidates, budget=budget, mixed_precision=args.mixed_precision,
                             model_signature=description.signature)
             plans[name] = result.plan, budget
         except BudgetTooSmall as e:
@@ -132,8 +133,8 @@ def plans_to_run(args, description, info) -> tuple[dict[str, tuple[Any, int | No
 def describe_on_device(args, device: torch.device, seq_len: int, batch_size: int):
     """The model measured on ``device`` (unsharded, one process): per-unit compute for the cost model."""
     from osdp import models
-    from osdp.data import synthetic_batch
-    from osdp.profile import describe
+    from osdp.models.data import synthetic_batch
+    from osdp.describe.measured import describe
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -164,10 +165,10 @@ def run_plan_fake(name: str, plan, args, device: torch.device, seq_len: int) -> 
     """Train ``plan`` as rank ``--rank`` of ``--world-size`` (fake group): step times and one step's peak."""
     import osdp
     from osdp import models
-    from osdp.data import synthetic_batch
-    from osdp.memory import PeakMemory
+    from osdp.models.data import synthetic_batch
+    from osdp.machine.memory import PeakMemory
     from osdp.optim import make_optimizer
-    from osdp.timing import StepTimer
+    from osdp.runtime.step import train_step
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -178,11 +179,7 @@ def run_plan_fake(name: str, plan, args, device: torch.device, seq_len: int) -> 
     inputs, targets = (t.to(device) for t in synthetic_batch(config, plan.batch_size, generator=torch.Generator().manual_seed(1)))
 
     def step() -> float:
-        with StepTimer(device) as timer:
-            model(inputs, targets).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return timer.seconds
+        return train_step(model, (inputs, targets), opt, device=device).seconds
 
     for _ in range(args.warmup):
         step()
@@ -208,10 +205,10 @@ def experiment(args: argparse.Namespace) -> dict[str, Any]:
 
     from osdp import models
     from osdp._torch_private import init_fake_process_group
-    from osdp.analytic import describe_analytic
-    from osdp.cost import predict
-    from osdp.device import parse_size
-    from osdp.machine import machine_info
+    from osdp.describe.analytic import describe_analytic
+    from osdp.cost.schedule import predict
+    from osdp.sizes import parse_size
+    from osdp.machine.identity import machine_info
 
     import warnings
 

@@ -3,11 +3,11 @@
     python experiments/let_go_cost.py --out experiments/results/let_go_cost.json
 
 On CPU every FSDP2 all-gather and reduce-scatter of a wrapped model returns only once gloo's worker thread
-has let go of its tensors (``osdp.comm.Lent``), so that memory is freed where FSDP2 frees it. This trains
+has let go of its tensors (``osdp.distributed.collectives.Lent``), so that memory is freed where FSDP2 frees it. This trains
 gpt2-mini (micro-batch 8 x 128 per rank) on 2 gloo ranks of one thread each under DDP, ZeRO-2 and FSDP
 (zero3) plans and reports, per rank and plan, the step time, the collectives per step, how many found their
 tensors still held when they completed, and the milliseconds per step spent waiting for those
-(``osdp.comm.let_go_stats``), after 3 warm-up steps, over 10 steps.
+(``osdp.distributed.collectives.let_go_stats``), after 3 warm-up steps, over 10 steps.
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ PLANS = ("ddp", "zero2", "fsdp")
 
 def _measure(rank: int, world_size: int) -> list[dict]:
     import osdp
-    from osdp import comm, models
-    from osdp.data import synthetic_batch
+    from osdp.distributed import collectives as comm
+    from osdp import models
+    from osdp.runtime.step import train_step
+    from osdp.models.data import synthetic_batch
     from osdp.distributed import all_gather_objects
 
     batch = synthetic_batch(models.get_config(MODEL, seq_len=SEQ), BATCH,
@@ -41,9 +43,7 @@ def _measure(rank: int, world_size: int) -> list[dict]:
         optimizer = torch.optim.AdamW(model.parameters())
 
         def step():
-            model(*batch).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            train_step(model, batch, optimizer)
 
         for _ in range(WARMUP):
             step()
@@ -70,7 +70,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['plan']:6} {r['rank']:>4} {r['step_ms']:8.1f} {r['collectives_per_step']:11.1f} "
               f"{r['waited_per_step']:10.1f} {r['wait_ms_per_step']:8.3f} {r['wait_ms_per_step'] / r['step_ms']:7.2%}")
-    from osdp.machine import machine_info
+    from osdp.machine.identity import machine_info
 
     machine = {**machine_info(), "ranks": 2, "threads_per_rank": 1,
                "model": MODEL, "micro_batch": BATCH, "seq_len": SEQ, "warmup_steps": WARMUP, "steps": STEPS}

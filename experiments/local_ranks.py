@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from osdp.local_ranks import run_local_ranks
+from osdp.distributed.local_ranks import run_local_ranks
 
 
 def rank0_result(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600.0) -> Any:

@@ -2,7 +2,7 @@
 
     python experiments/meeting_wait.py --out experiments/results/meeting_wait.json
 
-On 2 gloo ranks of one thread each, ``osdp.calibration.measure_meeting_wait`` (what ``osdp calibrate`` runs
+On 2 gloo ranks of one thread each, ``osdp.calibration.fit.measure_meeting_wait`` (what ``osdp calibrate`` runs
 on its transformer) times each plain net with every rank computing at once, freely (the ranks meet once a
 step) and meeting at every unit's forward and backward (a one-element all-reduce), at its micro-batch and
 at 4x, and fits the wait per square root of the seconds computed between meetings:
@@ -65,7 +65,7 @@ class LinearsNet:
 
 
 def nets() -> dict[str, object]:
-    from osdp.calibration import PROFILES, MeetingNet
+    from osdp.calibration.nets import PROFILES, MeetingNet
 
     return {
         "linears": LinearsNet(depth=8, width=512, batch=64),
@@ -75,7 +75,8 @@ def nets() -> dict[str, object]:
 
 
 def _measure(rank: int, world_size: int) -> dict:
-    from osdp.calibration import calibrate, measure_meeting_wait
+    from osdp.calibration.measured import calibrate
+    from osdp.calibration.fit import measure_meeting_wait
 
     device = torch.device("cpu")
     machine = calibrate(device)  # cached, or measured now by every rank
@@ -102,7 +103,7 @@ def main() -> None:
         # s per sqrt(s) is sqrt(1000) ms per sqrt(ms)
         print(f"{'':26} {'fitted':22} {'':5} {'':9} {'':8} {'':11} {got['wait_s_per_sqrt_s'] * 1000 ** 0.5:16.3f}")
     print(f"the cached calibration's wait: {calibrated * 1000 ** 0.5:.3f} ms per sqrt(ms)")
-    from osdp.machine import machine_info
+    from osdp.machine.identity import machine_info
 
     result["machine"] = {**machine_info(), "ranks": 2, "threads_per_rank": 1, "rounds": ROUNDS}
     args.out.parent.mkdir(parents=True, exist_ok=True)

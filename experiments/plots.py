@@ -7,7 +7,7 @@
   elsewhere; bars are the spread over repeats. Below: the measured peak
   memory of each point against the budget (the diagonal).
 - ``memory_<model>.png``: the peak memory of each strategy broken down as
-  ``osdp.memory`` does (parameters, gradients, optimizer state, activations,
+  ``osdp.machine.memory`` does (parameters, gradients, optimizer state, activations,
   gathered parameters, temporaries), rank 0, at the moment of the peak.
 - ``predicted_vs_measured.png``: the cost model's tokens/s and peak against
   the measured ones, every run with a plan (OSDP and its uniform plans; the
@@ -39,7 +39,7 @@ STYLE = {  # strategy -> (colour, marker, label)
     "osdp-uniform-fsdp": ("0.55", "3", "OSDP units, zero3 all (ablation)"),
     "osdp": ("tab:green", "o", "OSDP at the budget"),
 }
-BREAKDOWN = [  # (label, osdp.memory categories)
+BREAKDOWN = [  # (label, osdp.machine.memory categories)
     ("parameters", ("parameters",)),
     ("gradients", ("gradients",)),
     ("optimizer state", ("optimizer_state",)),
@@ -142,7 +142,7 @@ def plot_memory(results: list[dict[str, Any]], model: str, path: Path) -> None:
             ax.plot([i - 0.4, i + 0.4], [budget / MiB] * 2, color="black", linewidth=1.2)
     ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
     ax.set_ylabel("peak memory of rank 0 (MiB)")
-    ax.set_title(f"{model}: peak memory by category (osdp.memory, rank 0; black line: OSDP's budget)", fontsize=10)
+    ax.set_title(f"{model}: peak memory by category (osdp.machine.memory, rank 0; black line: OSDP's budget)", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
     fig.savefig(path, dpi=110)

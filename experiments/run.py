@@ -25,12 +25,12 @@ Strategies (a record's ``strategy``):
   unit; CUDA only (its FSDP uses CUDA streams unconditionally).
 
 Measurement. Every run of a part lives in one process group. Each of
-``rounds`` repeats is one ``osdp.harness.run_jobs`` over all runs (every
+``rounds`` repeats is one ``osdp.runtime.jobs.run_jobs`` over all runs (every
 model alive, one step of each in turn, so all see the same load; the order
 rotates between repeats): 2 warm-up steps, then at least ``min_steps`` (20)
-timed steps, then one step under ``osdp.memory.PeakMemory``. A step takes as
+timed steps, then one step under ``osdp.machine.memory.PeakMemory``. A step takes as
 long as its slowest rank; a repeat's step time is the median over its steps;
-a run's peak is the largest over ranks and repeats (on CPU, ``osdp.memory``
+a run's peak is the largest over ranks and repeats (on CPU, ``osdp.machine.memory``
 counts DDP's gradient buckets from DDP's own record of them). The
 compute-only run, the plain model on every rank with the same micro-batch and
 no communication, takes its turns too: a run's ``efficiency`` is its step time
@@ -43,7 +43,7 @@ a node of nproc / 2 ranks (one torchrun per namespace, torchrun's
 ``LOCAL_WORLD_SIZE`` telling osdp the layout); ``tbf:RATE``.
 
 Every reduction is a reduce-scatter and every gather an all-gather of
-``osdp.comm`` (``reduce_scatter`` and ``all_gather`` in the spec, default
+``osdp.distributed.collectives`` (``reduce_scatter`` and ``all_gather`` in the spec, default
 ``pairwise`` both: NCCL's traffic on gloo), for every strategy alike; the
 result says which.
 """
@@ -79,19 +79,19 @@ EXTRA_STRATEGIES = ("fairscale",)
 STRATEGIES = (*ALL_BASELINES, *ABLATIONS, *TWINS, *EXTRA_STRATEGIES)
 COMPUTE_ONLY = "compute-only"  # the plain model, no communication: the efficiency reference
 MIN_STEPS = 20  # timed steps per run and repeat, at least
-# osdp.comm's collectives, for every strategy alike: NCCL's traffic on gloo
+# osdp.distributed.collectives's collectives, for every strategy alike: NCCL's traffic on gloo
 DEFAULT_COLLECTIVES = {"reduce_scatter": "pairwise", "all_gather": "pairwise"}
-# The GPU node whose compute-to-communication ratio the shaped link reproduces: osdp.device's
+# The GPU node whose compute-to-communication ratio the shaped link reproduces: osdp.machine's
 # h100-nvlink preset, achievable bf16 FLOP/s (45% of 989 TFLOP/s) over all-gather busbw (360 GB/s).
 GPU_RATIO_PRESET = "h100-nvlink"
-# The network between two emulated nodes (sweep_nodes.py): the H100 nodes of osdp.device's multi-node preset,
+# The network between two emulated nodes (sweep_nodes.py): the H100 nodes of osdp.machine's multi-node preset,
 # joined by 8x 400 Gb/s NDR InfiniBand (inter_node_flop_per_byte).
 INTER_NODE_PRESET = "h100-nvlink-ndr400"
 DEFAULT_PORT = 29531
 
 
 def gpu_flop_per_byte(preset: str = GPU_RATIO_PRESET) -> float:
-    from osdp.device import DEVICE_PRESETS
+    from osdp.machine.presets import DEVICE_PRESETS
 
     p = DEVICE_PRESETS[preset]
     return p.flops["bfloat16"] / p.bus_bandwidth["all_gather"]
@@ -107,7 +107,7 @@ def inter_node_flop_per_byte(preset: str = INTER_NODE_PRESET) -> float:
     bytes/s (8 x 445 TFLOP/s over 368 GB/s). Inside the node, over NVLink's 360 GB/s, it is 1,236
     (``gpu_flop_per_byte``): the network is 7.8x scarcer.
     """
-    from osdp.device import DEVICE_PRESETS, device_preset
+    from osdp.machine.presets import DEVICE_PRESETS, device_preset
 
     per_node = DEVICE_PRESETS[preset].gpus_per_node
     info = device_preset(preset, 2 * per_node, ranks_per_node=per_node)
@@ -115,11 +115,11 @@ def inter_node_flop_per_byte(preset: str = INTER_NODE_PRESET) -> float:
 
 
 def core_flops(repeats: int = 5) -> float:
-    """This machine's fp32 matmul FLOP/s on one thread: the best of a few ``osdp.device.measure_flops``
+    """This machine's fp32 matmul FLOP/s on one thread: the best of a few ``osdp.machine.measure.measure_flops``
     (the best, because other work on a shared machine only ever slows a measurement down)."""
     import torch
 
-    from osdp.device import measure_flops
+    from osdp.machine.measure import measure_flops
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -185,9 +185,9 @@ def run_fairscale(build, batch, *, device, time_budget_s: float, measure_memory:
                   warmup: int = 2, min_steps: int = MIN_STEPS, max_steps: int = 200) -> dict[str, Any]:
     """Collective: fairscale's FSDP (ZeRO-3, one instance per OSDP unit): warm-up, timed steps, one peak step."""
     from osdp.distributed import all_gather_objects
-    from osdp.memory import PeakMemory
+    from osdp.machine.memory import PeakMemory
     from osdp.optim import make_optimizer
-    from osdp.timing import StepTimer
+    from osdp.runtime.step import train_step
 
     if device.type != "cuda":
         raise RuntimeError("fairscale FSDP needs CUDA (it uses CUDA streams unconditionally)")
@@ -203,12 +203,8 @@ def run_fairscale(build, batch, *, device, time_budget_s: float, measure_memory:
     inputs, targets = batch
 
     def step() -> tuple[float, float]:
-        with StepTimer(device) as timer:
-            model(inputs, targets).backward()
-            fwd_bwd = timer.lap()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return timer.seconds, fwd_bwd
+        times = train_step(model, (inputs, targets), opt, device=device)
+        return times.seconds, times.fwd_bwd_seconds
 
     warm = [step() for _ in range(warmup)]
     wanted = int(time_budget_s / max(warm[-1][0], 1e-6))
@@ -236,8 +232,8 @@ def twin_plan(descriptions, mode: str, ac: bool, blocks: str, device_info, calib
               settings: dict):
     """OSDP's plan with every unit in ``mode`` (checkpointing the units inside the blocks with ``ac``), at
     the granularity its search would pick when memory is no limit (``osdp.planner.choose_granularity``)."""
-    from osdp.cost import predict
-    from osdp.plan import Plan, UnitPlan
+    from osdp.cost.schedule import predict
+    from osdp.schema.plan import Plan, UnitPlan
     from osdp.planner import choose_granularity
 
     plans = []
@@ -276,19 +272,20 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
 
     import osdp
     from baselines import build_baseline
-    from osdp import comm, models
-    from osdp.calibration import calibrate
-    from osdp.cost import predict
-    from osdp.data import synthetic_batch
-    from osdp.device import measure_device
+    from osdp.distributed import collectives as comm
+    from osdp import models
+    from osdp.calibration.measured import calibrate
+    from osdp.cost.schedule import predict
+    from osdp.models.data import synthetic_batch
+    from osdp.machine.measure import measure_device
     from osdp.distributed import all_gather_objects, broadcast_object, init_from_env
-    from osdp.harness import Job, run_jobs
+    from osdp.runtime.jobs import Job, run_jobs
     from osdp.log import Progress
-    from osdp.machine import machine_info
-    from osdp.plan import Plan
-    from osdp.planner import description_of, least_budget, planning_descriptions, search
+    from osdp.machine.identity import machine_info
+    from osdp.schema.plan import Plan
+    from osdp.planner import description_of, least_budget, planning_descriptions, find_plan
     from osdp.search import BudgetTooSmall
-    from osdp.units import structure_signature
+    from osdp.describe.units import structure_signature
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     collectives = spec_collectives(spec)
@@ -390,7 +387,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
             m["per_rank_peak"] = peaks  # the repeat with the highest peak, all its ranks
 
     def measure(keys: list[str], r: int) -> None:
-        """Collective: repeat ``r`` of ``keys`` with osdp.harness.run_jobs (every model of a group alive, one step of
+        """Collective: repeat ``r`` of ``keys`` with osdp.runtime.jobs.run_jobs (every model of a group alive, one step of
         each in turn, so all see the same load; by default one group of all), fairscale (CUDA only) after it."""
         ours = [k for k in keys if runs[k] != "fairscale"]
         if paired:  # each group alone, in the rotated order, its own members' order alternating between repeats
@@ -430,7 +427,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         request: dict[str, Any] = {"strategy": "osdp", "budget_bytes": budget}
         if rank == 0:
             try:
-                found = search(descriptions, device_info, [b], budget=budget, calibration=calibration,
+                found = find_plan(descriptions, device_info, [b], budget=budget, calibration=calibration,
                                optimizer=optimizer, model_signature=signature).plan
                 outcome = ("plan", found.to_json())
             except BudgetTooSmall as e:
@@ -574,7 +571,7 @@ def launch(spec: dict[str, Any], *, nproc: int = 2, on_line: Callable[[str], Non
     LOCAL_RANK and LOCAL_WORLD_SIZE (the node layout osdp reads); gloo binds the veth address."""
     link = spec.get("link") or {"kind": "loopback"}
     env = dict(env or os.environ)
-    collectives = spec_collectives(spec)  # osdp.comm's, on every rank
+    collectives = spec_collectives(spec)  # osdp.distributed.collectives's, on every rank
     env["OSDP_REDUCE_SCATTER"], env["OSDP_ALL_GATHER"] = collectives["reduce_scatter"], collectives["all_gather"]
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
@@ -612,12 +609,12 @@ def launch(spec: dict[str, Any], *, nproc: int = 2, on_line: Callable[[str], Non
 
 
 def spec_collectives(spec: dict[str, Any]) -> dict[str, str]:
-    """The ``osdp.comm`` implementations a spec asks for, defaults filled in."""
+    """The ``osdp.distributed.collectives`` implementations a spec asks for, defaults filled in."""
     return {name: spec.get(name) or default for name, default in DEFAULT_COLLECTIVES.items()}
 
 
 def recorded_collectives(record: dict[str, Any]) -> dict[str, str]:
-    """The ``osdp.comm`` implementations a stored result ran with (those from before the all-gather setting
+    """The ``osdp.distributed.collectives`` implementations a stored result ran with (those from before the all-gather setting
     ran gloo's own all-gather)."""
     return {"reduce_scatter": record.get("reduce_scatter", "native"), "all_gather": record.get("all_gather", "native")}
 
@@ -627,11 +624,11 @@ def describe_collectives(collectives: dict[str, str]) -> str:
 
 
 def add_collective_args(ap: argparse.ArgumentParser) -> None:
-    """``--reduce-scatter`` and ``--all-gather``: osdp.comm's implementations for every strategy alike."""
+    """``--reduce-scatter`` and ``--all-gather``: osdp.distributed.collectives's implementations for every strategy alike."""
     for name in DEFAULT_COLLECTIVES:
         ap.add_argument(f"--{name.replace('_', '-')}", choices=["native", "pairwise"],
                         default=DEFAULT_COLLECTIVES[name],
-                        help=f"osdp.comm's {name.replace('_', '-')} for every strategy (pairwise: NCCL's traffic "
+                        help=f"osdp.distributed.collectives's {name.replace('_', '-')} for every strategy (pairwise: NCCL's traffic "
                              f"on gloo)")
 
 
@@ -642,7 +639,7 @@ def collectives_from_args(args: argparse.Namespace) -> dict[str, str]:
 def probe_link(link: dict[str, Any], *, collectives: dict[str, str] | None = None,
                env: dict[str, str] | None = None, on_line: Callable[[str], None] = print,
                nproc: int = 2) -> dict[str, Any]:
-    """The collectives and FLOP/s measured on ``nproc`` ranks over ``link`` (``osdp.device.measure_device``;
+    """The collectives and FLOP/s measured on ``nproc`` ranks over ``link`` (``osdp.machine.measure.measure_device``;
     on two nodes of several ranks also each level's, ``topology``), nothing trained: the ``device_info`` dict."""
     spec = {"model": "gpt2-tiny", "batch_size": 1, "link": link, "link_probe": True, "collective_time_s": 2.0,
             **(collectives or DEFAULT_COLLECTIVES)}
@@ -658,9 +655,9 @@ def link_nproc(link: dict[str, Any]) -> int:
 def shaped_busbw(link: dict[str, Any], device_info: dict[str, Any]) -> float:
     """The all-gather bus bandwidth the link's rate sets: that of the largest message measured (16 MiB), of the
     world group or, for an ``inter`` link, of the cross-node groups measured all at once
-    (``osdp.device.measure_topology``). Not the fitted beta's: messages within the tbf burst pass at the
+    (``osdp.machine.measure.measure_topology``). Not the fitted beta's: messages within the tbf burst pass at the
     veth's speed and pull the fit under the rate, by a different amount each probe."""
-    from osdp.device import CollectiveModel
+    from osdp.machine.collective_model import CollectiveModel
 
     if link.get("level") == "inter":
         collectives = device_info["topology"]["inter"]
@@ -731,7 +728,7 @@ def collective_table(device_info: dict[str, Any]) -> str:
     """The fitted alpha and beta of each collective, its bus bandwidth (the fit's, and the largest message's),
     and beta against the all-gather's: of the world group and, on several nodes, of a node's group and a
     cross-node group."""
-    from osdp.device import COLLECTIVES, CollectiveModel
+    from osdp.machine.collective_model import COLLECTIVES, CollectiveModel
 
     groups = [("world", device_info["collectives"])]
     if device_info.get("topology"):

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from osdp import models
-from osdp.analytic import describe_analytic
-from osdp.cost import Calibration
-from osdp.data import synthetic_batch
-from osdp.device import DeviceInfo
-from osdp.planner import describe_granularities, search
+from osdp.describe.analytic import describe_analytic
+from osdp.cost.terms import Calibration
+from osdp.models.data import synthetic_batch
+from osdp.machine.device_info import DeviceInfo
+from osdp.planner import describe_granularities, find_plan
 from osdp.search import BudgetTooSmall
 
 
@@ -46,7 +46,7 @@ def plan_lines(runs_json: str) -> list[str]:
         for record in at_budgets:
             where = f"{record['model']} {record['link']} {record['budget_bytes']}"
             try:
-                plan = search(descriptions, device, [batch_size], budget=record["budget_bytes"],
+                plan = find_plan(descriptions, device, [batch_size], budget=record["budget_bytes"],
                               calibration=calibration, optimizer="adamw").plan
             except BudgetTooSmall as e:
                 lines.append(f"{where} budget too small (needs {e.min_peak_bytes})")

@@ -1,11 +1,11 @@
-"""The schedule's peak (``osdp.cost.schedule_peak``) against the measured peak, plan by plan, on 2 gloo ranks.
+"""The schedule's peak (``osdp.cost.schedule.schedule_peak``) against the measured peak, plan by plan, on 2 gloo ranks.
 
     python experiments/schedule_peak.py --out experiments/results/schedule_peak.json
 
 gpt2-tiny (sequence 32, micro-batch 4), at every unit granularity: every unit replicated, zero2, zero3, and
 random mixes of those with and without checkpointing (seeded); and ``NAMED`` plans. Each plan is priced as ``osdp.wrap`` prices
 it (the describe cache, this job's cached calibration: run ``osdp calibrate --nproc 2`` first), applied, and
-trained for two steps, then two tracked steps (``osdp.memory.PeakMemory``). Prints predicted against
+trained for two steps, then two tracked steps (``osdp.machine.memory.PeakMemory``). Prints predicted against
 measured with the moment the prediction puts the peak at, and the additive bound the search uses beside it.
 """
 
@@ -49,10 +49,10 @@ def _plan(description, name: str, batch_size: int):
 def _measure(rank: int, world_size: int, granularity: str, name: str) -> dict:
     import osdp
     from osdp import models
-    from osdp.calibration import calibrate
-    from osdp.cost import predict
-    from osdp.data import synthetic_batch
-    from osdp.memory import peaks_per_step
+    from osdp.calibration.measured import calibrate
+    from osdp.cost.schedule import predict
+    from osdp.models.data import synthetic_batch
+    from osdp.runtime.step import peaks_per_step
     from osdp.optim import make_optimizer
     from osdp.planner import planning_description
 
@@ -78,8 +78,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("experiments/results/schedule_peak.json"))
     args = p.parse_args(argv)
-    from osdp.local_ranks import run_local_ranks
-    from osdp.machine import machine_info
+    from osdp.distributed.local_ranks import run_local_ranks
+    from osdp.machine.identity import machine_info
 
     start = time.perf_counter()
     records = []

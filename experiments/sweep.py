@@ -13,7 +13,7 @@ from the least any plan needs (predicted) up to torch-ddp's measured peak,
 and trains every run in interleaved repeats: the six baselines of
 ``baselines.py``, OSDP at every budget (each budget its own run), OSDP's own
 uniform plans (an ablation, ``--no-ablation`` leaves them out) and the
-compute-only reference. Every reduction uses ``osdp.comm``'s reduce-scatter
+compute-only reference. Every reduction uses ``osdp.distributed.collectives``'s reduce-scatter
 (``--reduce-scatter``, default ``pairwise``: NCCL's traffic on gloo), for
 every strategy alike. A baseline's throughput does not depend on the budget:
 it is placed at every budget, as fitting where its measured peak is within
@@ -46,7 +46,7 @@ best fitting baseline, the targets) and the PNG figures of ``plots.py``.
 | timed_steps | timed steps per repeat (``;``-separated) |
 | batch_size, seq_len | the micro-batch per rank |
 | tokens_per_s_rounds | tokens/s of each repeat, in run order (``;``-separated) |
-| reduce_scatter, all_gather | osdp.comm's implementations every strategy used (``pairwise`` or ``native``) |
+| reduce_scatter, all_gather | osdp.distributed.collectives's implementations every strategy used (``pairwise`` or ``native``) |
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ sys.path.insert(0, str(HERE))
 
 import run as run_mod  # noqa: E402
 from baselines import BASELINES  # noqa: E402
-from osdp.machine import machine_info, source_commit  # noqa: E402
+from osdp.machine.identity import machine_info, source_commit
 
 RESULTS = HERE / "results"
 # model -> (micro-batch per rank, sequence length)
@@ -247,7 +247,7 @@ def summary_markdown(results: list[dict[str, Any]], rows: list[dict[str, Any]], 
               f"{meta['machine']['platform']}; Python {meta['machine']['python']}, torch {meta['machine']['torch']}",
               f"- ranks: {meta['world_size']} CPU processes (gloo), 1 thread each; optimizer AdamW, fp32",
               f"- osdp source: {meta.get('osdp_source', 'not recorded')}",
-              "- collectives (osdp.comm, every strategy alike): "
+              "- collectives (osdp.distributed.collectives, every strategy alike): "
               f"{run_mod.describe_collectives(run_mod.recorded_collectives(meta))}",
               f"- repeats: {meta['rounds']} interleaved repeats per run, each at least {meta.get('min_steps', '?')} "
               f"timed steps (~{meta['time_per_run_s']} s) after 2 warm-up steps, a step timed on the slowest rank; "
@@ -479,7 +479,7 @@ def merge(parts: Sequence[Path], out: Path, plots: bool = True) -> int:
                 for m in metas}
     if len(settings) > 1:
         raise SystemExit("sweep --merge: the parts were run with different settings (profile, repeats, time per "
-                         "run or osdp.comm's collectives); merge only parts of one profile")
+                         "run or osdp.distributed.collectives's collectives); merge only parts of one profile")
     sources = sorted({m.get("osdp_source", "unknown") for m in metas})
     meta = {
         **metas[0],

@@ -8,7 +8,7 @@ torchrun per namespace through ``run.launch``, so every rank has torchrun's
 ``LOCAL_WORLD_SIZE=2``). Ranks of a node talk over its loopback, unshaped;
 ranks of different nodes through a veth pair whose egress is shaped with tc
 tbf so that each rank has the FLOP per byte across nodes of an H100 node on
-8x 400 Gb/s InfiniBand (``run.inter_node_flop_per_byte``: 9,675, osdp.device's
+8x 400 Gb/s InfiniBand (``run.inter_node_flop_per_byte``: 9,675, osdp.machine's
 ``h100-nvlink-ndr400``), the rate calibrated until gloo's measured cross-node
 all-gather bandwidth gives it within 10% (``--link-rate`` fixes the rate
 instead; ``--quick`` takes the nominal one).
@@ -55,7 +55,7 @@ sys.path.insert(0, str(HERE))
 import run as run_mod  # noqa: E402
 import sweep  # noqa: E402
 from baselines import MULTI_NODE_BASELINES  # noqa: E402
-from osdp.machine import source_commit  # noqa: E402
+from osdp.machine.identity import source_commit
 
 NODES, RANKS_PER_NODE = 2, 2
 WORLD_SIZE = NODES * RANKS_PER_NODE
@@ -158,7 +158,7 @@ def summary_markdown(results: list[dict[str, Any]], per_model: dict[str, dict[st
                 if link.get("probe_flop_per_byte") else "; nominal rate, not calibrated"),
              f"- OSDP's calibration: {meta.get('calibration_profile')} profile, measured on this layout before the "
              "runs",
-             "- collectives (osdp.comm, every strategy alike): "
+             "- collectives (osdp.distributed.collectives, every strategy alike): "
              f"{run_mod.describe_collectives(run_mod.recorded_collectives(meta))}",
              f"- repeats: {meta['rounds']} interleaved repeats per run, each at least {meta['min_steps']} timed steps "
              f"(~{meta['time_per_run_s']} s) after 2 warm-up steps, a step timed on the slowest rank; tokens/s are "

@@ -8,7 +8,7 @@ One run, one command (about 15 minutes on a quiet 2-core machine):
    the calibration ``osdp.wrap`` would measure on first use; then each model described as ``osdp.plan``
    describes it (``osdp validate --describe-only``), into the same cache, in processes of their own;
 2. for each model, ``osdp validate``: every default plan (DDP, ZeRO-2, FSDP, checkpointing, splits, mixed;
-   ten) and two plans taking every other block apart (``osdp.validate.per_block_plans``), predicted exactly
+   ten) and two plans taking every other block apart (``osdp.cli.validate.per_block_plans``), predicted exactly
    as ``osdp.wrap`` predicts, from the cached calibration and descriptions (nothing measured in the
    validating run enters a prediction; the run checks that the descriptions came from the cache), then
    trained for real;
@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from osdp.machine import machine_info
-from osdp.validate import format_report, summarize
+from osdp.machine.identity import machine_info
+from osdp.cli.validate import format_report, summarize
 
 RESULTS = Path(__file__).parent / "results"
 # (model, micro-batch, sequence length, seconds of timed steps per plan)

@@ -7,13 +7,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from osdp.distributed import raise_on_any_rank
+from osdp.distributed import ensure_process_group, job_device, raise_on_any_rank
+from osdp.fsdp_ext.apply import apply_plan, check_model, plan_of, set_requires_gradient_sync
 from osdp.fsdp_ext.budget_check import check_first_step
-from osdp.fsdp_ext.apply import (
-    apply_plan, check_model, default_device, ensure_process_group, plan_of, set_requires_gradient_sync,
-)
-from osdp.plan import STRATEGIES, Plan, PlanError
-from osdp.units import discover_units
+from osdp.schema.plan import STRATEGIES, Plan, PlanError
+from osdp.describe.units import discover_units
 
 
 def strategy_plan(model: nn.Module, strategy: str, **settings: Any) -> Plan:
@@ -78,7 +76,7 @@ def wrap(
         ensure_process_group()
         error: PlanError | None = None
         try:  # before the search's collectives: a model that cannot be wrapped fails on every rank now
-            check_model(model, torch.device(device) if device is not None else default_device())
+            check_model(model, torch.device(device) if device is not None else job_device())
         except PlanError as e:
             error = e
         raise_on_any_rank(error)
@@ -96,7 +94,7 @@ def wrap(
         plan.__post_init__()
     model = apply_plan(model, plan, device=device, find_unused_parameters=find_unused_parameters)
     if device_mem is not None and check_budget:
-        check_first_step(model, torch.device(device) if device is not None else default_device(),
+        check_first_step(model, torch.device(device) if device is not None else job_device(),
                          plan.meta["budget_bytes"], plan.predicted_peak_bytes)
     return model
 

@@ -1,7 +1,7 @@
 """The optimizers osdp plans for, built the way training builds them.
 
 The cost model prices the optimizer's state and step by name
-(``osdp.cost.OPTIMIZER_STATES``); ``make_optimizer`` is the one place that
+(``osdp.cost.terms.OPTIMIZER_STATES``); ``make_optimizer`` is the one place that
 turns such a name into a ``torch.optim`` optimizer, so that what is trained,
 timed by the profiler and priced are the same thing.
 """

@@ -1,7 +1,7 @@
 """From a model and a budget to a Plan: describe, cost, search.
 
 ``osdp.plan(model, device_mem=..., example_input=...)`` measures the model
-(``osdp.profile``), takes the machine's calibration (``osdp.calibration``:
+(``osdp.describe``), takes the machine's calibration (``osdp.calibration``:
 collectives and FSDP2's runtime costs, cached per machine, backend, world size,
 threads and torch), builds one search problem per candidate micro-batch size
 with the cost model (``osdp.cost``), and returns the fastest plan (most
@@ -22,23 +22,29 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from osdp import granularity
-from osdp.cost import Calibration, Prediction, build_problems, plan_from_choice, predict
-from osdp.device import DeviceInfo, device_preset, parse_size
-from osdp.distributed import broadcast_object, world
+from osdp.describe import granularity
+from osdp.cost.problem import build_block_problem
+from osdp.cost.terms import Calibration, Prediction
+from osdp.cost.problem import build_problems, plan_from_choice
+from osdp.cost.schedule import predict
+from osdp.machine.device_info import DeviceInfo
+from osdp.machine.presets import device_preset
+from osdp.sizes import parse_size
+from osdp.distributed import broadcast_object, ensure_process_group, world
 from osdp.log import Progress
-from osdp.plan import Plan
-from osdp.description import ModelDescription
-from osdp.profile import batch_size_of, describe_once
+from osdp.schema.plan import Plan
+from osdp.schema.description import ModelDescription
+from osdp.describe.batch import batch_size_of
+from osdp.describe.measured import describe_once
 from osdp.search import BudgetTooSmall, FrontierPoint, Problem, min_peak, pareto_frontier, sweep_batch_sizes
-from osdp.units import GRANULARITIES, structure_signature
+from osdp.describe.units import GRANULARITIES, structure_signature
 
 
 @dataclass
 class SearchResult:
     plan: Plan
     description: ModelDescription  # the description (unit granularity) the plan was found in
-    problems: list[Problem]  # per candidate micro-batch size and description: osdp.cost.build_problems
+    problems: list[Problem]  # per candidate micro-batch size and description: osdp.cost.problem.build_problems
     search_seconds: float
 
     def frontier(self, max_peak: int | None = None) -> list[FrontierPoint]:
@@ -47,7 +53,7 @@ class SearchResult:
 
 
 # The search adds up each unit's memory at its fullest (``osdp.cost``: a bound), which can be well over the peak
-# of the plan's schedule (``osdp.cost.schedule_peak``: a unit holding its activations never meets one holding its
+# of the plan's schedule (``osdp.cost.schedule.schedule_peak``: a unit holding its activations never meets one holding its
 # gradients from the same moment of the step). Where memory binds, the solver runs at bounds on a fixed geometric
 # grid (steps of RELAXED_STEP, the same for every budget, so that more memory never gives a slower plan), from
 # RELAXED_BOUND times the budget down, each plan priced on the schedule: the first that fits the budget is taken,
@@ -58,8 +64,8 @@ RELAXED_STEP = 1.05
 
 @dataclass
 class _Found:
-    plan: Plan  # the units' decisions, batch size and precision; search() adds the rest
-    description: ModelDescription  # what prices it (osdp.cost.predict), as ``description_of`` gives
+    plan: Plan  # the units' decisions, batch size and precision; find_plan() adds the rest
+    description: ModelDescription  # what prices it (osdp.cost.schedule.predict), as ``description_of`` gives
     prediction: Prediction
 
     @property
@@ -67,7 +73,7 @@ class _Found:
         return self.plan.batch_size / self.prediction.step_s
 
 
-def search(
+def find_plan(
     descriptions: ModelDescription | Sequence[ModelDescription],
     device_info: DeviceInfo,
     batch_sizes: Sequence[int],
@@ -84,10 +90,10 @@ def search(
     Several descriptions of one model, one per unit granularity
     (``planning_descriptions``), let the search choose the unit size too: for
     the whole model ("sub-block", "block"), and per block where the "block" and
-    "nested" descriptions are both given (``osdp.granularity``); the plan with
+    "nested" descriptions are both given (``osdp.cost.problem.build_block_problem``); the plan with
     the fewest units among those within ``GRANULARITY_TOLERANCE`` of the
     fastest wins. Each granularity's plan is the fastest plan memory does not
-    constrain where its schedule peak (``osdp.cost.predict``) fits, else the
+    constrain where its schedule peak (``osdp.cost.schedule.predict``) fits, else the
     faster of the solver's plan at the budget and at the largest additive bound
     on a fixed grid up to ``RELAXED_BOUND`` times the budget, where their
     schedule peaks fit: the plan
@@ -97,62 +103,14 @@ def search(
     if isinstance(descriptions, ModelDescription):
         descriptions = [descriptions]
     budget = parse_size(budget)
-    settings = dict(precision=mixed_precision, optimizer=optimizer, calibration=calibration)
-
-    def priced(problem: Problem, choice: Any, describe: Callable[[Plan], ModelDescription]) -> _Found:
-        plan = plan_from_choice(problem, choice, mixed_precision=mixed_precision)
-        description = describe(plan)
-        return _Found(plan, description,
-                      predict(description, plan, device_info, optimizer=optimizer, calibration=calibration))
-
-    def fastest_fitting(problems: list[Problem], describe: Callable[[Plan], ModelDescription]) -> _Found | None:
-        def at(bound: int) -> _Found | None:  # the fastest plan within the bound, if it fits on the schedule
-            try:
-                sweep = sweep_batch_sizes(problems, bound)
-            except BudgetTooSmall:
-                return None
-            found = priced(problems[sweep.best_index], sweep.best.choice, describe)
-            return found if found.prediction.peak_bytes <= budget else None
-
-        fastest = [priced(p, _fastest_choice(p), describe) for p in problems]
-        if all(f.prediction.peak_bytes <= budget for f in fastest):  # memory does not bind
-            return max(fastest, key=lambda f: f.samples_per_s)
-        least = min(min_peak(p)[0] for p in problems)
-        step = math.floor(math.log(budget * RELAXED_BOUND) / math.log(RELAXED_STEP))
-        at_budget = at(budget)  # the solver's own plan, between two grid bounds
-        while (bound := RELAXED_STEP ** step) >= least:
-            found = at(int(bound))
-            fitting = [f for f in (found, at_budget) if f is not None]
-            if fitting and (found is not None or bound < budget):
-                return max(fitting, key=lambda f: f.samples_per_s)
-            step -= 1
-        # nothing on the grid: the plans of the least bound, if they fit (and what the error names)
-        least_bound = [priced(p, min_peak(p)[1], describe) for p in problems]
-        smallest.extend(least_bound)
-        return max((f for f in least_bound if f.prediction.peak_bytes <= budget), key=lambda f: f.samples_per_s,
-                   default=None)
-
-    candidates: list[tuple[list[Problem], Callable[[Plan], ModelDescription]]] = [
-        ([p for b in batch_sizes for p in build_problems(d, device_info, b, **settings)], lambda _, d=d: d)
-        for d in descriptions if d.granularity != "nested"  # priced per block, with the "block" description
-    ]
-    by_granularity = {d.granularity: d for d in descriptions}
-    coarse, nested = by_granularity.get("block"), by_granularity.get("nested")
-    if coarse is not None and nested is not None:  # each block whole or apart
-        def per_block(plan: Plan) -> ModelDescription:  # with every block whole, the "block" description's
-            apart = granularity.apart_in(plan, coarse, nested)
-            return granularity.compose(coarse, nested, apart) if apart else coarse
-
-        candidates.append(
-            ([granularity.build_problem(coarse, nested, device_info, b, **settings) for b in batch_sizes], per_block)
-        )
-    smallest: list[_Found] = []  # each problem's plan of the least bound, where nothing else fits
+    pricing = _Pricing(device_info, mixed_precision, optimizer, calibration, budget)
+    candidates = _candidates(descriptions, device_info, batch_sizes,
+                             dict(precision=mixed_precision, optimizer=optimizer, calibration=calibration))
     start = time.perf_counter()  # the search's time: solving and pricing plans, not building the problems
-    found = [f for problems, describe in candidates if (f := fastest_fitting(problems, describe)) is not None]
-    all_problems = [p for problems, _ in candidates for p in problems]
+    found = [f for problems, describe in candidates if (f := pricing.fastest_fitting(problems, describe))]
     seconds = time.perf_counter() - start
     if not found:  # names a budget at which a plan is found: the least schedule peak of those plans
-        least = min(smallest, key=lambda f: f.prediction.peak_bytes)
+        least = min(pricing.least_bound_plans, key=lambda f: f.prediction.peak_bytes)
         raise BudgetTooSmall(budget, least.prediction.peak_bytes, least.plan.batch_size)
     speeds = [(f.description, f.samples_per_s) for f in found]
     best = found[choose_granularity(speeds)]
@@ -179,7 +137,77 @@ def search(
             "samples_per_s_by_granularity": {d.granularity: speed for d, speed in speeds},
         },
     )
-    return SearchResult(plan, best.description, all_problems, seconds)
+    return SearchResult(plan, best.description, [p for problems, _ in candidates for p in problems], seconds)
+
+
+Describer = Callable[[Plan], ModelDescription]  # the description that prices a plan of a candidate's problems
+
+
+def _candidates(descriptions: Sequence[ModelDescription], device_info: DeviceInfo, batch_sizes: Sequence[int],
+                settings: dict[str, Any]) -> list[tuple[list[Problem], Describer]]:
+    """The problems to solve, per granularity over every batch size, each with what prices its plans: one
+    description each, and (with the "block" and "nested" descriptions) each block whole or apart."""
+    candidates: list[tuple[list[Problem], Describer]] = [
+        ([p for b in batch_sizes for p in build_problems(d, device_info, b, **settings)], lambda _, d=d: d)
+        for d in descriptions if d.granularity != "nested"  # priced per block, with the "block" description
+    ]
+    by_granularity = {d.granularity: d for d in descriptions}
+    coarse, nested = by_granularity.get("block"), by_granularity.get("nested")
+    if coarse is not None and nested is not None:
+        def per_block(plan: Plan) -> ModelDescription:  # with every block whole, the "block" description's
+            apart = granularity.apart_in(plan, coarse, nested)
+            return granularity.compose(coarse, nested, apart) if apart else coarse
+
+        candidates.append(
+            ([build_block_problem(coarse, nested, device_info, b, **settings) for b in batch_sizes], per_block)
+        )
+    return candidates
+
+
+@dataclass
+class _Pricing:
+    """Solves a candidate's problems and prices their plans on the step's schedule (``predict``)."""
+
+    device_info: DeviceInfo
+    precision: str
+    optimizer: str
+    calibration: Calibration | None
+    budget: int
+    least_bound_plans: list[_Found] = dataclasses.field(default_factory=list)  # where nothing else fits
+
+    def priced(self, problem: Problem, choice: Any, describe: Describer) -> _Found:
+        plan = plan_from_choice(problem, choice, mixed_precision=self.precision)
+        description = describe(plan)
+        return _Found(plan, description, predict(description, plan, self.device_info, optimizer=self.optimizer,
+                                                 calibration=self.calibration))
+
+    def at(self, problems: list[Problem], bound: int, describe: Describer) -> _Found | None:
+        """The fastest plan within the additive ``bound``, if its schedule peak fits the budget."""
+        try:
+            sweep = sweep_batch_sizes(problems, bound)
+        except BudgetTooSmall:
+            return None
+        found = self.priced(problems[sweep.best_index], sweep.best.choice, describe)
+        return found if found.prediction.peak_bytes <= self.budget else None
+
+    def fastest_fitting(self, problems: list[Problem], describe: Describer) -> _Found | None:
+        fastest = [self.priced(p, _fastest_choice(p), describe) for p in problems]
+        if all(f.prediction.peak_bytes <= self.budget for f in fastest):  # memory does not bind
+            return max(fastest, key=lambda f: f.samples_per_s)
+        least = min(min_peak(p)[0] for p in problems)
+        step = math.floor(math.log(self.budget * RELAXED_BOUND) / math.log(RELAXED_STEP))
+        at_budget = self.at(problems, self.budget, describe)  # the solver's own plan, between two grid bounds
+        while (bound := RELAXED_STEP ** step) >= least:
+            found = self.at(problems, int(bound), describe)
+            fitting = [f for f in (found, at_budget) if f is not None]
+            if fitting and (found is not None or bound < self.budget):
+                return max(fitting, key=lambda f: f.samples_per_s)
+            step -= 1
+        # nothing on the grid: the plans of the least bound, if they fit (and what the error names)
+        least_bound = [self.priced(p, min_peak(p)[1], describe) for p in problems]
+        self.least_bound_plans.extend(least_bound)
+        return max((f for f in least_bound if f.prediction.peak_bytes <= self.budget),
+                   key=lambda f: f.samples_per_s, default=None)
 
 
 def _fastest_choice(problem: Problem) -> np.ndarray:
@@ -192,9 +220,9 @@ def _fastest_choice(problem: Problem) -> np.ndarray:
 
 def least_budget(descriptions: ModelDescription | Sequence[ModelDescription], device_info: DeviceInfo,
                  batch_sizes: Sequence[int], **settings: Any) -> int:
-    """The least budget per rank ``search`` (same arguments) finds a plan in: what its BudgetTooSmall names."""
+    """The least budget per rank ``find_plan`` (same arguments) finds a plan in: what its BudgetTooSmall names."""
     try:
-        search(descriptions, device_info, batch_sizes, budget=1, **settings)
+        find_plan(descriptions, device_info, batch_sizes, budget=1, **settings)
     except BudgetTooSmall as e:
         return e.min_peak_bytes
     return 1
@@ -218,7 +246,7 @@ def choose_granularity(candidates: Sequence[tuple[ModelDescription, float]]) -> 
 
 def description_of(plan: Plan, descriptions: Sequence[ModelDescription]) -> ModelDescription:
     """The description whose units are ``plan``'s, among (or composed from) the ``descriptions`` it was searched
-    in: what prices it (``osdp.cost.predict``) as the search did."""
+    in: what prices it (``osdp.cost.schedule.predict``) as the search did."""
     by_granularity = {d.granularity: d for d in descriptions}
     chosen = plan.meta.get("granularity")
     if chosen == "per-block":
@@ -259,8 +287,8 @@ def planning_descriptions(model: nn.Module, example_input: Any, **settings: Any)
 def describe_granularities(describe_one: Callable[..., ModelDescription]) -> list[ModelDescription]:
     """``describe_one(granularity=g)`` for every unit granularity that gives other units than the finer ones."""
     descriptions: list[ModelDescription] = []
-    for granularity in GRANULARITIES:
-        description = describe_one(granularity=granularity)
+    for unit_size in GRANULARITIES:
+        description = describe_one(granularity=unit_size)
         if all(d.paths != description.paths for d in descriptions):
             descriptions.append(description)
     return descriptions
@@ -286,7 +314,7 @@ def plan(
     ``device``: None plans for this machine and job with its calibration
     (``osdp.calibration``: the collectives and FSDP2's runtime costs on this
     machine at this world size), cached, or measured now (once per machine, about
-    a minute) if there is none; a preset name (``osdp.device.list_presets()``)
+    a minute) if there is none; a preset name (``osdp.machine.presets.list_presets()``)
     or a DeviceInfo plans without the hardware, priced with ``calibration``
     (default: the ideal FSDP2 runtime, ``Calibration()``).
     Collective when a process group exists: call it on every rank.
@@ -298,8 +326,7 @@ def plan(
     elif isinstance(device, str):
         device_info = device_preset(device, world_size)
     else:
-        from osdp.calibration import calibrate
-        from osdp.fsdp_ext.apply import ensure_process_group
+        from osdp.calibration.measured import calibrate
 
         ensure_process_group()  # the calibration is for the group the plan runs on (one gloo rank if none)
         machine = calibrate()  # collective: cached, or measured by every rank now
@@ -310,7 +337,7 @@ def plan(
     if rank == 0:
         try:
             candidates = list(batch_sizes or [batch_size_of(example_input)])
-            result = search(
+            result = find_plan(
                 descriptions, device_info, candidates, budget=budget, calibration=calibration,
                 mixed_precision=mixed_precision, optimizer=optimizer, model_signature=structure_signature(model),
             )
@@ -328,5 +355,5 @@ def plan(
 
 __all__ = [
     "BudgetTooSmall", "SearchResult", "describe_granularities", "description_of", "least_budget", "plan",
-    "planning_description", "planning_descriptions", "search",
+    "planning_description", "planning_descriptions", "find_plan",
 ]

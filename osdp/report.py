@@ -1,12 +1,17 @@
-"""Plain-text tables for plans, runs and benchmarks."""
+"""Plain text for people: tables for plans, runs and benchmarks, and short lists in messages."""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from osdp.device import format_bytes
-from osdp.plan import Plan, display_path
-from osdp.units import Unit
+from osdp.sizes import format_bytes
+from osdp.schema.plan import Plan, display_path
+from osdp.describe.units import Unit
+
+
+def first_few(names: Sequence[str], n: int = 4) -> str:
+    """``names`` for a message: the first ``n``, then how many more ("a, b, c, d and 7 more")."""
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 def format_table(rows: Sequence[Sequence[Any]], headers: Sequence[str], align: str | None = None) -> str:

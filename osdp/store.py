@@ -13,6 +13,11 @@ import warnings
 from pathlib import Path
 
 
+def cache_dir() -> Path:
+    """Where osdp keeps what it measured: ``$OSDP_CACHE_DIR``, default ``~/.cache/osdp``."""
+    return Path(os.environ.get("OSDP_CACHE_DIR") or Path.home() / ".cache" / "osdp")
+
+
 def write_atomically(path: Path, text: str) -> bool:
     """Write ``text`` to ``path`` in one rename; False (with a warning) if the directory cannot be written."""
     tmp = path.with_suffix(f"{path.suffix}.tmp{os.getpid()}")

@@ -1,9 +1,15 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
+
+# The helpers every folder of tests shares (rank harness, models, training checks), importable by name; the
+# ranks spawned by a test get this path too (multiprocessing sends the parent's sys.path to its children).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 # One thread per process: the test machines have 2 cores and multi-rank tests run several processes.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -23,8 +29,6 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def split_library():
     """The C++ split op's library, built once (or found in the user's cache) for the whole session."""
-    from pathlib import Path
-
     import osdp.split as split
 
     return Path(split.build_extension().__file__)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import osdp
 from dist_harness import run_ranks
-from osdp.plan import Plan, PlanError, UnitPlan
-from osdp.units import structure_signature
+from osdp.schema.plan import Plan, PlanError, UnitPlan
+from osdp.describe.units import structure_signature
 from toy_models import GPT
 from training_check import full_state
 
@@ -429,7 +429,7 @@ def test_arguments_that_make_no_sense_are_refused_before_any_collective(capsys):
     with pytest.raises(PlanError, match=r"does not match its contents .* the JSON was edited by hand"):
         Plan.from_json(text)
 
-    from osdp.train import main
+    from osdp.cli.train import main
 
     for argv, message in ((["--checkpoint-every", "0", "--checkpoint-dir", "x"], "--checkpoint-every must be >= 1"),
                           (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir")):

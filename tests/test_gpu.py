@@ -18,10 +18,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import osdp
-from osdp import checkpoint, models
-from osdp.data import synthetic_batch
-from osdp.memory import PeakMemory
-from osdp.profile import describe
+from osdp.runtime import dcp as checkpoint
+from osdp import models
+from osdp.models.data import synthetic_batch
+from osdp.machine.memory import PeakMemory
+from osdp.describe.measured import describe
 from training_check import full_state
 
 pytestmark = pytest.mark.gpu

@@ -104,7 +104,7 @@ def test_sdist_and_wheel_carry_the_op_sources_and_every_module(installed):
         metadata = wheel.read(f"osdp_torch-{version}.dist-info/METADATA").decode()
     modules = {p.relative_to(REPO).as_posix() for p in (REPO / "osdp").rglob("*.py")}
     assert not modules - names, f"modules missing from the wheel (pyproject's package list): {sorted(modules - names)}"
-    assert {"osdp/_csrc/split_linear.cpp", "osdp/data/corpus.txt"} <= names
+    assert {"osdp/_csrc/split_linear.cpp", "osdp/models/corpus.txt"} <= names
     assert f"\nVersion: {version}\n" in metadata
     assert installed["wheel"].name == f"osdp_torch-{version}-py3-none-any.whl"
 
@@ -130,7 +130,7 @@ def test_installed_op_is_built_from_its_own_sources_and_a_2_rank_step_equals_lin
     again = _run([str(installed["venv"] / "bin" / "osdp"), "build-ext"], timeout=300, env=installed["env"], cwd=installed["tmp"])
     assert again.stdout.startswith("already built: "), again.stdout
 
-    env = dict(installed["env"], PYTHONPATH=str(REPO / "tests"))  # the harness only; osdp comes from the venv
+    env = dict(installed["env"], PYTHONPATH=str(REPO / "tests" / "support"))  # the harness only; osdp comes from the venv
     done = _run([str(installed["python"]), "-m", "installed_split_check"], timeout=600, env=env, cwd=installed["tmp"])
     ranks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(ranks) == 2, done.stdout + done.stderr

@@ -16,22 +16,22 @@ PACKAGE = Path(__file__).resolve().parent.parent / "osdp"
 
 # The stages, first to last; a module (or a package, for all its modules) is in one.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("plain data and tools", ["osdp._version", "osdp._torch_private", "osdp.sizes", "osdp.log", "osdp.store",
-                              "osdp.plan", "osdp.description", "osdp.search"]),
-    ("ranks, measurement, built-in models", ["osdp.distributed", "osdp.local_ranks", "osdp.comm", "osdp.timing",
-                                             "osdp.memory", "osdp.machine", "osdp.models", "osdp.data",
-                                             "osdp.optim"]),
-    ("the machine and the model's units", ["osdp.device", "osdp.units", "osdp.caches", "osdp.recompute",
-                                           "osdp.split", "osdp.gradients"]),
-    ("describe", ["osdp.profile", "osdp.analytic", "osdp.model_source"]),
+    # osdp._moved (the previous release's paths) names later modules by string only, imported on use
+    ("plain data and tools", ["osdp._version", "osdp._torch_private", "osdp._moved", "osdp.sizes", "osdp.log",
+                              "osdp.store", "osdp.schema", "osdp.search"]),
+    ("ranks", ["osdp.distributed"]),
+    ("the machine", ["osdp.machine"]),
+    ("built-in models and optimizers", ["osdp.models", "osdp.optim"]),
+    ("operator splitting", ["osdp.split"]),
+    ("describe", ["osdp.describe"]),
     ("cost", ["osdp.cost"]),
-    ("apply", ["osdp.fsdp_ext", "osdp.compile"]),
-    ("run jobs", ["osdp.harness", "osdp.checkpoint"]),
+    ("tables", ["osdp.report"]),
+    ("apply", ["osdp.fsdp_ext"]),
+    ("train", ["osdp.runtime"]),
     ("calibrate", ["osdp.calibration"]),
-    ("plan", ["osdp.granularity", "osdp.planner"]),
+    ("plan", ["osdp.planner"]),
     ("the public API", ["osdp.api", "osdp"]),
-    ("commands and integrations", ["osdp.train", "osdp.validate", "osdp.plan_cli", "osdp.report", "osdp.cli",
-                                   "osdp.integrations"]),
+    ("commands and integrations", ["osdp.cli", "osdp.integrations"]),
 ]
 
 
@@ -56,7 +56,7 @@ def _stage(module: str) -> int:
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The osdp modules ``name`` imports, anywhere in it (``from osdp import comm`` is osdp.comm, not the
+    """The osdp modules ``name`` imports, anywhere in it (``from osdp import comm`` is osdp.distributed.collectives, not the
     package's facade; ``import osdp`` is the facade)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()

@@ -22,10 +22,10 @@ the root, as ``fully_shard`` expects:
   makes the bf16 copy that compute needs;
 * ``split: k``: the unit's large Linears become ``SplitLinear`` (k slices,
   gathered one at a time); FSDP2 leaves their weights alone;
-* ``checkpoint``: activation checkpointing of the unit (``osdp.recompute``:
+* ``checkpoint``: activation checkpointing of the unit (``osdp.describe.recompute``:
   module paths and state-dict keys do not change, ``torch.compile`` traces
   it); modules that keep a forward cache are called without it while
-  training (``osdp.caches``).
+  training (``osdp.describe.forward_caches``).
 
 Before anything is changed, every rank validates the plan against the model
 and checks that all ranks hold the same plan hash; any failure is raised on
@@ -34,7 +34,6 @@ every rank, so nothing hangs and the model is left untouched.
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import replace
 
@@ -43,40 +42,24 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from osdp import comm
-from osdp.caches import disable_caches_in_training
+from osdp.report import first_few
+from osdp.distributed.group import ensure_process_group, job_device
+from osdp.distributed import collectives as comm
+from osdp.describe.forward_caches import disable_caches_in_training
 from osdp.distributed import all_gather_objects, ranks_per_node, world
-from osdp.plan import Plan, PlanError, ROOT, UnitPlan, display_path, replicates_with_ddp
-from osdp.memory import register_gradient_storages
-from osdp.recompute import checkpoint_unit
+from osdp.schema.plan import Plan, PlanError, ROOT, UnitPlan, display_path, replicates_with_ddp
+from osdp.machine.memory import register_gradient_storages
+from osdp.describe.recompute import checkpoint_unit
 from osdp.split import SplitLinear, apply_split, split_parameters, splittable_linears
 from osdp.fsdp_ext.module_api import UnitExtras, extend_unit
 from osdp.fsdp_ext.replicate import ReplicaReducer
-from osdp.units import Unit, build_units, is_callable, structure_signature, unit_parameters
+from osdp.describe.units import Unit, build_units, is_callable, structure_signature, unit_parameters
 
 _PLAN_ATTR = "_osdp_plan"
 _REPLICATED_ATTR = "_osdp_replicated"
 
 SHARD_DIM = "shard"
 REPLICATE_DIM = "replicate"
-
-
-def default_device() -> torch.device:
-    if torch.cuda.is_available() and torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def ensure_process_group() -> None:
-    """A single process without torchrun gets a one-rank gloo group, so wrap works in a notebook."""
-    if torch.distributed.is_initialized():
-        return
-    if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1":
-        raise RuntimeError(
-            "osdp.wrap found RANK/WORLD_SIZE set but no process group: call "
-            "torch.distributed.init_process_group() on every rank before osdp.wrap"
-        )
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
 
 
 class Meshes:
@@ -113,10 +96,6 @@ def complete_plan(model: nn.Module, plan: Plan) -> Plan:
     return replace(plan, units=[*plan.units, UnitPlan(ROOT, mode="zero3")], meta=dict(plan.meta))
 
 
-def _some(names: list[str], n: int = 4) -> str:
-    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
-
-
 def check_model(model: nn.Module, device: torch.device) -> None:
     """Raise PlanError unless the model has parameters, all materialized on one device that ``device`` can use.
 
@@ -130,14 +109,14 @@ def check_model(model: nn.Module, device: torch.device) -> None:
     if on_meta:
         raise PlanError(
             f"the model is not materialized: {len(on_meta)} of its {len(tensors)} parameters and buffers are on "
-            f"the meta device ({_some(on_meta)}); build it on a real device, or call model.to_empty(device=...) "
+            f"the meta device ({first_few(on_meta)}); build it on a real device, or call model.to_empty(device=...) "
             "and initialise its parameters, before osdp.wrap"
         )
     by_device: dict[torch.device, list[str]] = {}
     for name, t in tensors:
         by_device.setdefault(t.device, []).append(name)
     if len(by_device) > 1:
-        where = "; ".join(f"{d}: {_some(names, 2)}" for d, names in by_device.items())
+        where = "; ".join(f"{d}: {first_few(names, 2)}" for d, names in by_device.items())
         raise PlanError(
             f"the model's parameters and buffers are on several devices ({where}); move the whole model to one "
             "device (model.to(...)) before osdp.wrap"
@@ -253,7 +232,7 @@ def apply_plan(
                       "are always handled) and is ignored", DeprecationWarning, stacklevel=3)
     ensure_process_group()
     _, world_size = world()
-    device = torch.device(device) if device is not None else default_device()
+    device = torch.device(device) if device is not None else job_device()
     plan = complete_plan(model, plan)
     error: Exception | None = None
     local_ranks = None
@@ -313,7 +292,7 @@ def apply_plan(
             module.register_forward_hook(_reshard_after_forward_without_grad)
     if any(d.checkpoint for d in plan.units):
         disable_caches_in_training(model)  # a recomputed forward must save what the first one saved
-    comm.install(model)  # the reduce-scatter of osdp.comm's setting on every unit (FSDP2's own by default)
+    comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     setattr(model, _PLAN_ATTR, plan)
     return model
 
@@ -334,7 +313,7 @@ def reducer_storages(model: nn.Module) -> list[torch.UntypedStorage]:
     return [] if replicated is None else replicated.bucket_storages()
 
 
-register_gradient_storages(reducer_storages)  # osdp.memory counts the reducer's buckets
+register_gradient_storages(reducer_storages)  # osdp.machine.memory counts the reducer's buckets
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:

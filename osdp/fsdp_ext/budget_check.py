@@ -1,7 +1,7 @@
 """The budget is a promise: a searched plan's first training step is measured, and a step over the budget warns.
 
 ``osdp.wrap(model, device_mem=...)`` installs this on the wrapped model. The
-first training forward (gradients enabled) starts a ``osdp.memory.PeakMemory``
+first training forward (gradients enabled) starts a ``osdp.machine.memory.PeakMemory``
 (CUDA: ``torch.cuda.max_memory_allocated``; CPU: the live-bytes tracker), the
 end of the first optimizer step over the model's parameters (or, if none
 comes, the next training forward) stops it, and a peak over the budget warns
@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from osdp.memory import PeakMemory
+from osdp.machine.memory import PeakMemory
 from osdp.sizes import format_bytes
 
 

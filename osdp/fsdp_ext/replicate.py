@@ -43,7 +43,6 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from osdp._torch_private import output_tensors, queue_at_backward_end, set_implicit_replication
-from osdp.plan import replicates_with_ddp  # noqa: F401 - where osdp 0.x had it
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's: the first bucket small, so the first all-reduce starts early
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb

@@ -22,7 +22,7 @@ accumulation call on a data-parallel model): ``set_requires_gradient_sync(False)
 so accumulated micro-batches communicate once, on the last.
 
 The Trainer also clips with :func:`osdp.clip_grad_norm_` (``max_grad_norm``: the norm one process
-would compute, under every plan), saves checkpoints with :mod:`osdp.checkpoint` (model and
+would compute, under every plan), saves checkpoints with :mod:`osdp.runtime.dcp` (model and
 optimizer with torch.distributed.checkpoint in ``checkpoint-N/osdp``, every rank its shards; the
 whole model for ``from_pretrained`` beside it, from rank 0) and resumes from them
 (``train(resume_from_checkpoint=...)``, under the same or another plan or number of ranks).
@@ -32,7 +32,7 @@ the user wrapped again (``DistributedDataParallel``, FSDP1); a Trainer or Accele
 FSDP1 or DeepSpeed, or for mixed precision (``fp16``/``bf16``: the plan owns precision,
 ``osdp.wrap(..., mixed_precision="bf16")``); a plan made for another world size; ``save_on_each_node``.
 In an accelerate loop, clip with ``osdp.clip_grad_norm_(model, max_norm)`` and checkpoint with
-``osdp.checkpoint.save``/``load`` (``accelerator.save_state`` saves one rank's shards only).
+``osdp.runtime.dcp.save``/``load`` (``accelerator.save_state`` saves one rank's shards only).
 """
 
 from __future__ import annotations
@@ -47,17 +47,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import transformers
 
-from osdp import checkpoint as osdp_checkpoint
+from osdp.integrations import IntegrationError
+from osdp.runtime import dcp as osdp_checkpoint
 from osdp.distributed import raise_on_any_rank
 from osdp.fsdp_ext.apply import plan_of
-from osdp.gradients import clip_grad_norm_
+from osdp.fsdp_ext.gradients import clip_grad_norm_
 
 CHECKPOINT_SUBDIR = "osdp"  # inside the Trainer's checkpoint-N: the model's and the optimizer's shards (DCP)
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer's name, so that the Trainer's own files sit beside ours
-
-
-class IntegrationError(ValueError):
-    """A Trainer or Accelerator set up in a way that cannot train an osdp-wrapped model."""
 
 
 def _is_osdp(module: nn.Module) -> bool:

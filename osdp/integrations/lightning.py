@@ -12,7 +12,7 @@ CPU with gloo as well as on GPUs. As it is, it does not fit an osdp model in fou
   rank: here ``data_parallel_size`` is the world size;
 * its checkpoints (``torch.distributed.checkpoint``) are loaded only into a model with DTensor
   parameters, so a ``ddp`` plan (plain, replicated tensors) cannot resume; here the model and the
-  optimizer are saved and loaded with :mod:`osdp.checkpoint` (DCP, every rank its shards, resharded
+  optimizer are saved and loaded with :mod:`osdp.runtime.dcp` (DCP, every rank its shards, resharded
   on load to another plan or number of ranks) and Lightning's own state (loops, callbacks, schedulers,
   hyper-parameters) beside them, in ``meta.pt``, from rank 0: a checkpoint ``*.ckpt`` is a directory;
 * gradient clipping (``Trainer(gradient_clip_val=...)``) uses ``torch.nn.utils.clip_grad_norm_``,
@@ -56,16 +56,13 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from osdp import checkpoint as osdp_checkpoint
+from osdp.integrations import IntegrationError
+from osdp.runtime import dcp as osdp_checkpoint
 from osdp.distributed import raise_on_any_rank
 from osdp.fsdp_ext.apply import plan_of
-from osdp.gradients import clip_grad_norm_
+from osdp.fsdp_ext.gradients import clip_grad_norm_
 
 METADATA_NAME = "meta.pt"  # Lightning's name (lightning.fabric.utilities.load._METADATA_FILENAME) for the rest
-
-
-class IntegrationError(ValueError):
-    """A Trainer or LightningModule set up in a way that cannot train an osdp-wrapped model."""
 
 
 def osdp_roots(module: nn.Module) -> dict[str, nn.Module]:
@@ -117,7 +114,7 @@ class OSDPStrategy(ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` for a LightningModule that calls ``osdp.wrap`` in ``configure_model()``.
 
     See the module docstring: every rank is a data-parallel rank, checkpoints are written and read with
-    :mod:`osdp.checkpoint`, clipping is :func:`osdp.clip_grad_norm_`, and accumulated micro-batches do not
+    :mod:`osdp.runtime.dcp`, clipping is :func:`osdp.clip_grad_norm_`, and accumulated micro-batches do not
     communicate until the last.
 
     Args:
@@ -162,10 +159,10 @@ class OSDPStrategy(ModelParallelStrategy):
             for root in roots:
                 root.set_requires_gradient_sync(True)
 
-    # -- checkpoints: model and optimizer with osdp.checkpoint, the rest in meta.pt -----------------------------
+    # -- checkpoints: model and optimizer with osdp.runtime.dcp, the rest in meta.pt -----------------------------
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # saved by save_checkpoint, with osdp.checkpoint (not gathered here a second time)
+        return {}  # saved by save_checkpoint, with osdp.runtime.dcp (not gathered here a second time)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return {}  # likewise

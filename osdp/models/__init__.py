@@ -32,7 +32,7 @@ llama-1b           16      2048    32/8kv 128256  2048   1,235,814,400
 =================  ======  ======  =====  ======  =====  ================
 
 The tiny models and gpt2-mini train on the byte-level corpus of
-``osdp.data`` in seconds on a CPU; gpt2-cpu-medium is the largest that is
+``osdp.models.data`` in seconds on a CPU; gpt2-cpu-medium is the largest that is
 still practical for multi-rank CPU experiments; gpt-48l-h1536 is the OSDP
 paper's 48-layer GPT; bert-* match Hugging Face ``BertForMaskedLM``; llama-1b
 matches Llama-3.2-1B's shapes (grouped-query attention, tied embeddings;

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from osdp.plan import MODES, SPLIT_CHOICES, UnitPlan
+from osdp.schema.plan import MODES, SPLIT_CHOICES, UnitPlan
 from osdp.sizes import format_bytes
 
 
@@ -37,7 +37,7 @@ class Option(NamedTuple):
 
 
 class SubUnits(NamedTuple):
-    """A unit run as units nested in it (``osdp.granularity``): per part, its path relative to the unit
+    """A unit run as units nested in it (``osdp.describe.granularity``): per part, its path relative to the unit
     ("" for the unit itself, which keeps what its parts do not hold) and the option it takes."""
 
     parts: tuple[tuple[str, Option], ...]

@@ -15,12 +15,12 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from osdp import comm
+from osdp.distributed import collectives as comm
 
 
 class MemoryCounter:
     """Live and peak bytes of the buffers the loop holds: counted when it allocates one and when it lets go
-    (after the collective given it let go too: ``osdp.comm.Lent``)."""
+    (after the collective given it let go too: ``osdp.distributed.collectives.Lent``)."""
 
     KINDS = ("gathered", "grad")
 
@@ -75,7 +75,7 @@ def _avg(group: dist.ProcessGroup) -> dist.ReduceOp:
 
 class _Gatherer:
     """All-gathers slice i+1 into one of two buffers while slice i, in the other, is used (``pairwise``:
-    with ``osdp.comm.pairwise_all_gather``)."""
+    with ``osdp.distributed.collectives.pairwise_all_gather``)."""
 
     def __init__(self, w_local: torch.Tensor, group: dist.ProcessGroup, piece_sizes: list[int], dtype: torch.dtype,
                  pairwise: bool = False):
@@ -151,7 +151,7 @@ def backward(
     gathers nothing. Each slice's weight gradient is reduce-scattered behind
     the next slice's compute; at most two are in flight, so unreduced slice
     gradients never exceed 2/k of the weight. ``pairwise_reduce`` / ``pairwise_gather``: reduce-scatter /
-    all-gather with ``osdp.comm``'s pairwise collectives (NCCL's traffic on gloo) instead of the group's own.
+    all-gather with ``osdp.distributed.collectives``'s pairwise collectives (NCCL's traffic on gloo) instead of the group's own.
     """
     n, c, m = group.size(), sum(piece_sizes), x.shape[0]
     offsets = _offsets(piece_sizes)

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from osdp import comm
+from osdp.distributed import collectives as comm
 from osdp.split import _extension, _loop
 
 # Linears smaller than this (weight elements) are not worth k extra collectives;
@@ -40,7 +40,7 @@ class _SplitLinearFunction(torch.autograd.Function):
         impl = _extension.implementation()
         x2d = x.reshape(-1, module.in_features)
         group = module.weight.device_mesh.get_group()
-        pairwise_gather = comm.all_gather_impl() == "pairwise"  # NCCL's traffic on gloo (osdp.comm)
+        pairwise_gather = comm.all_gather_impl() == "pairwise"  # NCCL's traffic on gloo (osdp.distributed.collectives)
         y = impl.forward(x2d, w_local, group, module.piece_sizes, module.out_features, pairwise_gather)
         if bias is not None:
             y.add_(bias)
@@ -55,7 +55,7 @@ class _SplitLinearFunction(torch.autograd.Function):
         module = ctx.module
         need_x, need_w, need_b, _, _ = ctx.needs_input_grad
         grad_y = grad_y.reshape(-1, module.out_features).contiguous()
-        # NCCL's traffic on gloo (osdp.comm)
+        # NCCL's traffic on gloo (osdp.distributed.collectives)
         pairwise_reduce = comm.reduce_scatter_impl() == "pairwise"
         pairwise_gather = comm.all_gather_impl() == "pairwise"
         accumulating = need_w and (not module.requires_gradient_sync or module.accumulated_grad is not None)

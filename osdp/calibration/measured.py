@@ -1,0 +1,130 @@
+"""``calibrate``: this job's calibration, from the cache, else measured now (``measure_calibration``) and cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import torch
+
+from osdp.distributed import job_device
+from osdp.machine.measure import measure_collectives, measure_device
+from osdp.distributed import broadcast_object, world
+from osdp.runtime.jobs import run_jobs
+from osdp.log import Progress, log
+from osdp.calibration.nets import CalibrationError, CalibrationProfile, _described_compute_s, calibration_jobs, can_split, describe_nets, profile_from_env
+from osdp.calibration.fit import BUSY_RETRIES, BUSY_WAIT_S, fit_calibration, measure_compute_scale, measure_meeting_wait, median_collectives, pooled_compute_scale
+from osdp.calibration.store import CalibrationKey, MachineCalibration, _save, _where, cached_calibration, calibration_dir, other_calibrations
+
+
+def measure_calibration(
+    device: torch.device,
+    profile: CalibrationProfile | None = None,
+    *,
+    optimizer: str = "adamw",
+    progress: Callable[[str], None] | None = None,
+) -> MachineCalibration:
+    """Collective: measure this machine's calibration now (see the module docstring); not cached here."""
+    profile = profile or profile_from_env()
+    start = time.perf_counter()
+    key = CalibrationKey.current(device, profile.name)
+    if progress:
+        progress("collectives")
+    fits = [measure_collectives(time_budget_s=profile.collectives_s)]
+    splits = can_split(device)
+    if progress:
+        progress("compute: every rank at once against rank 0 alone")
+    (compute_net,) = [spec for spec in profile.nets if spec.compute]
+    compute = measure_compute_scale(device, compute_net, profile.compute_rounds)
+    for retry in range(BUSY_RETRIES if profile.busy_spread else 0):
+        if compute["spread"] <= profile.busy_spread:
+            break
+        if progress:
+            progress(f"the machine looks busy (a fixed step's time varies {compute['spread']:.2f}x, quiet is "
+                     f"<= {profile.busy_spread}x): waiting, then measuring again ({retry + 1}/{BUSY_RETRIES})")
+        time.sleep(BUSY_WAIT_S)
+        compute = measure_compute_scale(device, compute_net, profile.compute_rounds)
+    if progress:
+        progress("describing the calibration nets")
+    descriptions = describe_nets(device, profile, optimizer=optimizer)
+    jobs = calibration_jobs(device, profile, splits=splits)
+    measured = run_jobs(
+        jobs, device=device, optimizer=optimizer, time_budget_s=profile.run_s, warmup=profile.warmup,
+        min_steps=profile.min_steps, rounds=profile.refits, progress=progress,
+        each_round=lambda: fits.append(measure_collectives(time_budget_s=profile.collectives_s / 2)),
+    )
+    device_info = broadcast_object(measure_device(collectives=median_collectives(fits)))  # + matmul FLOP/s
+    # the machine may have got busy while the jobs ran: the same check once more, at the end
+    after = measure_compute_scale(device, compute_net, profile.compute_rounds) if profile.busy_spread else None
+    busy = max(compute["spread"], after["spread"] if after else 0.0)
+    compute_scale = pooled_compute_scale(compute, after)
+    if progress:
+        progress("ranks meeting at every unit against once a step")
+    meeting = measure_meeting_wait(device, profile.meeting_net, compute_scale, device_info.collectives,
+                                   profile.compute_rounds, repeats=profile.describe_repeats)
+    calibration = fit_calibration(profile, compute_scale, descriptions, jobs, measured, device_info,
+                                  overlap=0.0 if device.type == "cpu" else None, optimizer=optimizer,
+                                  meeting_wait=meeting["wait_s_per_sqrt_s"])
+    details = {
+        "compute": compute,
+        "compute_after": after,
+        "compute_scale": compute_scale,
+        "meeting": meeting,
+        "busy": bool(profile.busy_spread and busy > profile.busy_spread),  # then ``calibrate`` does not cache it
+        "busy_spread": busy,
+        "jobs": {name: {"measured_step_s": m["measured_step_s"], "measured_fwd_bwd_s": m["measured_fwd_bwd_s"],
+                        "measured_peak_bytes": m["measured_peak_bytes"], "steps": m["steps"]}
+                 for name, m in measured.items()},
+        "described_compute_s": {spec.name: _described_compute_s(descriptions[spec.name], spec.batch)
+                                for spec in profile.nets},
+    }
+    seconds = broadcast_object(time.perf_counter() - start)
+    when = broadcast_object(time.strftime("%Y-%m-%d %H:%M"))
+    calibration = dataclasses.replace(calibration, source=f"measured {when} for {key.describe()}")
+    return MachineCalibration(key, device_info, calibration, seconds, when, details)
+
+
+def calibrate(device: torch.device | None = None, *, force: bool = False, measure: bool = True,
+              progress: bool = True) -> MachineCalibration:
+    """Collective: this job's calibration, from the cache, else measured now and cached (rank 0 writes it).
+
+    ``force`` measures again even if one is cached. ``measure=False`` raises
+    CalibrationError instead of measuring (``osdp validate`` and the
+    experiments, which must predict with a calibration made by an earlier,
+    separate process). Every rank returns the same calibration.
+    """
+    device = device or job_device()
+    profile = profile_from_env()
+    key = CalibrationKey.current(device, profile.name)
+    found = None if force else cached_calibration(key) if world()[0] == 0 else None
+    found = broadcast_object(found)
+    if found is not None:
+        if found.details.get("busy"):
+            log(f"the calibration of this job was measured on a busy machine (a fixed step's time varied "
+                f"{found.details['busy_spread']:.2f}x): its predictions carry that noise; measure it again when "
+                f"the machine is quiet: osdp calibrate --force --nproc {key.world_size}")
+        return found
+    others = other_calibrations(key) if world()[0] == 0 else []
+    if not measure:
+        raise CalibrationError(
+            f"no calibration for this job ({key.describe()}) in {calibration_dir()}"
+            + (" (there are some for other jobs: " + " | ".join(others) + ")" if others else "")
+            + f"; measure one first, in its own run: osdp calibrate --nproc {key.world_size}"
+        )
+    show = Progress("calibrate", progress)
+    show(f"no calibration for this job ({key.describe()}) in {calibration_dir()}"
+         + (f" (only for other jobs: {' | '.join(others)})" if others else "")
+         + ": measuring it once (about a minute on 2 CPU ranks)")
+    record = measure_calibration(device, profile, progress=show)
+    # Cached even when the machine was busy (a shared cloud VM may stay so): with the noise it was measured
+    # under, which every later job is told of, rather than measured again on every run.
+    path = _save(record) if world()[0] == 0 else None
+    if record.details.get("busy"):
+        show.done(f"done in {record.seconds:.0f} s, {_where(path)} with the noise it was measured under: the "
+                  f"machine was busy (a fixed step's time varied {record.details['busy_spread']:.2f}x, quiet is <= "
+                  f"{profile.busy_spread}x). When it is quiet: osdp calibrate --force --nproc {key.world_size}")
+    else:
+        show.done(f"done in {record.seconds:.0f} s, {_where(path)}")
+    return record

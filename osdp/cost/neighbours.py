@@ -1,0 +1,86 @@
+"""The FSDP2 buffers of its neighbours that a unit's backward meets: a bound for the search
+(``unit_neighbours``: every neighbour zero3), the exact ones of a plan (``plan_neighbours``), the order
+the units run in (``sequence_order``), and the bound where each block may be taken whole or apart
+(``nested_neighbours``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+from osdp.schema.plan import (
+    ROOT,
+)
+from osdp.describe.granularity import blocks_apart
+from osdp.schema.description import ModelDescription
+from osdp.cost.terms import OptionCost, _DTYPE_BYTES, _REDUCE_BYTES, _padded_numel
+
+
+def sequence_order(description: ModelDescription) -> list[str]:
+    """The units that run one after another, in forward order: all but those enclosing others (the root)."""
+    enclosing = {u.path for u in description.units if u.nested or u.path == ROOT}
+    return [p for p in description.forward_order if p not in enclosing]
+
+
+def unit_neighbours(description: ModelDescription, precision: str, world_size: int) -> dict[str, tuple[int, int]]:
+    """Per unit, the bytes of its neighbours' FSDP buffers that exist during its backward (``_Context.neighbours``):
+    the previous unit's all-gather output and the next unit's reduce-scatter input, were both zero3. A unit
+    enclosing others (a block with its sub-blocks nested in it) takes the largest prefetch among them."""
+    padded = {u.path: sum(_padded_numel(s, world_size) for s in u.param_shapes) for u in description.units}
+    order = sequence_order(description)
+    neighbours = {}
+    for i, path in enumerate(order):
+        before = _DTYPE_BYTES[precision] * padded[order[i - 1]] if i > 0 else 0
+        after = _REDUCE_BYTES * padded[order[i + 1]] if i + 1 < len(order) else 0
+        neighbours[path] = (before, after)
+    if order:  # the root's backward comes first and prefetches the last unit
+        neighbours[ROOT] = (_DTYPE_BYTES[precision] * padded[order[-1]], 0)
+    for unit in description.units:  # another enclosing unit's backward runs between those of the units inside it
+        inside = [neighbours[p][0] for p in order if p.startswith(unit.path + ".")] if unit.path != ROOT else []
+        if inside:
+            neighbours[unit.path] = (max(inside), 0)
+    return neighbours
+
+
+def plan_neighbours(description: ModelDescription, costs: Sequence[OptionCost]) -> dict[str, tuple[int, int]]:
+    """Per unit, the neighbours' FSDP buffers that exist during its backward in a plan whose units cost
+    ``costs`` (``_Context.neighbours``; what the search bounds by ``unit_neighbours``): the all-gather output of
+    the FSDP2 unit whose forward ended just before its own (FSDP2 prefetches it; none unless that unit reshards
+    after forward) and the reduce-scatter input of the one whose backward ended just before its own began (the
+    unit whose forward began next). DDP's units are no FSDP2 units: they are passed over."""
+    by_path = dict(zip(description.paths, costs))
+    ends = [p for p in description.forward_order if p in by_path] or [*sequence_order(description), ROOT]
+    # forwards begin in the order they end, but a unit enclosing others begins before them
+    span = {p: min(i for i, q in enumerate(ends) if q == p or p == ROOT or q.startswith(p + ".")) for p in ends}
+    begins = sorted(ends, key=lambda p: (span[p], -len(ends) if p == ROOT else p.count(".")))
+    fsdp = {p for p in ends if not by_path[p].parts["ddp"]}
+    ends, begins = [p for p in ends if p in fsdp], [p for p in begins if p in fsdp]
+    neighbours = dict.fromkeys(description.paths, (0, 0))
+    for path in fsdp:
+        i, j = ends.index(path), begins.index(path)
+        before = int(by_path[ends[i - 1]].parts["backward_gather_bytes"]) if i > 0 else 0
+        after = int(by_path[begins[j + 1]].parts["kept_reduce_input_bytes"]) if j + 1 < len(begins) else 0
+        neighbours[path] = (before, after)
+    return neighbours
+
+
+def nested_neighbours(coarse: ModelDescription, nested: ModelDescription, precision: str,
+               world_size: int) -> dict[str, tuple[int, int]]:
+    """``nested``'s neighbour buffers per unit (``unit_neighbours``), where a block's first part
+    also counts the whole block before it and its last part the whole block after it: what a part may
+    meet in a plan that takes its neighbours whole."""
+    blocks = blocks_apart(coarse, nested)
+    whole = unit_neighbours(coarse, precision, world_size)
+    out = dict(unit_neighbours(nested, precision, world_size))
+    order = sequence_order(nested)
+    for block, parts in blocks.items():
+        running = [p for p in order if p in parts]
+        if not running:
+            continue
+        first, last = running[0], running[-1]
+        out[first] = (max(out[first][0], whole[block][0]), out[first][1])
+        out[last] = (out[last][0], max(out[last][1], whole[block][1]))
+        if block in parts:  # the block itself, its backward among its parts'
+            out[block] = (max(out[p][0] for p in running), 0)
+    return out

@@ -1,0 +1,164 @@
+"""A plan's step time and its peak over the step's schedule: ``predict``.
+
+The true peak is a maximum over the schedule; the search's decomposition adds each
+unit's worst phase and the one largest transient, so it over-estimates, most where a
+unit's neighbours are not what the bound assumes and where the largest working set
+runs while few units hold their activations (a unit's backward after those after it
+have let theirs go); it leaves out the all-gather output FSDP2 keeps in forward.
+``schedule_peak`` walks the schedule instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from osdp.machine.device_info import DeviceInfo
+from osdp.schema.plan import (
+    Plan,
+    PlanError,
+    ROOT,
+    display_path,
+)
+from osdp.schema.description import ModelDescription
+from osdp.cost.terms import Calibration, OptionCost, Prediction
+from osdp.cost.unit import unit_cost
+from osdp.cost.neighbours import plan_neighbours, sequence_order
+from osdp.cost.context import _base, _context, _options_of, _uniform, uniform_mode_of
+
+
+def predict(
+    description: ModelDescription,
+    plan_or_choices: Plan | Sequence[Any],
+    device_info: DeviceInfo,
+    *,
+    batch_size: int | None = None,
+    precision: str | None = None,
+    optimizer: str = "adamw",
+    calibration: Calibration | None = None,
+) -> Prediction:
+    """Step time and peak memory per rank of a plan (or one option per unit, in description order).
+
+    ``batch_size`` and ``precision`` default to the plan's. The peak is the schedule's
+    (``schedule_peak``, with the plan's neighbours); for a plan whose options are all in
+    ``options_for(device_info)`` the step time and ``breakdown["bound_peak_bytes"]`` are exactly
+    ``build_problem(...)``'s ``step_time`` and ``peak`` for the same choice, with ``uniform_mode=``
+    the plan's mode where all its units take one of ``UNIFORM_MODES``.
+    """
+    if isinstance(plan_or_choices, Plan):
+        batch_size = batch_size or plan_or_choices.batch_size
+        precision = precision or plan_or_choices.mixed_precision
+        if plan_or_choices.world_size not in (None, device_info.world_size):
+            raise PlanError(
+                f"the plan is for {plan_or_choices.world_size} ranks, the device for {device_info.world_size}"
+            )
+        per_node = device_info.world_size // device_info.nodes
+        if plan_or_choices.ranks_per_node not in (None, per_node):
+            raise PlanError(
+                f"the plan is for nodes of {plan_or_choices.ranks_per_node} ranks, the device "
+                f"'{device_info.name}' has {device_info.nodes} node(s) of {per_node}; price it on a device of "
+                f"that layout (a multi-node preset with ranks_per_node={plan_or_choices.ranks_per_node})"
+            )
+    if batch_size is None:
+        raise ValueError("give batch_size= (the plan has none)")
+    ctx = _context(description, device_info, batch_size, precision or "fp32", optimizer, calibration)
+    options = _options_of(description, plan_or_choices, device_info)
+    mode = uniform_mode_of(options)
+    if mode is not None:
+        ctx = _uniform(ctx, mode)
+    bounding = [unit_cost(u, o, ctx) for u, o in zip(description.units, options)]  # as the search prices them
+    mem = np.array([c.mem_bytes for c in bounding], dtype=np.int64)
+    transient = np.array([c.transient_bytes for c in bounding], dtype=np.int64)
+    ctx = replace(ctx, neighbours=plan_neighbours(description, bounding))
+    costs = [unit_cost(u, o, ctx) for u, o in zip(description.units, options)]
+    times = np.array([c.time_s for c in costs], dtype=np.float64)
+    base = _base(ctx)
+    step_s = float(times.sum())
+    peak, moment = schedule_peak(description, costs, base)
+    totals = {k: float(sum(c.parts[k] for c in costs)) for k in costs[0].parts}
+    breakdown = {
+        "base_bytes": base,
+        "peak_moment": moment,
+        # the search's additive bound on the peak (``build_problem``): base + mem + transient
+        "bound_peak_bytes": base + int(mem.sum()) + int(transient.max()),
+        "mem_bytes": int(mem.sum()),
+        "transient_bytes": int(transient.max()),
+        "largest_transient_unit": description.units[int(transient.argmax())].path,
+        "totals": totals,
+        "units": {
+            u.path: {"option": list(o), "time_s": c.time_s, "mem_bytes": c.mem_bytes,
+                     "transient_bytes": c.transient_bytes, **c.parts}
+            for u, o, c in zip(description.units, options, costs)
+        },
+    }
+    return Prediction(step_s, peak, breakdown)
+
+
+def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], base: int) -> tuple[int, str]:
+    """The peak per rank over the step's schedule of units costing ``costs`` (one per unit, in description
+    order), and the moment it is reached.
+
+    The units that run one after another (``sequence_order``) run their forwards in order and their
+    backwards in reverse: while unit v runs, each unit before it holds what it keeps until its backward
+    (``before_backward_bytes``), each unit after it (in backward) what it keeps from its backward on
+    (``after_backward_bytes``); v works on what it holds until its backward (its transients on top), and
+    as its backward ends reduces into what it keeps after; the optimizer step finds every unit after its
+    backward. Units enclosing others (the root) are counted at the larger of their two all step, their
+    working set at the fullest moment inside them. In forward, what the unit that gathered last left
+    lingers (FSDP2 frees an all-gather output when the next is waited for, or as the root's forward ends).
+    """
+    by_path = dict(zip(description.paths, costs))
+    order = sequence_order(description)
+
+    def part(path: str, name: str) -> int:
+        return int(by_path[path].parts[name])
+
+    def own(path: str) -> int:
+        return max(part(path, "before_backward_bytes"), part(path, "after_backward_bytes"))
+
+    sequence = set(order)
+    enclosing = [p for p in description.paths if p not in sequence]
+    fixed = base + sum(part(p, "always_bytes") for p in description.paths) + sum(own(p) for p in enclosing)
+    before = np.array([part(p, "before_backward_bytes") for p in order], dtype=np.int64)
+    after = np.array([part(p, "after_backward_bytes") for p in order], dtype=np.int64)
+    held_before = np.cumsum(before) - before  # by the units earlier in forward order
+    held_after = int(after.sum()) - np.cumsum(after)  # by the units later in forward order
+    # In forward FSDP2 keeps a unit's all-gather output until the next unit's all-gather is waited for, or the
+    # root's forward ends: what the unit that gathered last left lingers while units that gather nothing run
+    left, linger_forward = 0, []
+    for path in order:
+        gathered = part(path, "gather_output_bytes")
+        linger_forward.append(0 if gathered else left)
+        left = gathered or left
+    forward = fixed + held_before + before  # with the unit's own activations (no gradients yet)
+    backward = fixed + held_before + np.array([own(p) for p in order], dtype=np.int64) + held_after
+    optimizer = fixed + int(after.sum())
+    moments = [(optimizer, "the optimizer step")]
+    for i, path in enumerate(order):
+        moments += [
+            (int(forward[i]) + linger_forward[i] + part(path, "fwd_transient_bytes"),
+             f"forward of {display_path(path)}"),
+            # its backward works on what it held until then; as it ends it reduces into what it keeps after
+            (int(backward[i]) - own(path) + int(before[i]) + part(path, "bwd_transient_bytes"),
+             f"backward of {display_path(path)}"),
+            (int(backward[i]) + part(path, "post_backward_bytes"), f"the end of the backward of {display_path(path)}"),
+            (optimizer + own(path) - int(after[i]) + part(path, "optimizer_temp_bytes"), "the optimizer step"),
+        ]
+    for path in enclosing:
+        inside = [i for i, p in enumerate(order) if path == ROOT or p.startswith(path + ".")]
+        fullest = max([optimizer, *(int(backward[i]) for i in inside)])
+        working = max(part(path, k) for k in ("bwd_transient_bytes", "post_backward_bytes", "optimizer_temp_bytes"))
+        moments.append((fullest + working, f"the working set of {display_path(path)}"))
+        # its forward, at the latest with every unit inside holding its activations
+        fullest_forward = max([fixed, *(int(forward[i]) + linger_forward[i] for i in inside)])
+        working = part(path, "fwd_transient_bytes")
+        if path == ROOT:  # the head, after the last unit's forward: what was gathered last is freed as it ends
+            gathered = part(path, "gather_output_bytes")
+            fullest_forward = max(fullest_forward + working,
+                                  fixed + int(before.sum()) + working - gathered + (left or gathered))
+        else:
+            fullest_forward += working
+        moments.append((fullest_forward, f"the forward of {display_path(path)}"))
+    return max(moments, key=lambda m: m[0])

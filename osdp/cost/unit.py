@@ -1,0 +1,303 @@
+"""One unit under one option: ``unit_cost``.
+
+Per unit u and option o = (mode, split k, checkpoint, shard scope), at micro-batch b on N
+ranks, from the unit's description (``osdp.schema.description``: parameter shapes,
+per-b compute times, saved activations, working-set peaks) and FSDP2's
+schedule on torch 2.13 (``docs/COST_MODEL.md`` derives each term):
+
+time
+    forward + backward compute (+ the measured recompute when checkpointed); the
+    collectives of the mode on the device's alpha-beta model (zero3: two
+    all-gathers and a reduce-scatter, but one all-gather for the root, which
+    stays gathered from forward to backward as FSDP2's root does; zero2: one
+    and one; replicate: an all-reduce; split k: the split weights in k slices each way), of which the
+    part the device cannot hide behind the unit's compute (``overlap``: 0 with
+    gloo, where FSDP2's collectives block; 1 on CUDA streams; DDP's bucketed
+    all-reduce runs on gloo's thread while backward goes on, so a calibrated
+    fraction of it hides behind the unit's backward, except the bucket DDP
+    reduces last, after the whole backward); the wait at the meetings FSDP2's
+    collectives make (ranks computing the same work drift apart, as a random
+    walk: a calibrated wait per square root of the compute between meetings,
+    a unit's forward and its backward); FSDP2's runtime
+    overheads measured once per machine (``Calibration``): per unit by mode,
+    per byte of the unit by mode (copies into and out of collective buffers,
+    fresh buffers, gloo's behaviour in training beyond the alpha-beta model;
+    a node-scoped unit pays it in proportion to its node's link),
+    per parameter, per checkpointed unit, per slice and per byte of slices,
+    and split slices' gathers competing with compute for the cores; the
+    optimizer step on the unit's shard.
+mem (additive)
+    sharded (replicated) parameters and optimizer state, plus the larger of
+    what the unit holds before its backward (saved activations, or only its
+    inputs when checkpointed; the unsharded copy zero2 and replicate keep) and
+    after it (its reduced gradient; on CUDA also the foreach optimizer's
+    temporaries). The two never coexist, so this is tight when the peak is
+    at the turn from forward to backward, as it is for activation-heavy
+    training. A unit enclosing others (the root) stays unsharded all step.
+transient (only the largest counts)
+    the unit's working set beyond its activations while its forward, backward
+    or recomputation runs, measured net of the root's activations that do not
+    exist then (the root is never checkpointed, so this holds for every plan);
+    plus FSDP2's buffers at that moment: its own gathered parameters and flat
+    all-gather output (zero3), the buffer of the unit it prefetches and the
+    reduce-scatter input FSDP2 keeps from the unit before (both at their full
+    size: a conservative bound, exact when the neighbour is unsplit zero3
+    sharded over every rank);
+    its own reduce-scatter input when its backward ends; split Linears' two
+    slice buffers and two unreduced slice gradients; the single-tensor (CPU)
+    optimizer's temporaries.
+base
+    the calibration's measured margin.
+shard scope (on a device with a topology of several nodes)
+    a unit sharded within its node holds 1/ranks_per_node of its states,
+    gathers and reduce-scatters over the node's group (``Topology.intra``),
+    and all-reduces its reduced shard over the cross-node group
+    (``Topology.inter``); a unit sharded over every rank, and a replicated
+    one, pays the world group's costs (``DeviceInfo.collectives``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+
+from osdp.machine.collective_model import CollectiveModel
+from osdp.machine.device_info import DeviceInfo
+from osdp.schema.plan import (
+    PlanError,
+    ROOT,
+    UnitPlan,
+    replicates_with_ddp,
+    reshards_after_forward,
+)
+from osdp.schema.description import UnitProfile
+from osdp.search.problem import Option
+from osdp.cost.terms import Calibration, DDP_BUCKET_BYTES, OPTIMIZER_STATES, OptionCost, USED_FLAG_BYTES, _DTYPE_BYTES, _FOREACH_TEMPS, _REDUCE_BYTES, _padded_numel, _remove
+
+
+@dataclass(frozen=True)
+class _Context:
+    n: int
+    b: int
+    precision: str
+    optimizer: str
+    device: DeviceInfo
+    calibration: Calibration
+    optimizer_s_per_byte: float
+    # per unit, FSDP buffers of its neighbours in forward order that exist during its backward
+    # whatever its own option: the previous unit's all-gather output (FSDP2 prefetches it; taken as
+    # if zero3 sharded over every rank, the worst case: padding to a multiple of the world size is at
+    # least the padding to a multiple of ranks per node, which divide it) and the next unit's
+    # reduce-scatter input (kept until this one reduces). Taking the worst case keeps each unit's cost a
+    # function of its own option only, which the search needs
+    neighbours: Mapping[str, tuple[int, int]]
+    # per unit, the fraction of its parameter bytes in the bucket DDP reduces last, were every unit
+    # replicated (the first units in forward order): nothing of the backward is left to hide that all-reduce
+    ddp_last_bucket: Mapping[str, float]
+    input_bytes: int = 0  # the micro-batch itself, live through the step
+
+    @property
+    def compute_bytes(self) -> int:
+        return _DTYPE_BYTES[self.precision]
+
+
+def _collective(group: CollectiveModel, kind: str, nbytes: float, messages: int = 1) -> float:
+    if nbytes <= 0 or group.world_size == 1:
+        return 0.0
+    return messages * group.time(kind, nbytes / messages)
+
+
+def _as_option(option: UnitPlan | Sequence[Any]) -> Option:
+    if isinstance(option, UnitPlan):
+        return Option(option.mode, option.split, option.checkpoint, option.shard_scope)
+    return Option(*option)
+
+
+def _impossible(unit: UnitProfile, option: Option) -> str | None:
+    """Why ``unit`` cannot take ``option``, or None if it can."""
+    mode, k, ckpt, scope = option
+    where = f"unit '{unit.name}'"
+    if k > 1 and mode != "zero3":
+        return f"{where}: split={k} needs mode 'zero3'"
+    if k > 1 and not unit.split_shapes:
+        return f"{where} cannot be split: it holds no splittable Linear"
+    if ckpt and unit.nested:
+        return f"{where}: checkpointing a unit that encloses other units is not modelled"
+    if scope == "node" and (mode == "replicate" or k > 1):
+        return f"{where}: shard scope 'node' needs mode 'zero2' or 'zero3' without split"
+    return None
+
+
+def _link_share(group: CollectiveModel, world: CollectiveModel) -> float:
+    """How much of the per-byte runtime cost a unit whose collectives run on ``group`` pays: the calibration
+    fits it on units sharded over the world, where it grows with the world's links (gloo's in-training
+    behaviour beyond the alpha-beta model), so a unit on another group pays it in proportion to that group's
+    all-gather per-byte cost (1 on the world itself)."""
+    if group is world:
+        return 1.0
+    beta, world_beta = group.costs["all_gather"].beta_s_per_byte, world.costs["all_gather"].beta_s_per_byte
+    return beta / world_beta if world_beta > 0 else 1.0
+
+
+def _shard_group(ctx: _Context, scope: str) -> tuple[int, CollectiveModel, CollectiveModel | None]:
+    """(ranks a sharded unit is sharded over, the group its gathers and reduce-scatters run on, the group its
+    reduced shard is all-reduced over, if any). Without a topology the job is one node: node scope is world
+    scope, as ``osdp.fsdp_ext.apply`` runs it."""
+    topology = ctx.device.topology
+    if scope == "world" or topology is None:
+        return ctx.n, ctx.device.collectives, None
+    return topology.ranks_per_node, topology.intra, topology.inter
+
+
+def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context) -> OptionCost:
+    """Time, additive memory and transient memory of ``unit`` under ``option`` (see the module docstring)."""
+    option = _as_option(option)
+    mode, k, ckpt, scope = option
+    reason = _impossible(unit, option)
+    if reason:
+        raise PlanError(reason)
+    n, b, dt = ctx.n, ctx.b, ctx.compute_bytes
+    cal, opt = ctx.calibration, ctx.optimizer
+    costs = unit.costs[ctx.precision]
+    enclosing = bool(unit.nested) or unit.path == ROOT
+
+    split = list(unit.split_shapes) if k > 1 else []
+    fsdp_shapes = _remove(unit.param_shapes, split)
+    group_n, gather_group, across_nodes = _shard_group(ctx, scope)
+    shard_n = 1 if mode == "replicate" else group_n
+    fsdp_padded = sum(_padded_numel(s, shard_n) for s in fsdp_shapes)
+    fsdp_full = sum(math.prod(s) for s in fsdp_shapes)
+    split_rows = []  # per split Linear: (rows per rank, largest slice's rows per rank, in_features, slices)
+    if split:
+        from osdp.split import split_layout
+
+        for out_f, in_f in split:
+            rows, pieces = split_layout(out_f, n, k)
+            split_rows.append((rows, max(pieces), in_f, len(pieces)))
+    shard_numel = fsdp_padded // shard_n + sum(rows * in_f for rows, _, in_f, _ in split_rows)
+
+    # -- memory ------------------------------------------------------------------
+    states = OPTIMIZER_STATES[opt]
+    persistent = 4 * shard_numel * (1 + states) + (4 * len(unit.param_shapes) if opt == "adamw" else 0)
+    gathered = dt * fsdp_padded  # FSDP's unsharded parameters (and its flat all-gather buffer)
+    rs_input = _REDUCE_BYTES * fsdp_padded
+    grad = 4 * shard_numel
+    act = costs.ckpt_bytes.bytes(b) if ckpt else costs.act_bytes.bytes(b)
+    foreach = ctx.device.device_type == "cuda"
+    foreach_temps = _FOREACH_TEMPS[opt] * 4 * shard_numel if foreach else 0
+    largest_shard = max((4 * math.ceil(math.prod(s) / shard_n) for s in unit.param_shapes), default=0)
+    ddp = mode == "replicate" and replicates_with_ddp(ctx.precision)
+    # what the unit holds all step, from its forward until its backward, and from its backward to the step's end
+    if ddp:  # DDP: parameters used in place, gradients are views into buckets that live all step
+        held = 0
+        grad += USED_FLAG_BYTES * len(unit.param_shapes)  # the reducer's flag per parameter, in its bucket
+        always, before, after = persistent + grad, act, foreach_temps
+        rs_input = largest_shard  # a fresh gradient, before the reducer copies it into its bucket
+    else:
+        held = gathered if (mode != "zero3" and not enclosing) else 0
+        # a unit enclosing others stays gathered through the whole step
+        always, before, after = persistent + (gathered if enclosing else 0), act + held, grad + foreach_temps
+    mem = always + max(before, after)
+
+    # the working sets beyond what mem already counts of this unit's activations
+    temp_fwd = costs.fwd_peak_bytes.signed_bytes(b) - act
+    temp_bwd = (costs.recompute_peak_bytes if ckpt else costs.bwd_peak_bytes).signed_bytes(b) - act
+    flat = gathered if mode != "replicate" else 0  # all-gather output kept until the next unit gathers
+    # when its backward ends FSDP copies the unsharded gradients (in the working set) into the reduce buffer
+    post = costs.bwd_end_bytes.signed_bytes(b) - act + rs_input
+    prefetched, rs_previous = ctx.neighbours.get(unit.path, (0, 0))
+    own = gathered if (mode == "zero3" and not enclosing) else 0
+    if enclosing:
+        fwd = temp_fwd + flat
+        # the root stays gathered into backward (any mode), and FSDP2 dropped its flat buffer after the
+        # copy-out in forward (on gloo too: osdp.distributed.collectives.Lent)
+        bwd = temp_bwd + prefetched
+    else:
+        fwd = temp_fwd + own + flat
+        bwd = temp_bwd + own + prefetched + rs_previous
+        post += prefetched
+    if split_rows:
+        slice_fwd = max(2 * n * q * in_f * dt for _, q, in_f, _ in split_rows)
+        slice_bwd = max(2 * n * q * in_f * (dt + _REDUCE_BYTES) for _, q, in_f, _ in split_rows)
+        fwd, bwd = fwd + slice_fwd, bwd + slice_bwd
+    optimizer_temp = 0 if foreach else 2 * largest_shard
+    transient = max(fwd, bwd, post, optimizer_temp)
+
+    # -- time --------------------------------------------------------------------
+    compute = cal.compute_scale * (costs.fwd_s(b) + costs.bwd_s(b) + (costs.recompute_seconds(b) if ckpt else 0.0))
+    world = ctx.device.collectives
+    if ddp:
+        # DDP all-reduces 25 MiB buckets across units: each unit pays its bytes and its share of an alpha
+        reduced = _REDUCE_BYTES * fsdp_full
+        comm = _collective(world, "all_reduce", DDP_BUCKET_BYTES) * reduced / DDP_BUCKET_BYTES if reduced else 0.0
+    elif mode == "replicate":
+        comm = _collective(world, "all_reduce", _REDUCE_BYTES * fsdp_full)
+    else:
+        gathers = 2 if reshards_after_forward(unit.path, mode) else 1
+        comm = (gathers * _collective(gather_group, "all_gather", gathered)
+                + _collective(gather_group, "reduce_scatter", rs_input))
+        if across_nodes is not None:  # HSDP: the node's reduced shard, all-reduced with the other nodes'
+            comm += _collective(across_nodes, "all_reduce", rs_input / shard_n)
+    slices = slice_bytes = 0
+    split_comm = 0.0
+    for rows, q, in_f, pieces in split_rows:
+        weight = n * rows * in_f
+        gathers = 3 if ckpt else 2  # forward, backward (input gradient), recomputed forward
+        split_comm += gathers * _collective(world, "all_gather", dt * weight, pieces)
+        split_comm += _collective(world, "reduce_scatter", _REDUCE_BYTES * weight, pieces)
+        slices += (gathers + 1) * pieces
+        slice_bytes += (gathers * dt + _REDUCE_BYTES) * weight
+    comm += split_comm
+    overlap = cal.overlap_for(ctx.device)
+    per_byte = cal.unit_s_per_byte.get(mode, 0.0) * 4 * fsdp_full * _link_share(gather_group, world)
+    hideable = 0.0
+    if ddp:  # DDP's all-reduce, gloo's in-training cost of it included, runs while backward goes on
+        # the all-reduce alone: DDP copies gradients into its buckets on the backward's thread
+        hideable = min(comm * (1.0 - ctx.ddp_last_bucket.get(unit.path, 1.0)), cal.compute_scale * costs.bwd_s(b))
+        hidden = max(overlap * compute, cal.ddp_overlap * hideable)
+        exposed, per_byte = max(comm + per_byte - hidden, 0.0), 0.0
+    else:
+        exposed = max(comm - overlap * compute, 0.0)
+    overhead = (
+        cal.unit_overhead_s.get(mode, 0.0) + (cal.root_overhead_s.get(mode, 0.0) if unit.path == ROOT else 0.0)
+        + (0.0 if ddp else cal.param_overhead_s * len(fsdp_shapes))
+        + (cal.checkpoint_overhead_s if ckpt else 0.0)
+        + per_byte
+        + cal.slice_overhead_s * slices + cal.slice_s_per_byte * slice_bytes
+        + cal.slice_contention * min(split_comm, compute)
+    )
+    # FSDP2's collectives make the ranks meet as the unit's forward and its backward begin or end: each meeting
+    # waits for the rank that drifted furthest behind while computing since the last one
+    meeting_wait = 0.0
+    if not ddp and n > 1:
+        backward = costs.bwd_s(b) + (costs.recompute_seconds(b) if ckpt else 0.0)
+        meeting_wait = cal.meeting_wait_s_per_sqrt_s * sqrt_segments(
+            cal.compute_scale * costs.fwd_s(b), cal.compute_scale * backward)
+    optimizer_s = (  # the per-tensor cost is DTensor dispatch: DDP's parameters are plain tensors
+        (0.0 if ddp else ctx.calibration.optimizer_tensor_s * len(unit.param_shapes))
+        + ctx.optimizer_s_per_byte * 4 * shard_numel
+    )
+    time_s = compute + exposed + meeting_wait + overhead + optimizer_s
+    parts = {
+        "compute_s": compute, "comm_s": comm, "split_comm_s": split_comm, "exposed_comm_s": exposed,
+        "ddp_hideable_s": hideable, "meeting_wait_s": meeting_wait,
+        "overhead_s": overhead,
+        "optimizer_s": optimizer_s, "persistent_bytes": persistent, "activation_bytes": act,
+        "held_bytes": held, "gradient_bytes": grad, "fwd_transient_bytes": fwd, "bwd_transient_bytes": bwd,
+        "post_backward_bytes": post, "optimizer_temp_bytes": optimizer_temp,
+        "always_bytes": always, "before_backward_bytes": before, "after_backward_bytes": after, "ddp": float(ddp),
+        "gather_output_bytes": flat,
+        # what its neighbours meet of it in the plan (``plan_neighbours``): the all-gather output FSDP2 prefetches
+        # in backward (a unit resharded after forward) and the reduce-scatter input FSDP2 keeps after its backward
+        "backward_gather_bytes": flat if reshards_after_forward(unit.path, mode) else 0,
+        "kept_reduce_input_bytes": rs_input if mode in ("zero2", "zero3") else 0,
+    }
+    return OptionCost(time_s, int(mem), int(transient), parts)
+
+
+def sqrt_segments(*seconds: float) -> float:
+    """The sum of the square roots of the compute seconds between meetings: what the ranks' wait grows with
+    (``Calibration.meeting_wait_s_per_sqrt_s``)."""
+    return sum(math.sqrt(max(s, 0.0)) for s in seconds)

@@ -1,0 +1,160 @@
+"""Describe a model without running it: FLOPs and a fake-tensor trace, for planning offline.
+
+``describe_analytic(model, example_input, device)`` gives the same
+``ModelDescription`` as ``osdp.describe.measured.describe`` without the hardware, so a
+1.5B-parameter model can be planned for 8 GPUs on a laptop in seconds:
+
+* memory: the very same forward and backward pass as the measured
+  description (``osdp.describe.measure.memory_pass``: saved-tensor attribution, working
+  sets from ``osdp.machine.memory.LiveBytesTracker``), run on fake tensors
+  (``FakeTensorMode``): every shape and byte is real, no storage is
+  allocated. It matches the measured description byte for byte where the
+  kernels are the same (CPU); fused device kernels (flash attention on CUDA)
+  may save less.
+* time: FLOPs per unit and phase (``torch.utils.flop_counter``, attributed to
+  units like the measured times) divided by the device's achievable FLOP/s
+  (``DeviceInfo.flops``, a preset or ``osdp.machine.measure.measure_flops``). Ops
+  without FLOPs (norms, activations, softmax) count as free and the
+  optimizer step as instant, so analytic step times are optimistic where
+  memory bandwidth matters.
+
+The model may be on the meta device (``with torch.device("meta"):
+models.build("gpt2-xl")``) or a real one; it is never modified.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from osdp.machine.device_info import DeviceInfo
+from osdp.machine.presets import device_preset
+from osdp.log import Progress
+from osdp.machine.memory import map_tensors
+from osdp.schema.description import PRECISIONS, ModelDescription, UnitWorkload
+from osdp.describe.batch import ProfileError, batch_size_of, input_bytes_per_sample, input_spec, resize_batch
+from osdp.describe.measure import fit_costs, memory_pass, resolve_units, unit_profiles
+from osdp.describe.units import Unit, build_units, structure_signature
+
+
+def fake_copy(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake CPU tensors (ties kept, nothing allocated)."""
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        with mode:
+            return torch.empty(t.shape, dtype=target, device="cpu")
+
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(fake(p), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = fake(b)
+    return copy.deepcopy(model, memo)
+
+
+def _fake_batch(example_input: Any, mode: FakeTensorMode) -> Any:
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        with mode:
+            return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+
+    return map_tensors(fake, example_input)
+
+
+class _Flops:
+    """FLOPs per (phase, unit) between segment boundaries."""
+
+    def __init__(self, counter: FlopCounterMode):
+        self.counter, self.last, self.flops = counter, 0, {}
+
+    def __call__(self, owner: str, phase: str) -> None:
+        total = self.counter.get_total_flops()
+        self.flops[(phase, owner)] = self.flops.get((phase, owner), 0) + total - self.last
+        self.last = total
+
+
+def describe_analytic(
+    model: nn.Module,
+    example_input: Any,
+    device: DeviceInfo | str,
+    *,
+    world_size: int = 1,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    batch_sizes: Sequence[int] | None = None,
+    precisions: Sequence[str] = ("fp32",),
+    units: Sequence[Unit] | None = None,
+    granularity: str = "sub-block",
+    progress: bool = True,
+    name: str | None = None,
+) -> ModelDescription:
+    """A ``ModelDescription`` from FLOPs and a fake-tensor trace (see the module docstring).
+
+    ``device``: a ``DeviceInfo`` or a preset name (``osdp.machine.presets.DEVICE_PRESETS``;
+    ``world_size`` is only needed to build it). ``example_input`` may be real or
+    meta tensors; only shapes and dtypes are used.
+    """
+    start = time.perf_counter()
+    units_given = units
+    info = device if isinstance(device, DeviceInfo) else device_preset(device, world_size)
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise ProfileError(f"precision {p!r} is not one of {list(PRECISIONS)}")
+        rate = info.flops.get(str(PRECISIONS[p]).removeprefix("torch."), 0.0)
+        if not rate > 0:
+            raise ProfileError(
+                f"device {info.name!r} has no FLOP/s figure for {p}: measure one (osdp.machine.measure.measure_flops) "
+                "or use a preset that has it"
+            )
+    if next(model.parameters(), None) is None:
+        raise ProfileError("the model has no parameters: there is nothing to describe")
+    n = batch_size_of(example_input)
+    sizes = tuple(sorted(set(batch_sizes or (max(1, n // 2), n))))
+    name = name or getattr(getattr(model, "config", None), "name", None) or type(model).__name__
+    show = Progress(f"describe {name} (analytic)", progress)
+
+    mode = FakeTensorMode()
+    fake_input = _fake_batch(example_input, mode)
+    costs: dict[str, dict[str, UnitWorkload]] = {}
+    order: list[str] = []
+    with mode:
+        fake_model = fake_copy(model, mode)
+        show("checking the forward")
+        units = resolve_units(fake_model, resize_batch(fake_input, sizes[0]), loss_fn, units, granularity)
+        for prec in precisions:
+            runnable = fake_model if prec == "fp32" else fake_copy(model, mode, PRECISIONS[prec])
+            runnable_units = build_units(runnable, [u.path for u in units])
+            rate = info.flops_for(PRECISIONS[prec])
+            memory, seconds, flops = {}, {}, {}
+            for i, b in enumerate(sizes):
+                show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)})")
+                counter = FlopCounterMode(display=False)
+                meter = _Flops(counter)
+                with counter:
+                    memory[b], order = memory_pass(runnable, runnable_units, resize_batch(fake_input, b), loss_fn, meter)
+                flops[b] = meter.flops
+                seconds[b] = {k: f / rate for k, f in meter.flops.items()}
+            costs[prec] = fit_costs(runnable_units, sizes, memory, seconds, flops)
+        profiles = unit_profiles(fake_model, units, costs)
+    description = ModelDescription(
+        model=name,
+        signature=structure_signature(model),
+        units=profiles,
+        batch_sizes=sizes,
+        precisions=tuple(precisions),
+        optimizer_s_per_byte={},
+        source=f"analytic: FLOPs at {info.name}'s FLOP/s, memory from a fake-tensor trace",
+        device=info.name,
+        input_spec=input_spec(example_input),
+        input_bytes_per_sample=input_bytes_per_sample(example_input),
+        forward_order=tuple(order),
+        profile_seconds=time.perf_counter() - start,
+        granularity=granularity if units_given is None else "given",
+    )
+    show.done(f"done in {description.profile_seconds:.1f}s")
+    return description

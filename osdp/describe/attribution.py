@@ -1,0 +1,227 @@
+"""Which unit a second, a saved tensor or a byte of a working set belongs to, while a model trains.
+
+Attribution. Forward: a segment of time (or memory peak) between two hook
+events belongs to the innermost unit whose forward is running; time outside
+every unit (the loss of a model returning logits) is the root's. Backward, where
+module hooks cannot say when a unit is done: a segment belongs to the unit the
+event that closes it names, because that event fires right after the op that
+produced it: the arrival of a unit's output gradient closes a segment of the
+unit around it, the gradient of a unit's input or of one of its parameters
+closes a segment of that unit. Every second is attributed to exactly one unit,
+so the units add up to the timed step (``ModelDescription.checks`` records both).
+
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import weakref
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+
+from osdp.machine.memory import iter_tensors
+from osdp.schema.plan import ROOT
+from osdp.describe.units import Unit, param_homes
+from osdp.describe.units import checkpointable
+
+
+
+
+class Segments:
+    """Cuts a forward and backward into segments, each owned by one unit, and reports them.
+
+    ``on_close(owner, phase)`` is called at every boundary for the segment that
+    ends there (see the module docstring for the rules). ``stack`` is the
+    forward's unit stack: after an exception in forward, its top is the unit
+    that failed.
+    """
+
+    def __init__(self, model: nn.Module, units: Sequence[Unit], on_close: Callable[[str, str], None]):
+        self.model, self.units, self.on_close = model, units, on_close
+        self.modules = dict(model.named_modules())
+        self.parent = {n: u.path for u in units for n in u.nested}
+        self.homes = param_homes(model, [u.path for u in units])
+        self.stack: list[str] = []
+        self.phase = "fwd"
+        self.inputs: dict[str, list[tuple[int, int, Any]]] = {}  # unit -> (storage key, bytes, weakref) of its inputs
+        self.finished: list[str] = []  # units in the order their forward ended (FSDP2's post-forward order)
+        self._handles: list[Any] = []
+
+    def close(self, owner: str) -> None:
+        self.on_close(owner, self.phase)
+
+    def start(self, phase: str) -> None:
+        """Close what ran before (outside every unit: the root's) and enter ``phase``."""
+        self.close(ROOT)
+        self.phase = phase
+
+    def __enter__(self) -> "Segments":
+        for u in self.units:
+            m = self.modules[u.path]
+            self._handles.append(m.register_forward_pre_hook(self._pre(u.path), with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post(u.path)))
+            if u.path != ROOT:
+                parent = self.parent.get(u.path, ROOT)
+                self._handles.append(m.register_full_backward_pre_hook(lambda *_, o=parent: self.close(o)))
+                self._handles.append(m.register_full_backward_hook(lambda *_, o=u.path: self.close(o)))
+        for p in self.model.parameters():
+            if p.requires_grad:
+                home = self.homes[id(p)]
+                self._handles.append(p.register_post_accumulate_grad_hook(lambda _, o=home: self.close(o)))
+        self.stack.clear()
+        self.phase = "fwd"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre(self, path: str):
+        def hook(_module, args, kwargs):
+            self.close(self.stack[-1] if self.stack else ROOT)
+            self.stack.append(path)
+            self.inputs[path] = [
+                (_storage_key(t), t.untyped_storage().nbytes(), weakref.ref(t.untyped_storage()))
+                for t in iter_tensors((args, kwargs))
+                if t.layout == torch.strided
+            ]
+
+        return hook
+
+    def _post(self, path: str):
+        def hook(_module, _args, _output):
+            self.close(path)
+            self.stack.pop()
+            if path not in self.finished:
+                self.finished.append(path)
+
+        return hook
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """Waits for the device's queued work: on CUDA a clock read without it times the kernel launches."""
+    if device.type == "cuda":
+        return functools.partial(torch.cuda.synchronize, device)
+    return lambda: None
+
+
+class _Timer:
+    """Seconds per (phase, unit) between segment boundaries (``sync`` first waits for the device)."""
+
+    def __init__(self, sync: Callable[[], None] = lambda: None) -> None:
+        self.seconds: dict[tuple[str, str], float] = {}
+        self.sync = sync
+        self.last = time.perf_counter()
+
+    def __call__(self, owner: str, phase: str) -> None:
+        self.sync()
+        now = time.perf_counter()
+        key = (phase, owner)
+        self.seconds[key] = self.seconds.get(key, 0.0) + now - self.last
+        self.last = now
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _Saved:
+    """Saved-tensor attribution: each storage counted once, for the first unit that saves it.
+
+    Follows how many saved bytes of each unit are alive (``live``), so that a
+    memory peak can be split into the running unit's own saved bytes and the
+    rest.
+    """
+
+    def __init__(self, segments: Segments, param_keys: set[int], chain: Callable[[torch.Tensor], Any] | None):
+        self.segments, self.param_keys, self.chain = segments, param_keys, chain
+        self.first_saver: dict[int, str] = {}
+        self.nbytes: dict[int, int] = {}
+        self.live: dict[str, int] = {}
+        self.total_live = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.chain is not None:
+            self.chain(t)
+        if self.segments.phase == "fwd" and t.layout == torch.strided:
+            key = _storage_key(t)
+            if key not in self.param_keys and key not in self.first_saver:
+                owner = self.segments.stack[-1] if self.segments.stack else ROOT
+                nbytes = t.untyped_storage().nbytes()
+                self.first_saver[key] = owner
+                self.nbytes[key] = nbytes
+                self.live[owner] = self.live.get(owner, 0) + nbytes
+                self.total_live += nbytes
+                weakref.finalize(t.untyped_storage(), self._freed, owner, nbytes)
+        return t
+
+    def _freed(self, owner: str, nbytes: int) -> None:
+        self.live[owner] -= nbytes
+        self.total_live -= nbytes
+
+    def per_unit(self, paths: Iterable[str]) -> dict[str, dict[str, int]]:
+        """act and ckpt bytes per unit (see UnitWorkload). Call it between forward and backward.
+
+        A checkpointed unit keeps its inputs alive: those it saves itself, and
+        those nobody saves (dead by now); inputs kept alive by the caller (the
+        batch) cost nothing extra. An input another unit saved (T5's position
+        bias, a decoder's encoder memory) is that unit's while it saves its
+        activations, but only a checkpoint keeps it once that unit is
+        checkpointed too (the root and units enclosing others never are): the
+        first unit that takes it as input counts it, so
+        that a plan checkpointing both stays within its prediction (one that
+        checkpoints only the borrower is over-predicted by those bytes).
+        """
+        out = {p: {"act": 0, "ckpt": 0} for p in paths}
+        for key, owner in self.first_saver.items():
+            out[owner]["act"] += self.nbytes[key]
+        lenders = {u.path for u in checkpointable(self.segments.units)}  # the root and enclosing units never are
+        borrowed: set[int] = set()
+        for path, inputs in self.segments.inputs.items():  # in forward order
+            alive = {k: n for k, n, ref in inputs if ref() is not None and k not in self.param_keys}
+            dead = {k: n for k, n, ref in inputs if ref() is None}
+            own = sum(n for k, n in alive.items() if self.first_saver.get(k) == path)
+            lent = {k: n for k, n in alive.items()
+                    if self.first_saver.get(k) in lenders and self.first_saver.get(k) != path and k not in borrowed}
+            borrowed.update(lent)
+            out[path]["ckpt"] = own + sum(dead.values()) + sum(lent.values())
+        return out
+
+
+def _working_sets(
+    memory: dict[str, dict[str, int]], segments: Sequence[tuple[str, str, int, int, int, int]], root_total: int
+) -> None:
+    """Per unit, the peaks of its working set in forward, backward, and when recomputed in backward,
+    and the working set when its backward ends (where FSDP reduces its gradients).
+
+    A working set is the unit's own live saved bytes plus all temporaries at
+    the peak of one of its segments. For a unit other than the root, the
+    root's saved bytes that do not exist at that moment (not saved yet in
+    forward, freed in backward) are subtracted: the cost model counts all of
+    the root's activations, whatever else it counts; the root is never
+    checkpointed, so this holds for every plan. A checkpointed unit redoes its
+    forward at the start of its backward, so its recomputed working set is
+    the larger of the two, at the backward's moment.
+    """
+    net: dict[tuple[str, str], int] = {}  # (phase, unit) -> largest working set net of the root's absent bytes
+    raw: dict[tuple[str, str], int] = {}
+    credit_bwd: dict[str, int] = {}  # the smallest such credit while the unit's backward runs
+    end: dict[str, int] = {}
+    for phase, owner, working, root_live, working_now, root_now in segments:
+        credit = 0 if owner == ROOT else root_total - root_live
+        key = (phase, owner)
+        net[key] = max(net.get(key, working - credit), working - credit)
+        raw[key] = max(raw.get(key, working), working)
+        if phase == "bwd":
+            credit_bwd[owner] = min(credit_bwd.get(owner, credit), credit)
+            end[owner] = working_now - (0 if owner == ROOT else root_total - root_now)  # the last one stays
+    for path, m in memory.items():
+        m["fwd_peak"] = net.get(("fwd", path), 0)
+        m["bwd_peak"] = net.get(("bwd", path), 0)
+        both = max(raw.get(("fwd", path), 0), raw.get(("bwd", path), 0))
+        m["recompute_peak"] = both - credit_bwd.get(path, 0)
+        m["bwd_end"] = end.get(path, 0)

@@ -1,0 +1,96 @@
+"""An example input as the describe sees it: its batch size, resized to another, its bytes per sample, fed to
+the model (``call_model``) and turned into a loss (``loss_of``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn as nn
+
+from osdp.machine.memory import iter_tensors, map_tensors
+
+
+class ProfileError(ValueError):
+    """The model cannot be described as given (the message names the unit)."""
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def batch_size_of(example_input: Any) -> int:
+    """The batch size: dim 0 of the example's tensors (which must agree)."""
+    sizes = {t.shape[0] for t in iter_tensors(example_input) if t.dim() >= 1}
+    if len(sizes) != 1:
+        found = "no tensor with a batch dimension" if not sizes else f"batch dimensions {sorted(sizes)}"
+        raise ProfileError(
+            f"example_input must hold tensors with one batch size in dim 0 (a tensor, a tuple of "
+            f"positional arguments or a dict of keyword arguments); found {found}"
+        )
+    return sizes.pop()
+
+
+def resize_batch(example_input: Any, b: int) -> Any:
+    """The example with ``b`` samples: its first b rows, or its rows repeated."""
+    n = batch_size_of(example_input)
+
+    def resize(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] != n:
+            return t
+        if b <= n:
+            return t[:b].clone(memory_format=torch.contiguous_format)  # its own storage: saved bytes are its bytes
+        reps = [math.ceil(b / n)] + [1] * (t.dim() - 1)
+        return t.repeat(*reps)[:b].contiguous()
+
+    return map_tensors(resize, example_input)
+
+
+def input_spec(example_input: Any) -> str:
+    """Per-sample shapes and dtypes of the example: part of the cache key."""
+
+    def spec(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return f"{str(obj.dtype).removeprefix('torch.')}{list(obj.shape[1:])}"
+        if isinstance(obj, (list, tuple)):
+            return [spec(x) for x in obj]
+        if isinstance(obj, Mapping):
+            return {str(k): spec(v) for k, v in obj.items()}
+        return repr(obj)
+
+    return json.dumps(spec(example_input), sort_keys=True)
+
+
+def input_bytes_per_sample(example_input: Any) -> float:
+    """Bytes of the example's storages (each once, however many views share it) per sample."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in iter_tensors(example_input)}
+    return sum(storages.values()) / batch_size_of(example_input)
+
+
+def call_model(model: nn.Module, example_input: Any) -> Any:
+    """A tensor is one argument, a tuple or list positional arguments, a dict keyword arguments."""
+    if isinstance(example_input, Mapping):
+        return model(**example_input)
+    if isinstance(example_input, (tuple, list)):
+        return model(*example_input)
+    return model(example_input)
+
+
+def loss_of(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
+    """The scalar to call backward on: ``loss_fn(output)``, or the output when it is a loss."""
+    if loss_fn is not None:
+        loss = loss_fn(output)
+    elif isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        loss = output["loss"]
+    else:
+        loss = getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ProfileError(
+            "the model's output is not a scalar loss; pass loss_fn=... (called on the output, "
+            "returning a scalar tensor)"
+        )
+    return loss

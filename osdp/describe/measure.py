@@ -1,0 +1,385 @@
+"""The measuring passes of the describe: a checked forward that finds the units that run, a memory pass
+and timed passes per micro-batch size (plain and checkpointed), the optimizers' step, and the fit of
+all of it linear in the micro-batch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+import warnings
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from osdp.describe.forward_caches import disable_caches_in_training
+from osdp.schema.description import PHASES, Affine, UnitProfile, UnitWorkload
+from osdp.machine.memory import LiveBytesTracker, iter_tensors
+from osdp.optim import make_optimizer
+from osdp.schema.plan import ROOT, display_path
+from osdp.describe.recompute import checkpoint_unit, undo_checkpoint
+from osdp.machine.timing import StepTimer
+from osdp.describe.units import Unit, build_units, checkpointable, discover_units, param_homes, trace_calls
+from osdp.describe.batch import ProfileError, call_model, loss_of
+from osdp.describe.attribution import Segments, _Saved, _Timer, _storage_key, _working_sets
+
+
+
+
+def _step(model: nn.Module, batch: Any, loss_fn, segments: Segments | None = None, after_forward=None) -> None:
+    out = call_model(model, batch)
+    loss = loss_of(out, loss_fn)
+    del out
+    if after_forward is not None:
+        after_forward()
+    if segments is None:
+        loss.backward()
+        return
+    segments.start("bwd")
+    with warnings.catch_warnings():  # units whose inputs need no gradient (embeddings): expected, see Segments
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        loss.backward()
+    segments.close(ROOT)
+
+
+def _checked_forward(model: nn.Module, units: Sequence[Unit] | None, batch: Any, loss_fn) -> None:
+    """A forward (no grad) that, if it fails, names the innermost unit and module running."""
+    modules: list[str] = []
+    handles = []
+
+    def enter(path: str) -> None:
+        modules.append(path)
+
+    def leave(*_: Any) -> None:
+        modules.pop()
+
+    for path, m in model.named_modules():
+        handles.append(m.register_forward_pre_hook(lambda *_, p=path: enter(p)))
+        handles.append(m.register_forward_hook(leave))
+    try:
+        with torch.no_grad():
+            loss_of(call_model(model, batch), loss_fn)
+    except ProfileError:
+        raise
+    except Exception as e:
+        unit_paths = {u.path for u in units} if units is not None else None
+        inner = modules[-1] if modules else ROOT
+        unit = next((p for p in reversed(modules) if unit_paths is None or p in unit_paths), ROOT)
+        if unit_paths is None:  # units not discovered yet: the innermost default unit candidate
+            unit = _innermost_default_unit(model, modules)
+        where = f"unit '{display_path(unit)}'"
+        if inner != unit:
+            where += f" (module '{display_path(inner)}', {type(model.get_submodule(inner)).__name__})"
+        raise ProfileError(f"the forward of the example batch failed in {where}: {type(e).__name__}: {e}") from e
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _innermost_default_unit(model: nn.Module, running: list[str]) -> str:
+    paths = {u.path for u in discover_units(model)}
+    return next((p for p in reversed(running) if p in paths), ROOT)
+
+
+def _check_units(model: nn.Module, units: Sequence[Unit], counts: Mapping[str, int]) -> None:
+    for u in units:
+        if u.path != ROOT and u.numel == 0:
+            raise ProfileError(
+                f"unit '{u.name}' owns no parameters (they all belong to units nested in it, or it has "
+                "none): a unit is a module whose parameters are sharded together; remove it"
+            )
+        if counts.get(u.path, 0) > 1:
+            raise ProfileError(
+                f"unit '{u.name}' runs {counts[u.path]} times per forward; FSDP would gather it each "
+                "time and its activations add up: make its parent the unit (osdp.discover_units does "
+                "this by itself when given call counts)"
+            )
+
+
+def resolve_units(
+    model: nn.Module, batch: Any, loss_fn, units: Sequence[Unit] | None, granularity: str = "sub-block"
+) -> list[Unit]:
+    """The units to describe, after a checked forward that names the unit that fails, if one does.
+
+    Default units come from ``osdp.discover_units`` at ``granularity`` with
+    call counts, so a module that runs twice per forward is merged into its
+    parent; given units that run twice or own no parameters are refused.
+    """
+    calls = trace_calls(model, lambda: _checked_forward(model, units, batch, loss_fn))
+    if not calls.uses:
+        raise ProfileError(
+            "the forward of the example batch used none of the model's parameters: there is nothing to train or "
+            "to shard; check that the example reaches the model's layers (and loss_fn its output)"
+        )
+    if units is None:
+        return discover_units(model, calls, granularity)
+    units = build_units(model, [u.path for u in units])
+    _check_units(model, units, calls.counts)
+    return units
+
+
+def _median_by_key(runs: list[dict]) -> dict:
+    keys = set().union(*runs)
+    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
+
+
+def memory_pass(
+    model: nn.Module, units: Sequence[Unit], batch: Any, loss_fn, also: Callable[[str, str], None] | None = None
+) -> tuple[dict[str, dict[str, int]], list[str]]:
+    """One forward and backward under ``osdp.machine.memory.LiveBytesTracker``: per unit its saved bytes
+    (act, ckpt) and working-set peaks (see ``_working_sets``), and the units' forward order.
+
+    ``also(owner, phase)`` is called at every segment boundary too (the analytic
+    description counts FLOPs there). Works on real and on fake tensors.
+    """
+    model.zero_grad(set_to_none=True)
+    param_keys = {_storage_key(p) for p in model.parameters()}
+    # per segment: phase, owner, the owner's saved bytes plus temporaries at the segment's peak, root saved live
+    segments_seen: list[tuple[str, str, int, int, int, int]] = []
+    pending: dict[str, list[nn.Parameter]] = {}  # gradients of a unit whose backward is running
+    memory: dict[str, dict[str, int]] = {}
+    last_root = root_total = 0
+    with LiveBytesTracker(model, *iter_tensors(batch)) as tracker:
+
+        def on_close(owner: str, phase: str) -> None:
+            nonlocal last_root
+            # A unit's gradients are temporaries while its backward runs (FSDP reduces and frees
+            # them right after), gradients from then on; the enclosing units' (the root's) stay
+            # temporaries, as FSDP keeps them unsharded to the end of backward.
+            for unit in [w for w in pending if w != owner]:
+                for p in pending.pop(unit):
+                    tracker.mark(p.grad, "gradients")
+            peak, now = tracker.peak_breakdown(), tracker.current_breakdown()
+            others = saved.total_live - saved.live.get(owner, 0)  # other units' saved bytes do not change here
+            working = peak["temporaries"] + peak["activations"] - others
+            working_now = now["temporaries"] + now["activations"] - others
+            root = saved.live.get(ROOT, 0)
+            # the root's saved bytes during the segment: at its end in forward, its start in backward
+            segments_seen.append((phase, owner, working, max(last_root, root), working_now, root))
+            last_root = root
+            tracker.reset_peak()
+            if also is not None:
+                also(owner, phase)
+
+        segments = Segments(model, units, on_close)
+        saved = _Saved(segments, param_keys, chain=lambda t: tracker.mark(t, "activations"))
+        enclosing = {u.path for u in units if u.nested or u.path == ROOT}
+        grad_hooks = [
+            p.register_post_accumulate_grad_hook(lambda p, home=home: pending.setdefault(home, []).append(p))
+            for p in model.parameters()
+            if p.requires_grad and (home := segments.homes[id(p)]) not in enclosing
+        ]
+
+        def after_forward() -> None:
+            nonlocal root_total
+            memory.update(saved.per_unit(u.path for u in units))
+            root_total = saved.live.get(ROOT, 0)
+
+        try:
+            with segments, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                _step(model, batch, loss_fn, segments, after_forward)
+        finally:
+            for h in grad_hooks:
+                h.remove()
+    model.zero_grad(set_to_none=True)
+    _working_sets(memory, segments_seen, root_total)
+    return memory, list(segments.finished)
+
+
+def _time_at(
+    model: nn.Module,
+    units: Sequence[Unit],
+    batch: Any,
+    loss_fn,
+    repeats: int,
+    sync: Callable[[], None],
+    checkpointed: bool = False,
+) -> dict[str, Any]:
+    """Per-unit seconds (medians over ``repeats`` hooked steps), scaled so that they add up to the
+    median plain step (hooks cost a few percent, waiting for a GPU at every boundary more; plain
+    and hooked steps alternate). With ``checkpointed``, also each checkpointable unit's recompute
+    seconds ("recompute_seconds"): how much longer a step takes with it checkpointed. How much that is
+    in all comes from whole unhooked steps, every unit checkpointed against none, and how it divides
+    among units from the differences of their hooked backward segments (a unit whose backward needs
+    little of its forward recomputes little). Each checkpointed step follows a plain one and both
+    are medians of the pairs' differences, so a machine that speeds up or slows down while we
+    measure moves both sides of a difference alike."""
+    timed: dict[bool, list[dict]] = {False: [], True: []}
+    plain: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        for ckpt in (False, True) if checkpointed else (False,):
+            with _checkpointed(model, units) if ckpt else contextlib.nullcontext():
+                model.zero_grad(set_to_none=True)
+                timer = _Timer(sync)
+                with Segments(model, units, timer) as segments:
+                    sync()
+                    timer.last = time.perf_counter()
+                    _step(model, batch, loss_fn, segments)
+                timed[ckpt].append(timer.seconds)
+                model.zero_grad(set_to_none=True)
+                with StepTimer(_device_of(model)) as step:
+                    _step(model, batch, loss_fn)
+                plain[ckpt].append(step.seconds)
+    model.zero_grad(set_to_none=True)
+    medians = _median_by_key(timed[False])
+    step_s = statistics.median(plain[False])
+    scale = step_s / sum(medians.values())
+    out = {
+        "seconds": {k: v * scale for k, v in medians.items()},
+        "step_s": step_s,
+        "hooked_step_s": statistics.median(sum(t.values()) for t in timed[False]),
+    }
+    if checkpointed:
+        scale_ckpt = statistics.median(plain[True]) / sum(_median_by_key(timed[True]).values())
+        shares = {
+            u.path: statistics.median(
+                max(0.0, c.get(("bwd", u.path), 0.0) * scale_ckpt - p.get(("bwd", u.path), 0.0) * scale)
+                for p, c in zip(timed[False], timed[True])
+            )
+            for u in checkpointable(units)
+        }
+        # The segments alone over-count: checkpointing moves time across segment boundaries (gpt2-mini:
+        # their sum was 1.3x the steps' difference with attention and MLP as units, 2x with whole blocks,
+        # which made the search prefer the finer units for checkpointing when they are not faster).
+        extra = max(0.0, statistics.median(c - p for p, c in zip(plain[False], plain[True])))
+        total = sum(shares.values())
+        out["recompute_seconds"] = {path: share * extra / total if total > 0 else 0.0
+                                    for path, share in shares.items()}
+        out["recompute_step_s"] = extra
+    return out
+
+
+@contextlib.contextmanager
+def _checkpointed(model: nn.Module, units: Sequence[Unit]):
+    """Every checkpointable unit checkpointed as a plan checkpoints it (``osdp.describe.recompute``, forward caches
+    off: ``osdp.describe.forward_caches``); restored on exit."""
+    modules = dict(model.named_modules())
+    wrapped = [modules[u.path] for u in checkpointable(units)]
+    for m in wrapped:
+        checkpoint_unit(m)
+    no_cache = disable_caches_in_training(model, warn=False)
+    try:
+        yield
+    finally:
+        for m in wrapped:
+            undo_checkpoint(m)
+        for handle in no_cache:
+            handle.remove()
+
+
+def time_optimizers(params: Sequence[torch.Tensor], names: Iterable[str], repeats: int = 3) -> dict[str, float]:
+    """Step seconds per fp32 parameter byte of each optimizer, on fresh tensors shaped like ``params``."""
+    out = {}
+    shapes = [tuple(p.shape) for p in params if p.requires_grad]
+    device = next(iter(params)).device
+    nbytes = 4 * sum(math.prod(s) for s in shapes)
+    for name in names:
+        tensors = [nn.Parameter(torch.zeros(s, device=device)) for s in shapes]
+        for t in tensors:
+            t.grad = torch.zeros_like(t)
+        optimizer = make_optimizer(name, tensors)
+        optimizer.step()  # creates the state
+        times = []
+        for _ in range(repeats):
+            with StepTimer(device) as step:
+                optimizer.step()
+            times.append(step.seconds)
+        out[name] = statistics.median(times) / nbytes
+        del optimizer, tensors
+    return out
+
+
+def unit_profiles(model: nn.Module, units: Sequence[Unit], costs: Mapping[str, Mapping[str, UnitWorkload]]) -> list[UnitProfile]:
+    """UnitProfiles from measured or analytic costs (precision -> path -> costs)."""
+    from osdp.split import splittable_linears
+
+    modules = dict(model.named_modules())
+    homes = param_homes(model, [u.path for u in units])
+    shapes: dict[str, list[tuple[int, ...]]] = {u.path: [] for u in units}
+    for p in model.parameters():
+        shapes[homes[id(p)]].append(tuple(p.shape))
+    out = []
+    for u in units:
+        nested = [modules[n] for n in u.nested]
+        linears = splittable_linears(modules[u.path], exclude=nested, root=model) if u.path != ROOT else []
+        out.append(
+            UnitProfile(
+                path=u.path,
+                module_type=u.module_type,
+                signature=u.signature,
+                numel=u.numel,
+                param_bytes=u.param_bytes,
+                param_shapes=tuple(shapes[u.path]),
+                split_shapes=tuple(tuple(lin.weight.shape) for _, lin in linears),
+                nested=u.nested,
+                costs={prec: by_path[u.path] for prec, by_path in costs.items()},
+            )
+        )
+    return out
+
+
+def average_repeated(units: Sequence[Unit], per_unit: Mapping[str, Mapping[str, float]], how: Callable) -> dict:
+    """Per-unit measurements with every group of identical units (same signature) replaced by ``how`` of the group."""
+    groups: dict[str, list[str]] = {}
+    for u in units:
+        groups.setdefault(u.signature if u.path != ROOT else "\0root", []).append(u.path)
+    out = {}
+    for paths in groups.values():
+        keys = set().union(*(per_unit[p] for p in paths))
+        merged = {k: how([per_unit[p].get(k, 0) for p in paths]) for k in keys}
+        out.update({p: merged for p in paths})
+    return out
+
+
+def fit_costs(
+    units: Sequence[Unit],
+    sizes: Sequence[int],
+    memory: Mapping[int, Mapping[str, Mapping[str, float]]],
+    seconds: Mapping[int, Mapping[tuple[str, str], float]],
+    flops: Mapping[int, Mapping[tuple[str, str], float]] | None = None,
+    recompute_seconds: Mapping[int, Mapping[str, float]] | None = None,
+) -> dict[str, UnitWorkload]:
+    """UnitWorkload per unit from measurements at each size: times averaged over identical units,
+    memory exact per unit (a unit's place in the schedule matters), all fitted linear in b.
+    ``recompute_seconds``: per size, each checkpointable unit's measured recompute time."""
+    paths = [u.path for u in units]
+
+    def by_unit(table: Mapping[tuple[str, str], float]) -> dict[str, dict[str, float]]:
+        return {p: {ph: table.get((ph, p), 0.0) for ph in PHASES} for p in paths}
+
+    times = {b: average_repeated(units, by_unit(seconds[b]), statistics.fmean) for b in sizes}
+    counts = {b: by_unit(flops[b]) for b in sizes} if flops is not None else None
+    recompute: dict[str, Affine] = {}
+    if recompute_seconds is not None:
+        paired = checkpointable(units)
+        per_size = {b: {p: {"s": s} for p, s in recompute_seconds[b].items()} for b in sizes}
+        extra = {b: average_repeated(paired, per_size[b], statistics.fmean) for b in sizes}
+        for u in paired:
+            recompute[u.path] = Affine.fit(sizes, [extra[b][u.path]["s"] for b in sizes])
+
+    def fit(table: Mapping[int, Mapping[str, Mapping[str, float]]], path: str, key: str) -> Affine:
+        return Affine.fit(sizes, [table[b][path].get(key, 0) for b in sizes])
+
+    return {
+        p: UnitWorkload(
+            fwd_s=fit(times, p, "fwd"),
+            bwd_s=fit(times, p, "bwd"),
+            act_bytes=fit(memory, p, "act"),
+            ckpt_bytes=fit(memory, p, "ckpt"),
+            fwd_peak_bytes=fit(memory, p, "fwd_peak"),
+            bwd_peak_bytes=fit(memory, p, "bwd_peak"),
+            recompute_peak_bytes=fit(memory, p, "recompute_peak"),
+            bwd_end_bytes=fit(memory, p, "bwd_end"),
+            fwd_flops=fit(counts, p, "fwd") if counts else None,
+            bwd_flops=fit(counts, p, "bwd") if counts else None,
+            recompute_s=recompute.get(p),
+        )
+        for p in paths
+    }
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device

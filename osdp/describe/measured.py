@@ -1,0 +1,255 @@
+"""Describe a model for the cost model: per unit, what it stores and how long it computes.
+
+``describe(model, example_input)`` runs forward and backward on the device the
+job runs on and measures, for every unit (``osdp.describe.units``):
+
+* parameter shapes (exact; they give FSDP's padding, bytes and the split Linears);
+* activation bytes saved for backward: saved-tensor hooks attribute each saved
+  storage to the innermost unit running when autograd saves it (module hooks
+  keep a stack), counted once however many views share it, parameters left out;
+  and what checkpointing keeps instead (the unit's inputs);
+* working sets: the peak of the unit's own live saved bytes plus all
+  temporaries (logits on their way into the loss, gradients in flight) while
+  its forward or backward runs, and when its backward ends, measured with
+  ``osdp.machine.memory.LiveBytesTracker`` (``attribution._working_sets`` says exactly what);
+* forward and backward compute time, timed per unit with the same attribution.
+
+Everything is measured at a few micro-batch sizes and fitted linear in the
+size. Units with the same ``signature`` (repeated blocks) get the average of
+their times; memory stays per unit, because where a unit runs in the schedule
+matters. The optimizer's step time per parameter byte is measured too. The
+result is cached on disk (``OSDP_CACHE_DIR``, default ``~/.cache/osdp``), keyed
+by everything that changes it, so a second ``describe`` of the same model is
+instant.
+
+The measuring passes are ``describe.measure``'s, what a unit's bytes and seconds are is
+``describe.attribution``'s, how a batch is resized and fed is ``describe.batch``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from osdp.schema.description import PRECISIONS, ModelDescription, UnitWorkload
+from osdp.log import Progress
+from osdp.machine.identity import device_name
+from osdp.machine.timing import StepTimer
+from osdp.store import cache_dir, write_atomically
+from osdp.describe.units import Unit, build_units, checkpointable, structure_signature
+from osdp.describe.batch import ProfileError, batch_size_of, input_bytes_per_sample, input_spec, resize_batch
+from osdp.describe.attribution import synchronizer
+from osdp.describe.measure import _device_of, _step, _time_at, fit_costs, memory_pass, resolve_units, time_optimizers, unit_profiles
+
+
+PROFILE_VERSION = 5  # bump when what is measured changes: old cache entries are ignored
+
+
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Structure plus the plain settings of every module (head counts, flags) that change costs, not shapes."""
+    parts = []
+    for name, m in model.named_modules():
+        settings = sorted(
+            (k, v) for k, v in vars(m).items()
+            if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))
+        )
+        parts.append(f"{name}:{type(m).__qualname__}:{settings}")
+    for name, p in model.named_parameters():
+        parts.append(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
+def _cache_key(parts: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def describe(
+    model: nn.Module,
+    example_input: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    batch_sizes: Sequence[int] | None = None,
+    precisions: Sequence[str] = ("fp32",),
+    units: Sequence[Unit] | None = None,
+    granularity: str = "sub-block",
+    optimizers: Sequence[str] = ("sgd", "sgd-momentum", "adamw"),
+    repeats: int | None = None,
+    time_budget_s: float = 20.0,
+    cache: bool = True,
+    progress: bool = True,
+    name: str | None = None,
+) -> ModelDescription:
+    """Measure ``model`` on the device its parameters are on (see the module docstring).
+
+    ``example_input``: a tensor (one argument), a tuple (positional arguments)
+    or a dict (keyword arguments), batch in dim 0. The model must return a
+    scalar loss, or ``loss_fn(output)`` must. ``batch_sizes`` default to half
+    the example's and the example's. ``precisions``: "fp32" and/or "bf16"
+    (measured on a bf16 copy, as FSDP's mixed precision computes). ``units``
+    default to ``osdp.discover_units`` at ``granularity`` with call counts, so
+    a module that runs twice per forward is merged into its parent. The model's parameters,
+    gradients, buffers and RNG state are left as they were.
+    """
+    with _buffers_kept(model):
+        return _describe(model, example_input, loss_fn=loss_fn, batch_sizes=batch_sizes, precisions=precisions,
+                         units=units, granularity=granularity, optimizers=optimizers, repeats=repeats,
+                         time_budget_s=time_budget_s, cache=cache, progress=progress, name=name)
+
+
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module):
+    """Buffers as they were after the block: a training forward updates some (BatchNorm's running statistics,
+    step counters), and a describe on rank 0 alone must leave them as the other ranks' and an unwrapped run's."""
+    saved = {b: b.detach().clone() for b in model.buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved.items():
+                b.copy_(value)
+
+
+def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, granularity, optimizers, repeats,
+              time_budget_s, cache, progress, name) -> ModelDescription:
+    start = time.perf_counter()
+    params = list(model.parameters())
+    if not params:
+        raise ProfileError("the model has no parameters: there is nothing to describe")
+    device = params[0].device
+    if device.type == "meta":
+        raise ProfileError("the model is on the meta device: describe it with osdp.describe.analytic.describe_analytic")
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise ProfileError(f"precision {p!r} is not one of {list(PRECISIONS)}")
+    n = batch_size_of(example_input)
+    sizes = tuple(sorted(set(batch_sizes or (max(1, n // 2), n))))
+    if sizes[0] < 1:
+        raise ProfileError(f"batch sizes must be >= 1, got {list(sizes)}")
+    name = name or getattr(getattr(model, "config", None), "name", None) or type(model).__name__
+    show = Progress(f"describe {name}", progress)
+
+    show("checking the forward")
+    given_units = units
+    units = resolve_units(model, resize_batch(example_input, sizes[0]), loss_fn, units, granularity)
+
+    key_parts = {
+        "version": PROFILE_VERSION, "model": model_fingerprint(model), "units": [u.path for u in units],
+        "input": input_spec(example_input), "sizes": sizes, "precisions": list(precisions),
+        "device": device_name(device), "torch": torch.__version__, "optimizers": list(optimizers),
+        "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)) if loss_fn else None,
+    }
+    key = _cache_key(key_parts)
+    path = cache_dir() / "describe" / f"{key}.json"
+    if cache and path.exists():
+        try:
+            description = ModelDescription.from_json(path.read_text())
+            description.from_cache = True
+            show.done(f"from cache {path}")
+            return description
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable entry (older format): measure again
+
+    saved_grads = {p: p.grad for p in params}
+    sync = synchronizer(device)
+    costs: dict[str, dict[str, UnitWorkload]] = {}
+    checks: dict[str, Any] = {}
+    order: list[str] = []
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for prec in precisions:
+                runnable = model if prec == "fp32" else _copy_in(model, PRECISIONS[prec])
+                runnable_units = build_units(runnable, [u.path for u in units])
+                show(f"{prec}: warm-up")
+                step_s = _warm_up(runnable, resize_batch(example_input, sizes[-1]), loss_fn)
+                reps = repeats or max(2, min(7, int(time_budget_s / len(precisions) / max(step_s, 1e-4) / 2.5 / len(sizes))))
+                memory, seconds, recompute = {}, {}, {}
+                for i, b in enumerate(sizes):
+                    show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps")
+                    batch = resize_batch(example_input, b)
+                    memory[b], order = memory_pass(runnable, runnable_units, batch, loss_fn)
+                    with_ckpt = bool(checkpointable(runnable_units))
+                    timing = _time_at(runnable, runnable_units, batch, loss_fn, reps, sync, checkpointed=with_ckpt)
+                    seconds[b] = timing["seconds"]
+                    checks.setdefault(prec, {})[str(b)] = {k: timing[k] for k in ("step_s", "hooked_step_s")}
+                    if with_ckpt:
+                        recompute[b] = timing["recompute_seconds"]
+                costs[prec] = fit_costs(runnable_units, sizes, memory, seconds, recompute_seconds=recompute or None)
+                if runnable is not model:
+                    del runnable
+            show("timing the optimizers")
+            opt = time_optimizers(params, optimizers)
+    finally:
+        for p, g in saved_grads.items():
+            p.grad = g
+    description = ModelDescription(
+        model=name,
+        signature=structure_signature(model),
+        units=unit_profiles(model, units, costs),
+        batch_sizes=sizes,
+        precisions=tuple(precisions),
+        optimizer_s_per_byte=opt,
+        source=f"measured on {device_name(device)}",
+        device=device_name(device),
+        input_spec=input_spec(example_input),
+        input_bytes_per_sample=input_bytes_per_sample(example_input),
+        forward_order=tuple(order),
+        checks=checks,
+        profile_seconds=time.perf_counter() - start,
+        cache_key=key,
+        granularity=granularity if given_units is None else "given",
+    )
+    show.done(f"done in {description.profile_seconds:.1f}s")
+    if cache:
+        write_atomically(path, description.to_json())
+    return description
+
+
+def describe_once(model: nn.Module, example_input: Any, **settings: Any) -> ModelDescription:
+    """Collective: rank 0 describes ``model`` (``describe(**settings)``) while the other ranks wait, and every
+    rank gets its description, or raises its error.
+
+    This is how the planner describes a model in a job, so the calibration
+    (``osdp.calibration``) describes its synthetic models the same way: a
+    description is timed on one rank with the others idle, and the
+    calibration's compute scale says how much slower the job computes.
+    """
+    from osdp.distributed import broadcast_object, world
+
+    rank, _ = world()
+    outcome: tuple[str, Any] = ("", None)
+    if rank == 0:
+        try:
+            outcome = ("description", describe(model, example_input, **settings))
+        except Exception as e:  # noqa: BLE001 - every rank must raise it, not wait forever
+            outcome = ("error", e)
+    kind, payload = broadcast_object(outcome)
+    if kind == "error":
+        raise payload
+    return payload
+
+
+def _copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy with floating parameters and buffers in ``dtype``: what FSDP's mixed precision computes with."""
+    return copy.deepcopy(model).to(dtype)
+
+
+def _warm_up(model: nn.Module, batch: Any, loss_fn) -> float:
+    """Two steps (first-call costs, allocator warm-up); returns the second's seconds."""
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with StepTimer(_device_of(model)) as step:
+            _step(model, batch, loss_fn)
+    model.zero_grad(set_to_none=True)
+    return step.seconds

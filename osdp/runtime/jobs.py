@@ -1,0 +1,170 @@
+"""Train several jobs side by side, one step of each in turn: ``run_jobs``.
+
+On a shared machine the load changes within seconds, and gloo's blocking
+collectives suffer from it far more than compute. Timing plans one after
+another lets each see a different machine; here every job's model exists at
+once and the jobs take one step each in turn, so that all of them see the
+same load. The calibration (``osdp.calibration``), the validation
+(``osdp.cli.validate``) and the experiments measure with it.
+
+A ``Job`` is a model builder, a plan (``None``: the plain model, not wrapped)
+and this rank's batch. Per job ``run_jobs`` reports the median over steps of
+the slowest rank's step time (and of its forward and backward), and the
+largest peak over ranks of one step under ``osdp.machine.memory.PeakMemory``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import statistics
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from osdp.distributed import all_gather_objects
+from osdp.fsdp_ext.apply import apply_plan
+from osdp.machine.memory import PeakMemory, iter_tensors
+from osdp.optim import make_optimizer
+from osdp.schema.plan import ROOT, Plan
+from osdp.runtime.step import train_step
+from osdp.describe.units import discover_units
+
+
+@dataclasses.dataclass
+class Job:
+    """A model to train: how to build it, how to make it data parallel, this rank's batch.
+
+    ``plan``: applied with ``osdp.wrap``. ``parallelize``: any other way, a
+    function of the built model returning the module to train (a baseline as
+    users write it, say). Neither: the plain model, no communication; with
+    ``lockstep`` the ranks meet (a one-element all-reduce) where every unit
+    but the root starts its forward and its backward, as they do under any plan.
+    """
+
+    build: Callable[[], nn.Module]
+    plan: Plan | None
+    batch: Any
+    lockstep: bool = False
+    parallelize: Callable[[nn.Module], nn.Module] | None = None
+
+    @property
+    def parallel(self) -> bool:
+        return self.plan is not None or self.parallelize is not None
+
+
+class _Trainer:
+    """One job's model, wrapped by its plan, and its optimizer: steps on demand."""
+
+    def __init__(self, job: Job, device: torch.device, optimizer: str, loss_fn: Callable | None):
+        self.job, self.device, self.loss_fn = job, device, loss_fn
+        self.model = job.build().to(device)
+        if job.plan is not None:  # what osdp.wrap(model, plan=...) does (the planner measures with this harness)
+            apply_plan(self.model, job.plan, device=device)
+        elif job.parallelize is not None:
+            self.model = job.parallelize(self.model)
+        elif job.lockstep:
+            meet_at_every_unit(self.model)
+        self.optimizer = make_optimizer(optimizer, self.model.parameters())
+
+    def step(self) -> tuple[float, float]:
+        """(step seconds, forward + backward seconds)."""
+        with quiet_meetings():
+            times = train_step(self.model, self.job.batch, self.optimizer, loss_fn=self.loss_fn, device=self.device)
+        return times.seconds, times.fwd_bwd_seconds
+
+    def peak(self) -> dict[str, Any]:
+        """One step under ``PeakMemory`` (slower: not timed)."""
+        with PeakMemory(self.device, self.model, self.optimizer, *iter_tensors(self.job.batch)) as meter:
+            self.step()
+        stats = meter.stats()
+        return {"peak_bytes": stats.peak_bytes, "peak_breakdown": dict(stats.peak_breakdown)}
+
+
+@contextlib.contextmanager
+def quiet_meetings() -> Iterator[None]:
+    """Silences the warning of the meetings' backward hooks on units whose inputs need no gradient."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        yield
+
+
+def meet_at_every_unit(model: nn.Module) -> None:
+    """Make the ranks meet (a one-element all-reduce) where every unit but the root starts its forward and
+    its backward, as FSDP2's collectives make them meet under any plan."""
+    token = torch.zeros(1, device=next(model.parameters()).device)
+
+    def meet(*_: Any) -> None:
+        dist.all_reduce(token)
+
+    modules = dict(model.named_modules())
+    for unit in discover_units(model):
+        if unit.path != ROOT:
+            modules[unit.path].register_forward_pre_hook(meet)
+            modules[unit.path].register_full_backward_pre_hook(meet)
+
+
+def run_jobs(
+    jobs: dict[str, Job],
+    *,
+    device: torch.device,
+    optimizer: str = "adamw",
+    time_budget_s: float = 4.0,
+    warmup: int = 2,
+    min_steps: int = 5,
+    max_steps: int = 200,
+    rounds: int = 4,
+    each_round: Callable[[], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+    loss_fn: Callable | None = None,
+    measure_peak: bool = True,
+) -> dict[str, dict[str, Any]]:
+    """Collective: train every job side by side, one step of each in turn; times and peak memory.
+
+    ``time_budget_s`` is the timed seconds per job (within ``min_steps`` ..
+    ``max_steps`` steps each, agreed by all ranks); ``each_round()`` runs
+    ``rounds`` times spread over them. Per job: the median over steps of the
+    slowest rank's time (and that time for each step, in order: the jobs' i-th
+    steps ran one after another, so they pair), and (``measure_peak``) the largest peak over ranks of
+    one tracked step (CPU tracking slows a step, so it is not timed).
+    """
+    trainers = {}
+    for i, (name, job) in enumerate(jobs.items()):
+        if progress:
+            progress(f"setting up {i + 1}/{len(jobs)} {name}")
+        trainers[name] = _Trainer(job, device, optimizer, loss_fn)
+    warm = {name: [t.step()[0] for _ in range(warmup)][-1] for name, t in trainers.items()}
+    wanted = int(time_budget_s * len(jobs) / max(sum(warm.values()), 1e-9))
+    steps = max(min_steps, min(max_steps, max(all_gather_objects(wanted))))
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in jobs}
+    for s in range(steps):
+        if each_round is not None and s % max(1, steps // rounds) == 0:
+            each_round()
+        for name, trainer in trainers.items():
+            times[name].append(trainer.step())
+        if progress and (s + 1) % max(1, steps // 10) == 0:
+            progress(f"step {s + 1}/{steps} of every job")
+    out = {}
+    for name, trainer in trainers.items():
+        tracked = measure_peak and trainer.job.parallel
+        peak = trainer.peak() if tracked else {"peak_bytes": None, "peak_breakdown": None}
+        ranks = all_gather_objects({"times": times[name], **peak})
+        out[name] = {
+            # the step of a synchronised job takes as long as its slowest rank's
+            "measured_step_s": statistics.median(max(t[0] for t in ts) for ts in zip(*(r["times"] for r in ranks))),
+            "measured_fwd_bwd_s": statistics.median(max(t[1] for t in ts) for ts in zip(*(r["times"] for r in ranks))),
+            "step_s_each": [max(t[0] for t in ts) for ts in zip(*(r["times"] for r in ranks))],  # in step order
+            "measured_peak_bytes": max((r["peak_bytes"] or 0) for r in ranks),
+            "steps": steps,
+            "per_rank": [{k: v for k, v in r.items() if k != "times"} for r in ranks],
+        }
+    del trainers
+    gc.collect()  # FSDP state holds reference cycles
+    return out
+
+
+__all__ = ["Job", "meet_at_every_unit", "run_jobs"]

@@ -1,0 +1,249 @@
+"""osdp.describe and osdp.describe.analytic: bytes against hand counts, attribution, inputs, cache, errors."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from osdp import models
+from osdp.describe.analytic import describe_analytic
+from osdp.models.data import synthetic_batch
+from osdp.schema.description import Affine, ModelDescription
+from osdp.describe.batch import ProfileError, resize_batch
+from osdp.describe.measured import describe
+
+B, T = 4, 16
+FAST = dict(cache=False, progress=False, repeats=2, optimizers=("adamw",))
+
+
+def gpt_tiny(**overrides):
+    torch.manual_seed(0)
+    return models.build("gpt2-tiny", seq_len=T, **overrides)
+
+
+def gpt_batch(b=B):
+    return synthetic_batch(models.get_config("gpt2-tiny", seq_len=T), b, T, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return describe(gpt_tiny(), gpt_batch(), **FAST)
+
+
+def test_parameter_bytes_and_shapes_are_exact(tiny):
+    model = gpt_tiny()
+    assert sum(u.param_bytes for u in tiny.units) == sum(p.numel() * 4 for p in model.parameters())  # tied once
+    for u in tiny.units:
+        assert sum(math.prod(s) for s in u.param_shapes) * 4 == u.param_bytes
+    mlp = tiny.unit("blocks.0.mlp")
+    C = model.config.n_embd
+    assert sorted(mlp.param_shapes) == sorted([(4 * C, C), (4 * C,), (C, 4 * C), (C,)])
+    assert sorted(mlp.split_shapes) == sorted([(4 * C, C), (C, 4 * C)])
+    assert tiny.unit("").split_shapes == ()  # the tied head is not splittable
+    assert tiny.paths[-1] == "" and tiny.forward_order[-1] == ""
+
+
+def test_activation_bytes_of_an_mlp_match_the_saved_tensors(tiny):
+    """fc saves its input (C), tanh-GELU its input (4C), proj its input (4C): 9 * B*T*C fp32 values.
+    Checkpointed, only the input is kept (nobody else saves it)."""
+    C = models.get_config("gpt2-tiny").n_embd
+    mlp = tiny.unit("blocks.1.mlp").costs["fp32"]
+    assert mlp.act_bytes.bytes(B) == 9 * B * T * C * 4
+    assert mlp.ckpt_bytes.bytes(B) == B * T * C * 4
+    assert mlp.act_bytes.bytes(2 * B) == 2 * mlp.act_bytes.bytes(B)  # linear in the micro-batch
+
+
+def test_activation_bytes_of_a_linear_unit_and_user_forms():
+    """A Linear unit saves its input; the ReLU outside every unit is the root's. Tensor, tuple and
+    dict inputs and a loss_fn all describe the same model."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+
+        def forward(self, x, scale=1.0):
+            return self.fc2(F.relu(self.fc1(x))) * scale
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(B, 16)
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    forms = [x, (x,), {"x": x, "scale": 2.0}]
+    described = [describe(net, form, loss_fn=loss_fn, **FAST) for form in forms]
+    for d in described:
+        fc1, fc2, root = (d.unit(p).costs["fp32"] for p in ("fc1", "fc2", ""))
+        assert fc1.act_bytes.bytes(B) == B * 16 * 4  # its input
+        assert fc2.act_bytes.bytes(B) == 0  # its input is ReLU's output, saved first by ReLU (the root)
+        assert root.act_bytes.bytes(B) >= B * 32 * 4  # ReLU's output
+        assert fc2.ckpt_bytes.bytes(B) == 0  # checkpointing fc2 keeps nothing the root does not keep anyway
+    with pytest.raises(ProfileError, match="loss_fn"):
+        describe(net, x, **FAST)
+
+
+class TanhChain(nn.Module):
+    """20 Linear + tanh: compute-heavy, and every step saves its output for backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(256, 256)
+
+    def forward(self, x):
+        for _ in range(20):
+            x = torch.tanh(self.fc(x))
+        return x
+
+
+def test_times_add_up_and_go_to_the_unit_that_computes():
+    """A unit with a big matmul gets most of the time; per-unit times sum to the plain step (scaled),
+    and the raw hooked sum is close to it (attribution counts every second once)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.light, self.heavy = nn.Linear(256, 256), TanhChain()
+
+        def forward(self, x):
+            return self.heavy(self.light(x)).mean()
+
+    torch.manual_seed(0)
+    d = describe(Net(), torch.randn(64, 256), cache=False, progress=False, repeats=5, optimizers=())
+    heavy, light = d.unit("heavy").costs["fp32"], d.unit("light").costs["fp32"]
+    assert heavy.fwd_s(64) > 5 * light.fwd_s(64)
+    assert heavy.bwd_s(64) > 5 * light.bwd_s(64)
+    check = d.checks["fp32"]["64"]
+    assert 0.5 < check["hooked_step_s"] / check["step_s"] < 2.0  # loose: the test machines are shared
+    total = sum(u.costs["fp32"].fwd_s(64) + u.costs["fp32"].bwd_s(64) for u in d.units)
+    assert total == pytest.approx(check["step_s"], rel=0.05)
+
+
+def test_recompute_is_measured_and_stops_where_backward_needs_nothing_more():
+    """Checkpointing redoes a unit's forward only up to the last tensor its backward needs: a unit
+    ending in a large matmul (whose output nobody saves) recomputes little of its forward, a chain of
+    saved activations nearly all of it. The root cannot be checkpointed and keeps the forward time."""
+
+    class WideEnd(nn.Module):  # a small saved part, then a 32x larger matmul nothing needs to redo
+        def __init__(self):
+            super().__init__()
+            self.small, self.wide = nn.Linear(256, 256), nn.Linear(256, 8192)
+
+        def forward(self, x):
+            return self.wide(torch.tanh(self.small(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.chain, self.wide_end = TanhChain(), WideEnd()  # every tanh in the chain saves its output
+
+        def forward(self, x):
+            return self.wide_end(self.chain(x)).mean()
+
+    torch.manual_seed(0)
+    net = Net()
+    # A recompute time is a difference of two backward times that each move 10-20% from step to step
+    # here; 15 paired steps keep wide_end's (about 0.15 of its forward) far from the 0.5 bound.
+    d = describe(net, torch.randn(64, 256), cache=False, progress=False, repeats=15, optimizers=())
+    chain, wide_end = d.unit("chain").costs["fp32"], d.unit("wide_end").costs["fp32"]
+    assert chain.recompute_s is not None and wide_end.recompute_s is not None
+    assert chain.recompute_seconds(64) > 0.5 * chain.fwd_s(64)
+    assert wide_end.recompute_seconds(64) < 0.5 * wide_end.fwd_s(64)
+    root = d.unit("").costs["fp32"]
+    assert root.recompute_s is None and root.recompute_seconds(64) == root.fwd_s(64)
+    assert type(net.chain) is TanhChain and type(net.wide_end) is WideEnd  # checkpointing undone
+    assert ModelDescription.from_json(d.to_json()).unit("chain").costs["fp32"].recompute_s == chain.recompute_s
+
+
+def test_analytic_matches_measured_memory_byte_for_byte(tiny):
+    analytic = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink", world_size=8, progress=False)
+    assert analytic.paths == tiny.paths and analytic.forward_order == tiny.forward_order
+    fields = ("act_bytes", "ckpt_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes")
+    for a, m in zip(analytic.units, tiny.units):
+        for f in fields:
+            assert getattr(a.costs["fp32"], f).signed_bytes(B) == getattr(m.costs["fp32"], f).signed_bytes(B), (a.path, f)
+    mlp = analytic.unit("blocks.0.mlp").costs["fp32"]
+    C = 64
+    assert mlp.fwd_flops(B) == 2 * 2 * B * T * C * 4 * C  # two matmuls of B*T x C x 4C
+    assert mlp.fwd_s(B) == pytest.approx(mlp.fwd_flops(B) / analytic_rate("h100-nvlink"))
+
+
+def analytic_rate(preset):
+    from osdp.machine.presets import device_preset
+
+    return device_preset(preset, 8).flops_for("float32")
+
+
+def test_analytic_describes_a_meta_model_without_memory():
+    with torch.device("meta"):
+        model = models.build("gpt2-small", n_layer=2)
+    ids = torch.zeros(1, 1024, dtype=torch.long)
+    start = time.perf_counter()
+    d = describe_analytic(model, (ids, ids), "a100-80gb-nvlink", world_size=8, precisions=("bf16",), progress=False)
+    assert time.perf_counter() - start < 60
+    attn = d.unit("blocks.0.attn").costs["bf16"]
+    assert attn.act_bytes.bytes(1) > 0 and attn.fwd_s(1) > 0
+    assert d.unit("").param_bytes == 4 * (50257 * 768 + 5 * 2 * 768)  # tied wte + norms
+
+
+def test_second_describe_comes_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OSDP_CACHE_DIR", str(tmp_path))
+    first = describe(gpt_tiny(), gpt_batch(), progress=False, repeats=2)
+    start = time.perf_counter()
+    second = describe(gpt_tiny(), gpt_batch(), progress=False, repeats=2)
+    assert second.from_cache and not first.from_cache
+    assert time.perf_counter() - start < 1.0
+    assert second.to_dict() == first.to_dict()
+    other = describe(gpt_tiny(n_head=2), gpt_batch(), progress=False, repeats=2)  # same shapes, other setting
+    assert not other.from_cache
+
+
+def test_json_round_trip(tiny):
+    again = ModelDescription.from_json(tiny.to_json())
+    assert again.to_dict() == tiny.to_dict()
+
+
+def test_forward_failure_names_the_unit():
+    model = gpt_tiny()
+    model.blocks[1].mlp.fc = nn.Linear(63, 256)  # wrong input width
+    with pytest.raises(ProfileError, match=r"unit 'blocks.1.mlp' \(module 'blocks.1.mlp.fc', Linear\)"):
+        describe(model, gpt_batch(), **FAST)
+
+
+def test_units_without_parameters_or_running_twice():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+            self.act = nn.Sequential(nn.ReLU())
+
+        def forward(self, x):
+            return self.b(self.a(self.a(x))).sum()
+
+    x = torch.randn(2, 8)
+    d = describe(Twice(), x, **FAST)
+    assert "a" not in d.paths  # runs twice: merged into its parent, the root
+    from osdp.describe.units import build_units
+
+    with pytest.raises(ProfileError, match="unit 'a' runs 2 times"):
+        describe(Twice(), x, units=build_units(Twice(), ["a", "b"]), **FAST)
+    with pytest.raises(ProfileError, match="unit 'act' owns no parameters"):
+        describe(Twice(), x, units=build_units(Twice(), ["act", "b"]), **FAST)
+
+
+def test_bf16_description_halves_activations(tiny):
+    d = describe(gpt_tiny(), gpt_batch(), precisions=("fp32", "bf16"), **FAST)
+    fp32, bf16 = d.unit("blocks.0.mlp").costs["fp32"], d.unit("blocks.0.mlp").costs["bf16"]
+    assert bf16.act_bytes.bytes(B) == fp32.act_bytes.bytes(B) // 2
+
+
+def test_batches_resize_and_affine_fits():
+    x = torch.arange(12).view(4, 3)
+    assert torch.equal(resize_batch(x, 2), x[:2]) and resize_batch(x, 2).untyped_storage().nbytes() == 2 * 3 * 8
+    assert torch.equal(resize_batch((x,), 6)[0], torch.cat([x, x[:2]]))
+    assert Affine.fit([2, 4], [10, 18]) == Affine(2.0, 4.0)
+    assert Affine.fit([4], [8]) == Affine(0.0, 2.0)
+    assert Affine(-3.0, 1.0).bytes(1) == 0 and Affine(-3.0, 1.0).signed_bytes(1) == -2

@@ -1,0 +1,52 @@
+"""osdp.describe.units: which modules are units at each granularity."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+import osdp
+from osdp import models
+
+
+def _paths(model: nn.Module, granularity: str) -> set[str]:
+    return {u.path for u in osdp.discover_units(model, granularity=granularity)}
+
+
+def test_whole_blocks_leave_a_small_embedding_with_the_root():
+    model = models.build("gpt2-mini")
+    blocks = {f"blocks.{i}" for i in range(4)}
+    assert _paths(model, "sub-block") == {f"{b}.{part}" for b in blocks for part in ("attn", "mlp")} | {"wpe", ""}
+    assert _paths(model, "block") == blocks | {""}  # wpe (128 x 256) is smaller than a block
+    root = next(u for u in osdp.discover_units(model, granularity="block") if u.path == "")
+    assert root.numel == sum(p.numel() for name, p in model.named_parameters() if not name.startswith("blocks."))
+
+
+class _BigHead(nn.Module):
+    """Two blocks of two sub-blocks, a small embedding and an untied head larger than a block."""
+
+    def __init__(self, d: int = 16, vocab: int = 1000):
+        super().__init__()
+        self.pos = nn.Embedding(4, d)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"a": nn.Sequential(nn.Linear(d, d)), "b": nn.Sequential(nn.Linear(d, d))})
+            for _ in range(2))
+        self.head = nn.Linear(d, vocab)
+
+
+def test_leaves_as_large_as_a_block_stay_units_and_a_model_without_blocks_keeps_its_leaves():
+    assert _paths(_BigHead(), "block") == {"blocks.0", "blocks.1", "head", ""}
+    mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert _paths(mlp, "block") == _paths(mlp, "sub-block") == {"0", "2", ""}
+
+
+def test_nested_units_are_whole_blocks_with_their_sub_blocks_and_a_block_keeps_only_what_they_do_not_hold():
+    model = models.build("gpt2-mini")
+    blocks = {f"blocks.{i}" for i in range(4)}
+    assert _paths(model, "nested") == blocks | {f"{b}.{part}" for b in blocks for part in ("attn", "mlp")} | {""}
+    units = {u.path: u for u in osdp.discover_units(model, granularity="nested")}
+    assert units["blocks.0"].nested == ("blocks.0.attn", "blocks.0.mlp")
+    assert units["blocks.0"].numel == sum(p.numel() for p in model.blocks[0].parameters()
+                                          if p.dim() == 1 and not any(p is q for q in model.blocks[0].attn.parameters())
+                                          and not any(p is q for q in model.blocks[0].mlp.parameters()))
+    # a block whose sub-blocks hold everything is no unit of its own: the sub-blocks go straight to the root
+    assert _paths(_BigHead(), "nested") == {"blocks.0.a", "blocks.0.b", "blocks.1.a", "blocks.1.b", "head", ""}

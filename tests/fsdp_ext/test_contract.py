@@ -1,0 +1,293 @@
+"""The contract with the user's code (DESIGN.md section 9): whatever the plan, the same training.
+
+A plan-independence matrix: each behaviour a training script may have (requires_grad changed after wrapping,
+FSDP2's methods on the model and on units, gradient clipping, parameters unused in some steps, a module never
+called, the model called twice per step, buffers, unshard/reshard calls) under every kind of plan, on 2 gloo
+ranks, equal to one process training the global batch (fp32 within 1e-5), and ``osdp.check_replicas`` after
+every step. Node-scoped plans on 4 ranks (2 nodes of 2).
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+
+import osdp
+from dist_harness import run_ranks
+from osdp.schema.plan import Plan, UnitPlan
+from training_check import full_state
+
+STEPS = 3
+ATOL = 1e-5
+
+
+class Block(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.ln = nn.LayerNorm(h)
+        self.attn = nn.Sequential(nn.Linear(h, h), nn.Tanh(), nn.Linear(h, h))
+        self.mlp = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln(x))
+        return x + self.mlp(x)
+
+
+class ContractNet(nn.Module):
+    """Embedding, two blocks, a head and an auxiliary head whose output a step may not use, a module never
+    called, and a step-counting buffer."""
+
+    def __init__(self, vocab=131, h=32):  # 131 rows: every sharding of them is padded
+        super().__init__()
+        self.wte = nn.Embedding(vocab, h)
+        self.blocks = nn.ModuleList([Block(h) for _ in range(2)])
+        self.head = nn.Linear(h, vocab)
+        self.aux = nn.Linear(h, vocab)
+        self.never_called = nn.Linear(h, h)
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, idx):
+        if self.training and torch.is_grad_enabled():
+            self.forwards += 1
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x), self.aux(x)
+
+
+def build():
+    torch.manual_seed(0)
+    return ContractNet()
+
+
+def batches(global_batch=4, micro=2):
+    g = torch.Generator().manual_seed(1)
+    return [[(torch.randint(0, 128, (global_batch, 8), generator=g), torch.randint(0, 128, (global_batch, 8), generator=g))
+             for _ in range(micro)] for _ in range(STEPS)]
+
+
+def ce(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def plans() -> dict[str, Plan]:
+    model = build()
+    paths = [u.path for u in osdp.discover_units(model)]
+    modes = ["replicate", "zero2", "zero3"]
+    split = [UnitPlan(p, "zero3", split=2) if p.endswith(("mlp", "head")) else UnitPlan(p, "zero3") for p in paths]
+    return {
+        "replicate": Plan.for_strategy(paths, "ddp"),
+        "zero2": Plan.for_strategy(paths, "zero2"),
+        "zero3": Plan.for_strategy(paths, "fsdp"),
+        "split": Plan(split),
+        "checkpointed": Plan([UnitPlan(p, "zero3", checkpoint=p.startswith("blocks")) for p in paths]),
+        "mixed": Plan([UnitPlan(p, modes[i % 3], checkpoint=i % 2 == 1, split=2 if p.endswith("mlp") and
+                                modes[i % 3] == "zero3" else 1) for i, p in enumerate(paths)]),
+        "replicate_root": Plan([UnitPlan(p, "zero3" if p else "replicate") for p in paths]),
+    }
+
+
+# -- the behaviours: one training script each, run wrapped on N ranks and plain on one process ----------------
+
+
+def _units(model):
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def run_behaviour(model, name, steps, rank=0, world_size=1, check=None):
+    """Train ``model`` with behaviour ``name`` on this rank's slice of every global batch; the losses."""
+    wrapped = world_size > 1 or isinstance(model, FSDPModule)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    losses = []
+
+    def mine(t):
+        n = t.shape[0] // world_size
+        return t[rank * n:(rank + 1) * n]
+
+    for step, micro_batches in enumerate(steps):
+        if name == "unfreeze" and step == 1:
+            model.blocks[0].attn.requires_grad_(True)
+        if name == "freeze" and step == 1:
+            model.blocks[1].requires_grad_(False)
+        total = 0.0
+        for m, (x, y) in enumerate(micro_batches):
+            x, y = mine(x), mine(y)
+            last = m == len(micro_batches) - 1
+            if wrapped and name == "accumulate":  # FSDP2's gradient accumulation, on the root
+                model.set_requires_gradient_sync(last)
+            if wrapped and name == "accumulate_units":  # and unit by unit, as torchtitan writes it
+                for unit in _units(model):
+                    unit.set_requires_gradient_sync(last, recurse=False)
+            if wrapped and name == "all_reduce":
+                model.set_requires_all_reduce(last)
+            if wrapped and name == "unshard":
+                for unit in _units(model):
+                    unit.unshard()
+                model.set_reshard_after_backward(last)
+            if name == "twice":  # the model called twice before one backward
+                a, _ = model(x[:, :4])
+                b, _ = model(x[:, 4:])
+                loss = (ce(a, y[:, :4]) + ce(b, y[:, 4:])) / 2
+            else:
+                logits, aux = model(x)
+                loss = ce(logits, y)
+                if name != "unused_output" or step != 1:  # the auxiliary output unused in step 1
+                    loss = loss + 0.5 * ce(aux, y)
+            (loss / len(micro_batches)).backward()
+            total += loss.item() / len(micro_batches)
+        if name == "clip_norm":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        if name == "clip_value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+        if check is not None:
+            check(model)
+    return losses
+
+
+BEHAVIOURS = ["plain", "unfreeze", "freeze", "accumulate", "accumulate_units", "all_reduce", "unshard", "twice",
+              "unused_output", "clip_norm", "clip_value"]
+
+
+def _frozen_at_wrap(model):
+    model.blocks[0].attn.requires_grad_(False)  # unfrozen after step 1 by "unfreeze"
+
+
+def _train_matrix(rank, world_size, plan_jsons, behaviours, steps):
+    out = {}
+    for plan_name, plan_json in plan_jsons.items():
+        for name in behaviours:
+            model = build()
+            if name == "unfreeze":
+                _frozen_at_wrap(model)
+            osdp.wrap(model, plan=plan_json)
+            losses = run_behaviour(model, name, steps, rank, world_size, check=osdp.check_replicas)
+            state = full_state(model)
+            out[(plan_name, name)] = (losses, state if rank == 0 else None)
+    return out
+
+
+def _reference(name, steps):
+    model = build()
+    if name == "unfreeze":
+        _frozen_at_wrap(model)
+    losses = run_behaviour(model, name, steps)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_matrix(per_rank, steps):
+    failures = []
+    references = {}
+    for (plan_name, name) in per_rank[0]:
+        if name not in references:
+            references[name] = _reference(name, steps)
+        ref_losses, ref_state = references[name]
+        losses = [sum(r[(plan_name, name)][0][i] for r in per_rank) / len(per_rank) for i in range(len(steps))]
+        state = per_rank[0][(plan_name, name)][1]
+        loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        param_err = max((state[k].float() - ref_state[k].float()).abs().max().item() for k in ref_state)
+        if set(state) != set(ref_state) or loss_err > ATOL or param_err > ATOL:
+            failures.append(f"{plan_name}/{name}: loss {loss_err:.1e}, parameters {param_err:.1e}")
+    assert not failures, "differs from one process:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("plan_names", [("replicate", "zero2", "zero3"), ("split", "checkpointed"),
+                                        ("mixed", "replicate_root")])
+def test_every_behaviour_trains_as_one_process_under_every_plan(plan_names):
+    every = plans()
+    chosen = {n: every[n].to_json() for n in plan_names}
+    steps = batches()
+    per_rank = run_ranks(_train_matrix, 2, chosen, BEHAVIOURS, steps, timeout=600)
+    _assert_matrix(per_rank, steps)
+
+
+def _node_plans():
+    paths = [u.path for u in osdp.discover_units(build())]
+    return {
+        "node_zero3": Plan([UnitPlan(p, "zero3", shard_scope="node") for p in paths], ranks_per_node=2),
+        "node_mixed": Plan([UnitPlan(p, ("replicate", "zero2", "zero3")[i % 3], shard_scope="world" if i % 3 == 0
+                                     else "node") for i, p in enumerate(paths)], ranks_per_node=2),
+    }
+
+
+def test_node_scoped_plans_train_as_one_process_on_two_nodes(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    chosen = {n: p.to_json() for n, p in _node_plans().items()}
+    steps = batches(global_batch=8)
+    per_rank = run_ranks(_train_matrix, 4, chosen, ["plain", "unfreeze", "accumulate_units", "unused_output",
+                                                      "clip_value"], steps, timeout=600)
+    _assert_matrix(per_rank, steps)
+
+
+# -- replicas that drift apart are found ------------------------------------------------------------------------
+
+
+def _drift(rank, world_size, plan_json):
+    model = build()
+    osdp.wrap(model, plan=plan_json)
+    osdp.check_replicas(model)
+    if rank == 1:
+        with torch.no_grad():
+            model.head.bias.add_(1e-7 if not isinstance(model.head.bias, torch.distributed.tensor.DTensor)
+                                 else 0.0)
+    try:
+        osdp.check_replicas(model)
+    except osdp.ReplicaDivergence as e:
+        return str(e)
+    return None
+
+
+def test_check_replicas_names_a_replicated_parameter_one_rank_changed():
+    plan = plans()["replicate"]
+    messages = run_ranks(_drift, 2, plan.to_json(), timeout=120)
+    for message in messages:  # every rank raises the same error
+        assert message is not None and "head.bias" in message, messages
+    assert messages[0] == messages[1]
+
+
+# -- what cannot be done raises on every rank, before anything diverges ---------------------------------------
+
+
+def _flip_during_backward(rank, world_size):
+    model = build()
+    osdp.wrap(model, plan=plans()["replicate"].to_json())
+    x, y = batches()[0][0]
+    logits, _ = model(x[rank * 2:(rank + 1) * 2])
+
+    def freeze(grad):  # as backward starts
+        model.blocks[1].mlp.requires_grad_(False)
+
+    logits.register_hook(freeze)
+    try:
+        ce(logits, y[rank * 2:(rank + 1) * 2]).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_requires_grad_changed_during_a_backward_raises_on_every_rank():
+    for message in run_ranks(_flip_during_backward, 2, timeout=120):
+        assert message is not None and "changed during a backward" in message, message
+        assert "blocks.1.mlp" in message and "between steps" in message, message
+
+
+def test_a_forward_that_uses_no_parameter_is_refused_before_the_search():
+    class Detached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.unused = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return x.sum() * 2
+
+    from osdp.describe.batch import ProfileError
+    from osdp.describe.measure import resolve_units
+
+    with pytest.raises(ProfileError, match="used none of the model's parameters"):
+        resolve_units(Detached(), torch.randn(2, 4), None, None)

@@ -1,0 +1,68 @@
+"""The Plan as data: JSON round trip, hash, and clear errors for plans that cannot be right."""
+
+import json
+
+import pytest
+
+from osdp.schema.plan import Plan, PlanError, UnitPlan
+
+
+def sample_plan():
+    return Plan(
+        [UnitPlan("blocks.0.attn", "replicate", checkpoint=True), UnitPlan("blocks.0.mlp", "zero3", split=4), UnitPlan("", "zero2")],
+        batch_size=8,
+        mixed_precision="bf16",
+        world_size=2,
+        predicted_step_s=0.5,
+        predicted_peak_bytes=123,
+    )
+
+
+def test_json_round_trip_keeps_everything_and_the_hash():
+    plan = sample_plan()
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert again.hash == plan.hash
+    assert json.loads(plan.to_json())["schema_version"] == 1
+
+
+def test_hash_covers_decisions_not_predictions_or_unit_order():
+    plan = sample_plan()
+    reordered = Plan(list(reversed(plan.units)), batch_size=8, mixed_precision="bf16", world_size=2)
+    assert reordered.hash == plan.hash
+    other = Plan([UnitPlan("blocks.0.attn", "zero3"), *plan.units[1:]], batch_size=8, mixed_precision="bf16", world_size=2)
+    assert other.hash != plan.hash
+
+
+@pytest.mark.parametrize(
+    "unit, message",
+    [
+        (dict(path="mlp", mode="zero4"), "unit 'mlp': mode 'zero4' does not exist; use one of replicate, zero2, zero3"),
+        (dict(path="mlp", split=0), "unit 'mlp': split must be an integer >= 1 (1 = not split), got 0"),
+        (dict(path="mlp", mode="replicate", split=2), "unit 'mlp': split=2 needs mode 'zero3'"),
+        (dict(path="", checkpoint="yes"), "unit '<root>': checkpoint must be true or false, got 'yes'"),
+    ],
+)
+def test_bad_unit_decisions_name_the_unit(unit, message):
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        UnitPlan(**unit)
+
+
+def test_bad_json_is_explained():
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.from_json("{units: ")
+    with pytest.raises(PlanError, match="schema_version 7 is not supported"):
+        Plan.from_json(json.dumps({"schema_version": 7, "units": []}))
+    with pytest.raises(PlanError, match=r"unknown plan field\(s\) \['bacth_size'\]"):
+        Plan.from_json(json.dumps({"schema_version": 1, "units": [], "bacth_size": 4}))
+    with pytest.raises(PlanError, match="appears twice"):
+        Plan([UnitPlan("a"), UnitPlan("a")])
+
+
+def test_hand_edited_json_with_stale_hash_is_refused():
+    d = json.loads(sample_plan().to_json())
+    d["units"][0]["mode"] = "zero3"
+    with pytest.raises(PlanError, match="does not match its contents"):
+        Plan.from_dict(d)
+    del d["hash"]
+    assert Plan.from_dict(d).unit("blocks.0.attn").mode == "zero3"

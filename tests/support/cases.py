@@ -1,0 +1,77 @@
+"""The models, batches and plans the equality tests train: a user-style toy GPT and the reference models,
+their batches, and plans that use every mode (checkpointing, splitting, per-block units)."""
+
+import torch
+
+import osdp
+from osdp.schema.plan import Plan, UnitPlan
+from osdp.split import splittable_linears
+from toy_models import GPT
+from training_check import STEPS
+
+
+def build_toy():
+    torch.manual_seed(0)
+    return GPT()
+
+
+def toy_batches(global_batch=8):
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randint(0, 64, (global_batch, 16), generator=g), torch.randint(0, 64, (global_batch, 16), generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def every_mode_plans(model):
+    """Baselines, two mixed plans that use every mode with checkpointing on and off, and one that
+    splits every unit that can be split (k = 2, 3, 4 in turn) next to replicated and zero2 units."""
+    units = osdp.discover_units(model)
+    paths = [u.path for u in units]
+    modes = ["replicate", "zero2", "zero3"]
+    mixed_a = Plan([UnitPlan(p, modes[i % 3], checkpoint=i % 2 == 0) for i, p in enumerate(paths)])
+    mixed_b = Plan([UnitPlan(p, modes[(i + 1) % 3], checkpoint=i % 2 == 1) for i, p in enumerate(paths)])
+    modules = dict(model.named_modules())
+    split = []
+    for i, u in enumerate(units):
+        nested = {modules[p] for p in u.nested}
+        if splittable_linears(modules[u.path], exclude=nested, root=model):
+            split.append(UnitPlan(u.path, "zero3", split=(2, 3, 4)[i % 3], checkpoint=i % 2 == 0))
+        else:
+            split.append(UnitPlan(u.path, modes[i % 2]))
+    plans = {s: Plan.for_strategy(paths, s) for s in ("ddp", "zero2", "fsdp")}
+    plans.update(mixed_a=mixed_a, mixed_b=mixed_b)
+    if any(u.nested and u.path for u in osdp.discover_units(model, granularity="nested")):
+        plans["per_block"] = per_block_plan(model)
+    if any(u.split > 1 for u in split):
+        plans["split"] = Plan(split)
+    return plans
+
+
+def per_block_plan(model):
+    """The first block whole (zero3, checkpointed), every other block apart: its sub-blocks and the block
+    itself (its norms) in every mode, the sub-blocks checkpointed in turn (osdp.describe.granularity's plans)."""
+    modes = ["replicate", "zero2", "zero3"]
+    blocks = [u.path for u in osdp.discover_units(model, granularity="nested") if u.nested and u.path]
+    units = []
+    for i, u in enumerate(osdp.discover_units(model, granularity="nested")):
+        if u.path == blocks[0]:
+            units.append(UnitPlan(u.path, "zero3", checkpoint=True))
+        elif not u.path.startswith(blocks[0] + "."):  # the first block's sub-blocks are in it
+            units.append(UnitPlan(u.path, modes[i % 3], checkpoint=not u.nested and i % 2 == 0))
+    return Plan(units)
+
+
+def build_reference(name):
+    from osdp import models
+
+    torch.manual_seed(0)
+    return models.build(name, seq_len=16)
+
+
+def reference_batches(name, global_batch=4):
+    from osdp import models
+    from osdp.models.data import synthetic_batch
+
+    config = models.get_config(name, seq_len=16)
+    return [synthetic_batch(config, global_batch, 16, generator=torch.Generator().manual_seed(s)) for s in range(STEPS)]
