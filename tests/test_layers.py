@@ -116,3 +116,40 @@ def test_no_import_cycle():
     for node in sorted(graph):
         if node not in state:
             visit(node)
+
+
+# --------------------------------------------------------------------------- the size of the rooms
+
+MAX_TOP_LEVEL_MODULES = 12  # directly in osdp/: the rest lives in the packages of the flow
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+MAX_LONG_FUNCTIONS = 3  # each with a comment right above it, starting "# Over 80 lines:", saying why
+
+
+def test_few_modules_sit_directly_in_the_package():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+
+
+def test_no_module_is_over_600_lines():
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, long
+
+
+def test_few_functions_are_over_80_lines_and_each_says_why():
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
+                    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                    above = lines[first - 2].strip() if first > 1 else ""
+                    while above.startswith("#") and not above.startswith("# Over 80 lines:") and first > 2:
+                        first -= 1
+                        above = lines[first - 2].strip()
+                    long.append((f"{path.relative_to(PACKAGE.parent)}:{node.name}",
+                                 above.startswith("# Over 80 lines:")))
+    assert len(long) <= MAX_LONG_FUNCTIONS, long
+    assert all(says_why for _, says_why in long), [name for name, says_why in long if not says_why]

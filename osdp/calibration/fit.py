@@ -13,19 +13,19 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from osdp.runtime.step import train_step
-from osdp.cost.terms import Calibration
+from osdp.calibration.nets import CalibrationProfile, MeetingNet, NetSpec, _barrier
 from osdp.cost.schedule import predict
+from osdp.cost.terms import Calibration
 from osdp.cost.unit import sqrt_segments
-from osdp.schema.description import ModelDescription
+from osdp.describe.measured import describe_once
+from osdp.distributed import all_gather_objects, broadcast_object, world
 from osdp.machine.collective_model import COLLECTIVES, AlphaBeta, CollectiveModel
 from osdp.machine.device_info import DeviceInfo
 from osdp.machine.measure import combine_samples
-from osdp.distributed import all_gather_objects, broadcast_object, world
 from osdp.runtime.jobs import Job, meet_at_every_unit, quiet_meetings
+from osdp.runtime.step import train_step
+from osdp.schema.description import ModelDescription
 from osdp.schema.plan import MODES, ROOT, replicates_with_ddp
-from osdp.describe.measured import describe_once
-from osdp.calibration.nets import CalibrationProfile, MeetingNet, NetSpec, _barrier
 
 
 def measure_compute_scale(device: torch.device, spec: NetSpec, rounds: int) -> dict[str, Any]:
@@ -178,7 +178,7 @@ def fit_calibration(
         previous = ddp_overlap
         base = Calibration(compute_scale=compute_scale, overlap=overlap, ddp_overlap=ddp_overlap,
                            meeting_wait_s_per_sqrt_s=meeting_wait, source="partial")
-        rows, residuals, opt_rows, margins, ckpt = [], [], [], [], []
+        rows, residuals, opt_rows, margins = [], [], [], []
         residual: dict[str, float] = {}
         for name, job in jobs.items():
             _, net, kind = name.split("-")
@@ -207,28 +207,8 @@ def fit_calibration(
                                 param_overhead_s=param_overhead, ddp_overlap=0.0),
             specs, descriptions, jobs, measured, device_info, optimizer,
         )
-    split_rows, split_extra = [], []
-    for net, description in descriptions.items():
-        blocks = [u for u in description.units if u.path != ROOT]
-        if f"calibration-{net}-zero3" not in residual:
-            continue
-        zero3 = residual[f"calibration-{net}-zero3"]
-        if f"calibration-{net}-ckpt" in residual:
-            ckpt.append((residual[f"calibration-{net}-ckpt"] - zero3) / len(blocks))
-        if f"calibration-{net}-split" in residual:
-            weights = [s for u in blocks for s in u.split_shapes]
-            # each split weight leaves FSDP (one parameter and its bytes less) and moves in 2 slices:
-            # gathered twice (forward, backward) and its gradient reduced, fp32; its gathers run
-            # asynchronously, alongside the unit's compute
-            units = predict(description, jobs[f"calibration-{net}-split"].plan, device_info, optimizer=optimizer,
-                            calibration=base).breakdown["units"]
-            alongside = sum(min(units[u.path]["split_comm_s"], units[u.path]["compute_s"]) for u in blocks)
-            split_rows.append([3 * 2 * len(weights), 1e-9 * sum(3 * 4 * o * i for o, i in weights), alongside])
-            left_fsdp = param_overhead * len(weights) + per_byte["zero3"] * sum(4 * o * i for o, i in weights)
-            split_extra.append(residual[f"calibration-{net}-split"] - zero3 + left_fsdp)
-    per_slice, per_gb, contention = (
-        nnls(np.array(split_rows, dtype=float), np.array(split_extra))[0] if split_rows else (0.0, 0.0, 0.0)
-    )
+    ckpt, (per_slice, per_gb, contention) = _fit_checkpoints_and_slices(
+        descriptions, jobs, residual, base, param_overhead, per_byte["zero3"], device_info, optimizer)
     return Calibration(
         compute_scale=compute_scale,
         unit_overhead_s=per_unit,
@@ -246,6 +226,38 @@ def fit_calibration(
         margin_bytes=max(0, int(max(margins))),
         source=f"measured on {device_info.name}, {device_info.world_size} ranks, {time.strftime('%Y-%m-%d')}",
     )
+
+
+def _fit_checkpoints_and_slices(descriptions: dict[str, ModelDescription], jobs: dict[str, Job],
+                                residual: dict[str, float], base: Calibration, param_overhead: float,
+                                zero3_s_per_byte: float, device_info: DeviceInfo,
+                                optimizer: str) -> tuple[list[float], tuple[float, float, float]]:
+    """What the checkpointed and the split jobs cost beyond their zero3 twin: per net, the cost per checkpointed
+    unit; and, fitted over the nets, per split slice, per byte a split moves and per second of its gathers
+    alongside compute."""
+    from scipy.optimize import nnls
+
+    ckpt, split_rows, split_extra = [], [], []
+    for net, description in descriptions.items():
+        blocks = [u for u in description.units if u.path != ROOT]
+        if f"calibration-{net}-zero3" not in residual:
+            continue
+        zero3 = residual[f"calibration-{net}-zero3"]
+        if f"calibration-{net}-ckpt" in residual:
+            ckpt.append((residual[f"calibration-{net}-ckpt"] - zero3) / len(blocks))
+        if f"calibration-{net}-split" in residual:
+            weights = [s for u in blocks for s in u.split_shapes]
+            # each split weight leaves FSDP (one parameter and its bytes less) and moves in 2 slices:
+            # gathered twice (forward, backward) and its gradient reduced, fp32; its gathers run
+            # asynchronously, alongside the unit's compute
+            units = predict(description, jobs[f"calibration-{net}-split"].plan, device_info, optimizer=optimizer,
+                            calibration=base).breakdown["units"]
+            alongside = sum(min(units[u.path]["split_comm_s"], units[u.path]["compute_s"]) for u in blocks)
+            split_rows.append([3 * 2 * len(weights), 1e-9 * sum(3 * 4 * o * i for o, i in weights), alongside])
+            left_fsdp = param_overhead * len(weights) + zero3_s_per_byte * sum(4 * o * i for o, i in weights)
+            split_extra.append(residual[f"calibration-{net}-split"] - zero3 + left_fsdp)
+    slices = nnls(np.array(split_rows, dtype=float), np.array(split_extra))[0] if split_rows else (0.0, 0.0, 0.0)
+    return ckpt, tuple(float(x) for x in slices)
 
 
 def _fit_ddp_overlap(

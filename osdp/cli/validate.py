@@ -43,20 +43,21 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from osdp import models
-from osdp.describe import granularity
-from osdp.calibration.store import CalibrationKey, MachineCalibration, read_calibration
 from osdp.calibration.measured import calibrate
 from osdp.calibration.nets import can_split
-from osdp.cost.schedule import predict
-from osdp.schema.description import ModelDescription
+from osdp.calibration.store import CalibrationKey, MachineCalibration, read_calibration
 from osdp.cli.launch import run_on_ranks
-from osdp.runtime.jobs import Job, run_jobs
+from osdp.cost.schedule import predict
+from osdp.cost.terms import Prediction
+from osdp.describe import granularity
 from osdp.log import Progress
 from osdp.machine.identity import machine_info
 from osdp.optim import OPTIMIZERS
-from osdp.schema.plan import ROOT, Plan, UnitPlan
 from osdp.planner import description_of, planning_description
 from osdp.report import format_bytes, format_table
+from osdp.runtime.jobs import Job, run_jobs
+from osdp.schema.description import ModelDescription
+from osdp.schema.plan import ROOT, Plan, UnitPlan
 
 # --------------------------------------------------------------------------- plans
 
@@ -255,13 +256,7 @@ def validate(
     description = descriptions[precisions[0]]
     if "bf16" in precisions:  # default_plans adds bf16 plans to a description that has both
         description = dataclasses.replace(description, precisions=tuple(precisions))
-    plans = default_plans(description, batch_size, world_size, splits=can_split(device))
-    plans.update(per_block_plans(coarse, nested, batch_size, world_size))
-    if plan_names:
-        unknown = sorted(set(plan_names) - set(plans))
-        if unknown:
-            raise ValueError(f"unknown plan(s) {unknown}; known: {', '.join(plans)}")
-        plans = {n: plans[n] for n in plan_names}
+    plans = plans_to_validate(description, coarse, nested, batch_size, world_size, device, plan_names)
     measured = run_jobs({name: Job(build, plan, batch) for name, plan in plans.items()}, device=device,
                         optimizer=optimizer, time_budget_s=time_budget_s, progress=say)
     records = []
@@ -269,23 +264,7 @@ def validate(
         pricing = (description_of(plan, [coarse, nested]) if plan.meta.get("granularity") == "per-block"
                    else descriptions[plan.mixed_precision])
         pred = predict(pricing, plan, machine.device_info, optimizer=optimizer, calibration=machine.calibration)
-        m = measured[name]
-        records.append({
-            "plan": name,
-            "plan_hash": plan.hash,
-            "summary": plan.summary(),
-            "predicted_step_s": pred.step_s,
-            "measured_step_s": m["measured_step_s"],
-            "step_error": pred.step_s / m["measured_step_s"] - 1,
-            "predicted_peak_bytes": pred.peak_bytes,
-            "measured_peak_bytes": m["measured_peak_bytes"],
-            "peak_error": pred.peak_bytes / m["measured_peak_bytes"] - 1,
-            "predicted": {k: v for k, v in pred.breakdown.items() if k != "units"},
-            "measured_fwd_bwd_s": m["measured_fwd_bwd_s"],
-            "measured_peak_breakdown": [r["peak_breakdown"] for r in m["per_rank"]],
-            "steps": m["steps"],
-            "plan_json": plan.to_dict(),
-        })
+        records.append(_record(name, plan, pred, measured[name]))
     return {
         "model": model_name,
         "config": dict(vars(config)),
@@ -299,6 +278,40 @@ def validate(
         "summary": summarize(records),
         "records": records,
         "seconds": time.perf_counter() - start,
+    }
+
+
+def plans_to_validate(description: ModelDescription, coarse: ModelDescription, nested: ModelDescription,
+                      batch_size: int, world_size: int, device: torch.device,
+                      plan_names: Sequence[str] | None) -> dict[str, Plan]:
+    """The default plans (``default_plans``, ``per_block_plans``), or those of them named in ``plan_names``."""
+    plans = default_plans(description, batch_size, world_size, splits=can_split(device))
+    plans.update(per_block_plans(coarse, nested, batch_size, world_size))
+    if plan_names:
+        unknown = sorted(set(plan_names) - set(plans))
+        if unknown:
+            raise ValueError(f"unknown plan(s) {unknown}; known: {', '.join(plans)}")
+        plans = {n: plans[n] for n in plan_names}
+    return plans
+
+
+def _record(name: str, plan: Plan, pred: Prediction, m: dict[str, Any]) -> dict[str, Any]:
+    """One plan's predicted step and peak against what ``run_jobs`` measured of it."""
+    return {
+        "plan": name,
+        "plan_hash": plan.hash,
+        "summary": plan.summary(),
+        "predicted_step_s": pred.step_s,
+        "measured_step_s": m["measured_step_s"],
+        "step_error": pred.step_s / m["measured_step_s"] - 1,
+        "predicted_peak_bytes": pred.peak_bytes,
+        "measured_peak_bytes": m["measured_peak_bytes"],
+        "peak_error": pred.peak_bytes / m["measured_peak_bytes"] - 1,
+        "predicted": {k: v for k, v in pred.breakdown.items() if k != "units"},
+        "measured_fwd_bwd_s": m["measured_fwd_bwd_s"],
+        "measured_peak_breakdown": [r["peak_breakdown"] for r in m["per_rank"]],
+        "steps": m["steps"],
+        "plan_json": plan.to_dict(),
     }
 
 
