@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from local_ranks import rank0_result
 
 MODEL, BATCH, SEQ = "gpt2-mini", 8, 64
@@ -41,8 +40,8 @@ def split_everywhere(model, k: int = 2):
 
 def _count(rank: int, world_size: int, micro_batches: list[int]) -> dict:
     import osdp
-    from osdp.distributed import collectives as comm
     from osdp import models
+    from osdp.distributed import collectives as comm
     from osdp.models.data import synthetic_batch
     from osdp.split import set_backend
 

@@ -22,7 +22,14 @@ its name says, built from PyTorch alone (no ``osdp.wrap``, no
   torchrun's (``LOCAL_WORLD_SIZE``, read by ``osdp.distributed.ranks_per_node``);
 - ``torch-ddp+ac``, ``fsdp2+ac``, ``fsdp2-zero2+ac``, ``fsdp2-hsdp+ac``: each
   with full activation checkpointing of every block first
-  (``checkpoint_wrapper``, non-reentrant), torchtitan's "full" AC.
+  (``checkpoint_wrapper``, non-reentrant), torchtitan's "full" AC;
+- ``fsdp2+ac2``: per-layer checkpointing of every second block (the 2nd, 4th, ...), torchtitan's
+  "selective" layer mode at frequency 2;
+- ``fsdp2+sac``, ``torch-ddp+sac``: per-op selective checkpointing of every block, torchtitan's default
+  AC: each block under ``checkpoint_wrapper`` with a ``create_selective_checkpoint_contexts`` policy that
+  keeps the outputs of the matmuls but every second one, of attention and of ``max``, and recomputes the
+  rest. torchtitan lists ``aten.mm`` for its matmuls (its Llama's Linears have no bias); a GPT-2 Linear
+  with a bias is an ``aten.addmm``, which is listed here too.
 
 A transformer block is an entry of the model's block list
 (:func:`transformer_blocks`): the reference models' ``model.blocks``, and in
@@ -42,16 +49,22 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from osdp.distributed import collectives as comm
 from osdp._torch_private import checkpoint_wrapper
+from osdp.distributed import collectives as comm
+from osdp.describe.recompute import selective_context
 from osdp.distributed import ranks_per_node
 
 # one node: the single-node experiments (sweep.py, bench_modes.py)
-BASELINES = ("torch-ddp", "fsdp2", "fsdp2-zero2", "torch-ddp+ac", "fsdp2+ac", "fsdp2-zero2+ac")
+BASELINES = ("torch-ddp", "fsdp2", "fsdp2-zero2", "torch-ddp+ac", "fsdp2+ac", "fsdp2-zero2+ac",
+             "fsdp2+sac", "fsdp2+ac2", "torch-ddp+sac")
 # several nodes (sweep_nodes.py): ZeRO-2 gives way to hybrid sharding, the strategy people pick across nodes
 MULTI_NODE_BASELINES = ("torch-ddp", "fsdp2", "fsdp2-hsdp", "torch-ddp+ac", "fsdp2+ac", "fsdp2-hsdp+ac")
 ALL_BASELINES = tuple(dict.fromkeys(BASELINES + MULTI_NODE_BASELINES))
+# not baselines a user runs, but the native twins of osdp's selectively checkpointed plans in bench_modes.py:
+# per-op selective checkpointing of every block with osdp's own policy (every matmul and attention output kept)
+TWIN_BASELINES = ("fsdp2+sac-osdp", "torch-ddp+sac-osdp")
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
@@ -77,16 +90,20 @@ def build_baseline(name: str, model: nn.Module, device_type: str = "cpu") -> nn.
     rank. Collective over the default process group: call it on every rank.
     ``torch-ddp*`` returns a ``DistributedDataParallel`` around ``model``;
     ``fsdp2*`` returns ``model`` itself, now FSDP2 (in place, like
-    ``fully_shard``). With ``+ac`` the blocks in the model's block list are
-    replaced by their checkpoint wrappers (state-dict keys do not change).
+    ``fully_shard``). With ``+ac``, ``+ac2`` and ``+sac`` the blocks in the model's block list (every second
+    one for ``+ac2``) are replaced by their checkpoint wrappers (state-dict keys do not change).
     """
-    if name not in ALL_BASELINES:
-        raise ValueError(f"unknown baseline {name!r}; use one of {', '.join(ALL_BASELINES)}")
+    if name not in ALL_BASELINES + TWIN_BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; use one of {', '.join(ALL_BASELINES + TWIN_BASELINES)}")
     kind, _, ac = name.partition("+")
     blocks = transformer_blocks(model)
-    if ac:
-        for i, block in enumerate(blocks):
+    for i, block in enumerate(blocks):
+        if ac == "ac" or (ac == "ac2" and i % 2 == 1):
             blocks[i] = checkpoint_wrapper(block)
+        elif ac == "sac":
+            blocks[i] = checkpoint_wrapper(block, context_fn=_selective_per_op)
+        elif ac == "sac-osdp":
+            blocks[i] = checkpoint_wrapper(block, context_fn=selective_context)
     if kind == "torch-ddp":
         device_ids = [torch.cuda.current_device()] if device_type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
@@ -97,6 +114,30 @@ def build_baseline(name: str, model: nn.Module, device_type: str = "cpu") -> nn.
     fully_shard(model, mesh=mesh, **options)
     comm.install(model)
     return model
+
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+_SAVED = _MATMULS | {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten.max.default,
+}
+
+
+def _selective_per_op():
+    """torchtitan's per-op policy (see the module docstring): a fresh pair of contexts per checkpointed call,
+    counting the matmuls in forward and in the recompute alike, so that both keep the same ones."""
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in _MATMULS:
+            counts["recompute" if ctx.is_recompute else "forward"] += 1
+        count = counts["recompute" if ctx.is_recompute else "forward"]
+        keep = op in _SAVED and not (op in _MATMULS and count % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def data_parallel_mesh(device_type: str, hybrid: bool = False) -> DeviceMesh:

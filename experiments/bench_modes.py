@@ -9,7 +9,9 @@ Pairs (OSDP's uniform plan, from ``run.TWINS``; its native twin, from ``baseline
     osdp-replicate   vs torch-ddp        (DistributedDataParallel, its defaults)
     osdp-zero3       vs fsdp2            (fully_shard per block, then the root)
     osdp-zero2       vs fsdp2-zero2      (the same with reshard_after_forward=False)
-    and each with full activation checkpointing of the blocks (+ac).
+    and each with full activation checkpointing of the blocks (+ac);
+    osdp-replicate+sac vs torch-ddp+sac-osdp  (selective per-op checkpointing, osdp's policy on both sides)
+    osdp-zero3+sac     vs fsdp2+sac-osdp
 
 OSDP's plans take the unit granularity its search picks for the mode when
 memory is no limit (attention and MLP apart, or whole blocks). Each model and
@@ -44,6 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run  # noqa: E402
+
 from osdp.machine.identity import machine_info
 
 PAIRS = [
@@ -53,6 +56,8 @@ PAIRS = [
     ("osdp-replicate+ac", "torch-ddp+ac"),
     ("osdp-zero3+ac", "fsdp2+ac"),
     ("osdp-zero2+ac", "fsdp2-zero2+ac"),
+    ("osdp-replicate+sac", "torch-ddp+sac-osdp"),
+    ("osdp-zero3+sac", "fsdp2+sac-osdp"),
 ]
 # the targets: OSDP's throughput >= 0.98x its twin's, its peak <= 1.02x
 MIN_SPEED_RATIO, MAX_PEAK_RATIO = 0.98, 1.02

@@ -20,7 +20,11 @@ granularity, at the preset's memory (osdp plan's default budget) and at 12 GiB
 (where replicating cannot fit); the time is the planner's ``search_seconds``
 (the plan's JSON field), best of ``--repeats``. Target: 100 ms.
 
-Run: python experiments/bench_search.py [--cases synthetic|multi-node]
+Planner (``--cases planner``): the searches ``osdp plan`` runs for gpt-48l-h1536 on 8 ranks at 8 GiB (target
+50 ms) and gpt2-xl on 8 nodes x 8 GPUs at 16 GiB (target 100 ms): medians of ``--repeats``, pricing on the
+schedule included, building the search problems timed apart.
+
+Run: python experiments/bench_search.py [--cases synthetic|multi-node|planner]
 """
 
 from __future__ import annotations
@@ -129,9 +133,9 @@ MULTI_NODE_TARGET_S = 0.100
 
 
 def multi_node(repeats: int, out: Path, machine: dict) -> None:
-    from osdp.machine.presets import device_preset
-    from osdp.describe.sources import from_reference
     from osdp.cli.plan import DEFAULT_BATCH_CANDIDATES, describe_for
+    from osdp.describe.sources import from_reference
+    from osdp.machine.presets import device_preset
     from osdp.planner import find_plan
 
     rows = []
@@ -166,16 +170,60 @@ def multi_node(repeats: int, out: Path, machine: dict) -> None:
     print(f"wrote {out}")
 
 
+PLANNER_CASES = [  # what `osdp plan` searches: (label, argv), and the target for its search time
+    ("gpt-48l-h1536, 8 ranks, 8 GiB", ["--model", "gpt-48l-h1536", "--world-size", "8", "--device-mem", "8GiB"], 0.050),
+    ("gpt2-xl, 8 nodes x 8, 16 GiB", ["--model", "gpt2-xl", "--nodes", "8", "--gpus-per-node", "8",
+                                      "--device-mem", "16GiB"], 0.100),
+]
+
+
+def planner(repeats: int, out: Path, machine: dict) -> None:
+    """The planner's search as ``osdp plan`` runs it (the real cost model, every unit granularity, the default
+    batch candidates, pricing on the schedule included): the median of ``repeats`` searches; building the
+    search problems from the descriptions is timed apart, and describing the model is not part of either."""
+    import statistics
+
+    from osdp.cli.plan import DEFAULT_BATCH_CANDIDATES, describe_for, device_for, model_source, parse_args
+    from osdp.planner import _candidates, find_plan
+    from osdp.sizes import parse_size
+
+    rows = []
+    print(f"{'case':<32} {'options':>7} {'build s':>8} {'search s (median)':>18} {'target s':>8}  plan")
+    for label, argv, target in PLANNER_CASES:
+        args = parse_args(argv)
+        device, budget = device_for(args), parse_size(args.device_mem)
+        descriptions = describe_for(model_source(args), device, DEFAULT_BATCH_CANDIDATES, "fp32")
+        settings = dict(precision="fp32", optimizer="adamw", calibration=None)
+        build_s, _ = timed(lambda: _candidates(descriptions, device, DEFAULT_BATCH_CANDIDATES, settings), 1)
+        results = [find_plan(descriptions, device, DEFAULT_BATCH_CANDIDATES, budget=budget) for _ in range(repeats)]
+        search_s = statistics.median(r.search_seconds for r in results)
+        plan = results[-1].plan
+        rows.append({"case": label, "argv": argv, "options": results[-1].problems[0].num_options,
+                     "build_seconds": build_s, "search_seconds": search_s,
+                     "search_seconds_all": [r.search_seconds for r in results], "target_seconds": target,
+                     "plan": plan.summary(), "predicted_step_s": plan.predicted_step_s,
+                     "predicted_peak_bytes": plan.predicted_peak_bytes, "batch_size": plan.batch_size})
+        print(f"{label:<32} {rows[-1]['options']:>7} {build_s:>8.3f} {search_s:>18.4f} {target:>8.3f}  {plan.summary()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine, "repeats": repeats, "results": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cases", choices=["all", "synthetic", "multi-node"], default="all")
+    parser.add_argument("--cases", choices=["all", "synthetic", "multi-node", "planner"], default="all")
+    parser.add_argument("--planner-out", default=str(Path(__file__).parent / "results" / "bench_search_planner.json"))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_search.json"))
     parser.add_argument("--multi-node-out",
                         default=str(Path(__file__).parent / "results" / "bench_search_multi_node.json"))
     args = parser.parse_args()
 
     machine = {**machine_info(), "numpy": np.__version__}
+    if args.cases in ("all", "planner"):
+        planner(args.repeats, Path(args.planner_out), machine)
+    if args.cases == "planner":
+        return
     if args.cases in ("all", "multi-node"):
         multi_node(args.repeats, Path(args.multi_node_out), machine)
     if args.cases == "multi-node":

@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from accumulation_traffic import split_everywhere
 from local_ranks import rank0_result
 
@@ -47,11 +46,12 @@ def _explained(reason: str) -> str:
 
 
 def _measure(rank: int, world_size: int, steps: int, backend: str, mode: str | None) -> dict:
+    from torch._dynamo.utils import counters
+
     import osdp
     from osdp import models
     from osdp.models.data import synthetic_batch
     from osdp.runtime.jobs import Job, run_jobs
-    from torch._dynamo.utils import counters
 
     config = models.get_config(MODEL, seq_len=SEQ)
     batch = synthetic_batch(config, BATCH, SEQ, generator=torch.Generator().manual_seed(rank))

@@ -236,8 +236,8 @@ def preset_for(name: str) -> str | None:
 
 def part_flops(device: torch.device) -> dict[str, Any]:
     """Matmul FLOP/s measured here against the preset's (data sheet x MFU_FRACTION) and the data sheet."""
-    from osdp.machine.presets import DEVICE_PRESETS, MFU_FRACTION, datasheet_peak_flops
     from osdp.machine.measure import measure_flops
+    from osdp.machine.presets import DEVICE_PRESETS, MFU_FRACTION, datasheet_peak_flops
 
     name = device_name(device)
     preset = preset_for(name)
@@ -315,8 +315,8 @@ def train_throughput(model_name: str, batch: int, device: torch.device, backend:
 
 
 def part_mfu(sizes: Sizes, device: torch.device, remaining: Callable[[], float], flops: dict | None) -> dict[str, Any]:
-    from osdp.machine.presets import datasheet_peak_flops
     from osdp.machine.measure import measure_flops
+    from osdp.machine.presets import datasheet_peak_flops
 
     peak = (datasheet_peak_flops(device_name(device)) or {}).get("bfloat16")
     reference = "data-sheet dense bf16 peak"

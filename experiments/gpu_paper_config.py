@@ -82,8 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def device_info_for(args, device: torch.device):
     """The preset's collectives at ``--world-size``, this device's measured matmul FLOP/s, the budget."""
-    from osdp.machine.presets import device_preset
     from osdp.machine.measure import measure_flops
+    from osdp.machine.presets import device_preset
 
     info = device_preset(args.preset, args.world_size)
     flops = {"float32": measure_flops(device, torch.float32)}
@@ -106,10 +106,10 @@ def plans_to_run(args, description, info) -> tuple[dict[str, tuple[Any, int | No
     OSDP at ``--budget`` (named "osdp") and at each of ``--extra-budgets``
     ("osdp@SIZE"); the fixed plans of ``--plans`` at OSDP's micro-batch.
     """
-    from osdp.sizes import parse_size
+    from osdp.cli.validate import default_plans
     from osdp.planner import find_plan
     from osdp.search import BudgetTooSmall
-    from osdp.cli.validate import default_plans
+    from osdp.sizes import parse_size
 
     candidates = sorted(set(args.batch_sizes))
     budgets = {"osdp": parse_size(args.budget)} if "osdp" in args.plans else {}
@@ -133,8 +133,8 @@ def plans_to_run(args, description, info) -> tuple[dict[str, tuple[Any, int | No
 def describe_on_device(args, device: torch.device, seq_len: int, batch_size: int):
     """The model measured on ``device`` (unsharded, one process): per-unit compute for the cost model."""
     from osdp import models
-    from osdp.models.data import synthetic_batch
     from osdp.describe.measured import describe
+    from osdp.models.data import synthetic_batch
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -165,8 +165,8 @@ def run_plan_fake(name: str, plan, args, device: torch.device, seq_len: int) -> 
     """Train ``plan`` as rank ``--rank`` of ``--world-size`` (fake group): step times and one step's peak."""
     import osdp
     from osdp import models
-    from osdp.models.data import synthetic_batch
     from osdp.machine.memory import PeakMemory
+    from osdp.models.data import synthetic_batch
     from osdp.optim import make_optimizer
     from osdp.runtime.step import train_step
 
@@ -201,16 +201,16 @@ def run_plan_fake(name: str, plan, args, device: torch.device, seq_len: int) -> 
 
 
 def experiment(args: argparse.Namespace) -> dict[str, Any]:
+    import warnings
+
     import torch.distributed as dist
 
     from osdp import models
     from osdp._torch_private import init_fake_process_group
-    from osdp.describe.analytic import describe_analytic
     from osdp.cost.schedule import predict
-    from osdp.sizes import parse_size
+    from osdp.describe.analytic import describe_analytic
     from osdp.machine.identity import machine_info
-
-    import warnings
+    from osdp.sizes import parse_size
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     warnings.filterwarnings("ignore", message=r"Full backward hook is firing")

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from local_ranks import rank0_result
 
 MODEL, BATCH, SEQ, WARMUP, STEPS = "gpt2-mini", 8, 128, 3, 10
@@ -27,11 +26,11 @@ PLANS = ("ddp", "zero2", "fsdp")
 
 def _measure(rank: int, world_size: int) -> list[dict]:
     import osdp
-    from osdp.distributed import collectives as comm
     from osdp import models
-    from osdp.runtime.step import train_step
-    from osdp.models.data import synthetic_batch
     from osdp.distributed import all_gather_objects
+    from osdp.distributed import collectives as comm
+    from osdp.models.data import synthetic_batch
+    from osdp.runtime.step import train_step
 
     batch = synthetic_batch(models.get_config(MODEL, seq_len=SEQ), BATCH,
                             generator=torch.Generator().manual_seed(rank))

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-
 from local_ranks import rank0_result
 
 ROUNDS = 15
@@ -75,8 +74,8 @@ def nets() -> dict[str, object]:
 
 
 def _measure(rank: int, world_size: int) -> dict:
-    from osdp.calibration.measured import calibrate
     from osdp.calibration.fit import measure_meeting_wait
+    from osdp.calibration.measured import calibrate
 
     device = torch.device("cpu")
     machine = calibrate(device)  # cached, or measured now by every rank

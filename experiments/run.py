@@ -65,7 +65,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import netns  # noqa: E402
-from baselines import ALL_BASELINES  # noqa: E402
+from baselines import ALL_BASELINES, TWIN_BASELINES  # noqa: E402
 
 # OSDP's uniform plans (an ablation): strategy -> osdp.strategy_plan's name
 ABLATIONS = {"osdp-uniform-ddp": "ddp", "osdp-uniform-zero2": "zero2", "osdp-uniform-fsdp": "fsdp"}
@@ -75,8 +75,11 @@ ABLATIONS = {"osdp-uniform-ddp": "ddp", "osdp-uniform-zero2": "zero2", "osdp-uni
 TWINS = {
     f"osdp-{mode}{'+ac' if ac else ''}": (mode, ac) for mode in ("replicate", "zero3", "zero2") for ac in (False, True)
 }
+# and selectively checkpointed (osdp's policy: every matmul and attention output kept), beside the native
+# twins that apply the same per-op policy (baselines.TWIN_BASELINES)
+TWINS.update({f"osdp-{mode}+sac": (mode, "selective") for mode in ("replicate", "zero3")})
 EXTRA_STRATEGIES = ("fairscale",)
-STRATEGIES = (*ALL_BASELINES, *ABLATIONS, *TWINS, *EXTRA_STRATEGIES)
+STRATEGIES = (*ALL_BASELINES, *TWIN_BASELINES, *ABLATIONS, *TWINS, *EXTRA_STRATEGIES)
 COMPUTE_ONLY = "compute-only"  # the plain model, no communication: the efficiency reference
 MIN_STEPS = 20  # timed steps per run and repeat, at least
 # osdp.distributed.collectives's collectives, for every strategy alike: NCCL's traffic on gloo
@@ -228,13 +231,14 @@ def block_list_path(model) -> str:
     return next(path for path, m in model.named_modules() if m is blocks)
 
 
-def twin_plan(descriptions, mode: str, ac: bool, blocks: str, device_info, calibration, optimizer: str,
+def twin_plan(descriptions, mode: str, ac: bool | str, blocks: str, device_info, calibration, optimizer: str,
               settings: dict):
-    """OSDP's plan with every unit in ``mode`` (checkpointing the units inside the blocks with ``ac``), at
-    the granularity its search would pick when memory is no limit (``osdp.planner.choose_granularity``)."""
+    """OSDP's plan with every unit in ``mode`` (checkpointing the units inside the blocks with ``ac``: True
+    for full, "selective"), at the granularity its search would pick when memory is no limit
+    (``osdp.planner.choose_granularity``)."""
     from osdp.cost.schedule import predict
-    from osdp.schema.plan import Plan, UnitPlan
     from osdp.planner import choose_granularity
+    from osdp.schema.plan import Plan, UnitPlan
 
     plans = []
     for d in descriptions:
@@ -269,23 +273,23 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
 
     import torch
     import torch.distributed as dist
+    from baselines import build_baseline
 
     import osdp
-    from baselines import build_baseline
-    from osdp.distributed import collectives as comm
     from osdp import models
     from osdp.calibration.measured import calibrate
     from osdp.cost.schedule import predict
-    from osdp.models.data import synthetic_batch
-    from osdp.machine.measure import measure_device
+    from osdp.describe.units import structure_signature
     from osdp.distributed import all_gather_objects, broadcast_object, init_from_env
-    from osdp.runtime.jobs import Job, run_jobs
+    from osdp.distributed import collectives as comm
     from osdp.log import Progress
     from osdp.machine.identity import machine_info
+    from osdp.machine.measure import measure_device
+    from osdp.models.data import synthetic_batch
+    from osdp.planner import description_of, find_plan, least_budget, planning_descriptions
+    from osdp.runtime.jobs import Job, run_jobs
     from osdp.schema.plan import Plan
-    from osdp.planner import description_of, least_budget, planning_descriptions, find_plan
     from osdp.search import BudgetTooSmall
-    from osdp.describe.units import structure_signature
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     collectives = spec_collectives(spec)
@@ -345,7 +349,7 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     runs: dict[str, Any] = {}
     requests: list[dict[str, Any]] = []
     for s in spec.get("strategies", []):
-        if s in ALL_BASELINES:
+        if s in ALL_BASELINES or s in TWIN_BASELINES:
             runs[s] = Job(build, None, batch, parallelize=functools.partial(build_baseline, s, device_type=device.type))
             requests.append({"strategy": s, "key": s})
         elif s in ABLATIONS:

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from osdp import models
-from osdp.describe.analytic import describe_analytic
 from osdp.cost.terms import Calibration
-from osdp.models.data import synthetic_batch
+from osdp.describe.analytic import describe_analytic
 from osdp.machine.device_info import DeviceInfo
+from osdp.models.data import synthetic_batch
 from osdp.planner import describe_granularities, find_plan
 from osdp.search import BudgetTooSmall
 

@@ -52,9 +52,9 @@ def _measure(rank: int, world_size: int, granularity: str, name: str) -> dict:
     from osdp.calibration.measured import calibrate
     from osdp.cost.schedule import predict
     from osdp.models.data import synthetic_batch
-    from osdp.runtime.step import peaks_per_step
     from osdp.optim import make_optimizer
     from osdp.planner import planning_description
+    from osdp.runtime.step import peaks_per_step
 
     config = models.get_config("gpt2-tiny", seq_len=32)
     batch = synthetic_batch(config, 4, 32, generator=torch.Generator().manual_seed(rank))

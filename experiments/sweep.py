@@ -67,6 +67,7 @@ sys.path.insert(0, str(HERE))
 
 import run as run_mod  # noqa: E402
 from baselines import BASELINES  # noqa: E402
+
 from osdp.machine.identity import machine_info, source_commit
 
 RESULTS = HERE / "results"

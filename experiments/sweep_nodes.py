@@ -55,6 +55,7 @@ sys.path.insert(0, str(HERE))
 import run as run_mod  # noqa: E402
 import sweep  # noqa: E402
 from baselines import MULTI_NODE_BASELINES  # noqa: E402
+
 from osdp.machine.identity import source_commit
 
 NODES, RANKS_PER_NODE = 2, 2

@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from osdp.machine.identity import machine_info
 from osdp.cli.validate import format_report, summarize
+from osdp.machine.identity import machine_info
 
 RESULTS = Path(__file__).parent / "results"
 # (model, micro-batch, sequence length, seconds of timed steps per plan)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 # TorchDispatchMode is documented, but lives in a private module.
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
@@ -129,13 +130,14 @@ def fsdp_collective_comm(module: Any, collective: str) -> Any:
     return getattr(groups[0], f"_{collective}_comm") if groups else None
 
 
-def checkpoint_wrapper(module: Any) -> Any:
-    """Full activation checkpointing of ``module``, non-reentrant, as torchtitan applies it per block
-    (state-dict keys are unchanged: the wrapper strips its own prefix)."""
+def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
+    """Activation checkpointing of ``module``, non-reentrant, as torchtitan applies it per block (state-dict
+    keys are unchanged: the wrapper strips its own prefix); ``checkpoint_kwargs`` go to
+    ``torch.utils.checkpoint.checkpoint`` (``context_fn``: a selective policy)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrapper
 
-    return wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    return wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **checkpoint_kwargs)
 
 
 def __getattr__(name: str) -> Any:

@@ -7,11 +7,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from osdp.describe.units import discover_units
 from osdp.distributed import ensure_process_group, job_device, raise_on_any_rank
 from osdp.fsdp_ext.apply import apply_plan, check_model, plan_of, set_requires_gradient_sync
 from osdp.fsdp_ext.budget_check import check_first_step
 from osdp.schema.plan import STRATEGIES, Plan, PlanError
-from osdp.describe.units import discover_units
 
 
 def strategy_plan(model: nn.Module, strategy: str, **settings: Any) -> Plan:

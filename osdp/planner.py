@@ -22,22 +22,22 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from osdp.describe import granularity
-from osdp.cost.problem import build_block_problem
-from osdp.cost.terms import Calibration, Prediction
-from osdp.cost.problem import build_problems, plan_from_choice
+from osdp.cost.problem import build_block_problem, build_problems, plan_from_choice
 from osdp.cost.schedule import predict
-from osdp.machine.device_info import DeviceInfo
-from osdp.machine.presets import device_preset
-from osdp.sizes import parse_size
-from osdp.distributed import broadcast_object, ensure_process_group, world
-from osdp.log import Progress
-from osdp.schema.plan import Plan
-from osdp.schema.description import ModelDescription
+from osdp.cost.terms import Calibration, Prediction
+from osdp.describe import granularity
 from osdp.describe.batch import batch_size_of
 from osdp.describe.measured import describe_once
-from osdp.search import BudgetTooSmall, FrontierPoint, Problem, min_peak, pareto_frontier, sweep_batch_sizes
 from osdp.describe.units import GRANULARITIES, structure_signature
+from osdp.distributed import broadcast_object, ensure_process_group, world
+from osdp.log import Progress
+from osdp.machine.device_info import DeviceInfo
+from osdp.machine.presets import device_preset
+from osdp.schema.description import ModelDescription
+from osdp.schema.plan import Plan
+from osdp.search import BudgetTooSmall, FrontierPoint, Problem, min_peak, pareto_frontier, sweep_batch_sizes
+from osdp.search.solver import Solution
+from osdp.sizes import parse_size
 
 
 @dataclass
@@ -181,27 +181,41 @@ class _Pricing:
         return _Found(plan, description, predict(description, plan, self.device_info, optimizer=self.optimizer,
                                                  calibration=self.calibration))
 
-    def at(self, problems: list[Problem], bound: int, describe: Describer) -> _Found | None:
-        """The fastest plan within the additive ``bound``, if its schedule peak fits the budget."""
+    def solved(self, problems: list[Problem], bound: int) -> tuple[Problem, Solution] | None:
+        """The solver's fastest plan within the additive ``bound`` (over every problem), unpriced."""
         try:
             sweep = sweep_batch_sizes(problems, bound)
         except BudgetTooSmall:
             return None
-        found = self.priced(problems[sweep.best_index], sweep.best.choice, describe)
+        return problems[sweep.best_index], sweep.best
+
+    def fitting(self, solved: tuple[Problem, Solution] | None, describe: Describer) -> _Found | None:
+        """``solved``'s plan priced on the schedule, if its peak fits the budget."""
+        if solved is None:
+            return None
+        found = self.priced(solved[0], solved[1].choice, describe)
         return found if found.prediction.peak_bytes <= self.budget else None
 
     def fastest_fitting(self, problems: list[Problem], describe: Describer) -> _Found | None:
-        fastest = [self.priced(p, _fastest_choice(p), describe) for p in problems]
-        if all(f.prediction.peak_bytes <= self.budget for f in fastest):  # memory does not bind
-            return max(fastest, key=lambda f: f.samples_per_s)
+        # The fastest plan of all, where its schedule peak fits: nothing is faster. A problem's step time is the
+        # plan's predicted one (osdp.cost.schedule.predict), so only that one plan needs pricing on the schedule.
+        unconstrained = [(p, _fastest_choice(p)) for p in problems]
+        problem, choice = max(unconstrained, key=lambda pc: pc[0].batch_size / pc[0].step_time(pc[1]))
+        fastest = self.priced(problem, choice, describe)
+        if fastest.prediction.peak_bytes <= self.budget:  # memory does not bind
+            return fastest
         least = min(min_peak(p)[0] for p in problems)
         step = math.floor(math.log(self.budget * RELAXED_BOUND) / math.log(RELAXED_STEP))
-        at_budget = self.at(problems, self.budget, describe)  # the solver's own plan, between two grid bounds
+        at_budget = self.solved(problems, self.budget)  # the solver's own plan, between two grid bounds
         while (bound := RELAXED_STEP ** step) >= least:
-            found = self.at(problems, int(bound), describe)
-            fitting = [f for f in (found, at_budget) if f is not None]
-            if fitting and (found is not None or bound < self.budget):
-                return max(fitting, key=lambda f: f.samples_per_s)
+            found = self.fitting(self.solved(problems, int(bound)), describe)
+            if found is not None or bound < self.budget:
+                # the solver's plan at the budget, priced only where it would be the faster (its step time is
+                # the one its pricing gives)
+                faster = at_budget is not None and (found is None or at_budget[1].samples_per_s > found.samples_per_s)
+                fitting = [f for f in (found, self.fitting(at_budget, describe) if faster else None) if f]
+                if fitting:
+                    return max(fitting, key=lambda f: f.samples_per_s)
             step -= 1
         # nothing on the grid: the plans of the least bound, if they fit (and what the error names)
         least_bound = [self.priced(p, min_peak(p)[1], describe) for p in problems]
@@ -357,3 +371,9 @@ __all__ = [
     "BudgetTooSmall", "SearchResult", "describe_granularities", "description_of", "least_budget", "plan",
     "planning_description", "planning_descriptions", "find_plan",
 ]
+
+
+def __getattr__(name: str) -> object:  # the previous release's names of this module (osdp._moved)
+    from osdp._moved import moved_attribute
+
+    return moved_attribute("osdp.planner", name)

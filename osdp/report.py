@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from osdp.sizes import format_bytes
-from osdp.schema.plan import Plan, display_path
 from osdp.describe.units import Unit
+from osdp.schema.plan import Plan, display_path
+from osdp.sizes import format_bytes
 
 
 def first_few(names: Sequence[str], n: int = 4) -> str:
@@ -37,7 +37,7 @@ def plan_table(plan: Plan, units: Sequence[Unit]) -> str:
             unit.module_type if unit else "?",
             u.mode,
             u.split,
-            "yes" if u.checkpoint else "no",
+            u.checkpoint_policy,
             unit.numel if unit else "?",
             format_bytes(unit.param_bytes) if unit else "?",
         ])

@@ -8,13 +8,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
-import osdp
 from dist_harness import run_ranks
-from osdp.schema.plan import Plan, PlanError, UnitPlan
-from osdp.describe.units import structure_signature
 from toy_models import GPT
 from training_check import full_state
+
+import osdp
+from osdp.describe.units import structure_signature
+from osdp.schema.plan import Plan, PlanError, UnitPlan
 
 SIZE_HELP = ("examples: 16GiB, '16 GiB', 1.5GB, 512MiB, 2048 (bytes); units are case-insensitive: "
              "kB MB GB TB (powers of 1000), KiB MiB GiB TiB (powers of 1024)")

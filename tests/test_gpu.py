@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from training_check import full_state
 
 import osdp
-from osdp.runtime import dcp as checkpoint
 from osdp import models
-from osdp.models.data import synthetic_batch
-from osdp.machine.memory import PeakMemory
 from osdp.describe.measured import describe
-from training_check import full_state
+from osdp.machine.memory import PeakMemory
+from osdp.models.data import synthetic_batch
+from osdp.runtime import dcp as checkpoint
 
 pytestmark = pytest.mark.gpu
 

@@ -9,14 +9,37 @@ from typing import Callable
 
 import torch
 
-from osdp.distributed import job_device
-from osdp.machine.measure import measure_collectives, measure_device
-from osdp.distributed import broadcast_object, world
-from osdp.runtime.jobs import run_jobs
+from osdp.calibration.fit import (
+    BUSY_RETRIES,
+    BUSY_WAIT_S,
+    fit_calibration,
+    measure_compute_scale,
+    measure_meeting_wait,
+    median_collectives,
+    pooled_compute_scale,
+)
+from osdp.calibration.nets import (
+    CalibrationError,
+    CalibrationProfile,
+    _described_compute_s,
+    calibration_jobs,
+    can_split,
+    describe_nets,
+    profile_from_env,
+)
+from osdp.calibration.store import (
+    CalibrationKey,
+    MachineCalibration,
+    _save,
+    _where,
+    cached_calibration,
+    calibration_dir,
+    other_calibrations,
+)
+from osdp.distributed import broadcast_object, job_device, world
 from osdp.log import Progress, log
-from osdp.calibration.nets import CalibrationError, CalibrationProfile, _described_compute_s, calibration_jobs, can_split, describe_nets, profile_from_env
-from osdp.calibration.fit import BUSY_RETRIES, BUSY_WAIT_S, fit_calibration, measure_compute_scale, measure_meeting_wait, median_collectives, pooled_compute_scale
-from osdp.calibration.store import CalibrationKey, MachineCalibration, _save, _where, cached_calibration, calibration_dir, other_calibrations
+from osdp.machine.measure import measure_collectives, measure_device
+from osdp.runtime.jobs import run_jobs
 
 
 def measure_calibration(

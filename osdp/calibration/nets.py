@@ -12,13 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from osdp.schema.description import ModelDescription
-from osdp.fsdp_ext.apply import apply_plan
-from osdp.runtime.jobs import Job
-from osdp.schema.plan import MODES, Plan, ROOT, UnitPlan
 from osdp.describe.measured import describe_once
 from osdp.describe.units import discover_units
-
+from osdp.fsdp_ext.apply import apply_plan
+from osdp.runtime.jobs import Job
+from osdp.schema.description import ModelDescription
+from osdp.schema.plan import MODES, ROOT, Plan, UnitPlan
 
 PROFILE_ENV = "OSDP_CALIBRATION_PROFILE"
 

@@ -15,15 +15,13 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from osdp.calibration.nets import CalibrationError, profile_from_env
 from osdp.cost.terms import Calibration
-from osdp.machine.device_info import DeviceInfo
 from osdp.distributed import all_gather_objects, world
+from osdp.machine.device_info import DeviceInfo
 from osdp.machine.identity import cpu_model, host
 from osdp.schema.plan import MODES
-from osdp.store import cache_dir
-from osdp.store import write_atomically
-from osdp.calibration.nets import CalibrationError, profile_from_env
-
+from osdp.store import cache_dir, write_atomically
 
 CALIBRATION_VERSION = 13  # bump when what is measured changes: older cache entries are not read
 
@@ -60,7 +58,6 @@ class CalibrationKey:
         interface = os.environ.get("NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME", "")
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
         from osdp.distributed import collectives as comm
-
         from osdp.distributed import ranks_per_node
 
         return cls(hosts, name, device.type, backend, world_size, torch.get_num_threads(), interface,

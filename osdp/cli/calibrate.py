@@ -11,10 +11,10 @@ from typing import Sequence
 
 import torch
 
+from osdp.calibration.measured import calibrate
+from osdp.calibration.store import calibration_path
 from osdp.cli.launch import run_on_ranks
 from osdp.distributed import world
-from osdp.calibration.store import calibration_path
-from osdp.calibration.measured import calibrate
 
 
 def build_parser() -> argparse.ArgumentParser:

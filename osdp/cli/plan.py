@@ -19,19 +19,18 @@ import sys
 from pathlib import Path
 
 from osdp import models
-from osdp.describe.analytic import describe_analytic
 from osdp.cost.schedule import predict
-from osdp.schema.description import ModelDescription
-from osdp.machine.presets import DEVICE_PRESETS, MultiNodePreset, device_preset, list_presets, multi_node_presets
-from osdp.machine.device_info import DeviceInfo
-from osdp.sizes import parse_size
+from osdp.describe.analytic import describe_analytic
 from osdp.describe.sources import ModelSource, ModelSourceError, from_factory, from_hf_config, from_reference
+from osdp.machine.device_info import DeviceInfo
+from osdp.machine.presets import DEVICE_PRESETS, MultiNodePreset, device_preset, list_presets, multi_node_presets
 from osdp.optim import OPTIMIZERS
-from osdp.schema.plan import display_path
 from osdp.planner import describe_granularities, find_plan
 from osdp.report import format_table
+from osdp.schema.description import ModelDescription
+from osdp.schema.plan import display_path
 from osdp.search import BudgetTooSmall, format_frontier, plot_frontier
-from osdp.sizes import format_bytes
+from osdp.sizes import format_bytes, parse_size
 
 DEFAULT_BATCH_CANDIDATES = (1, 2, 4, 8)
 DEFAULT_WORLD_SIZE = 8
@@ -188,7 +187,7 @@ def plan_report(args, device_info: DeviceInfo, plan, prediction, seq_len: int, d
     for u in plan.units:
         c = units[u.path]
         mode = u.mode + ("@node" if u.shard_scope == "node" else "")  # sharded within the node, as UnitPlan.label
-        rows.append([display_path(u.path), mode, u.split, "yes" if u.checkpoint else "no",
+        rows.append([display_path(u.path), mode, u.split, u.checkpoint_policy,
                      format_bytes(c["mem_bytes"]), format_bytes(c["transient_bytes"]), f"{c['time_s'] * 1e3:.2f}"])
     table = format_table(rows, ["unit", "mode", "split", "ckpt", "memory", "transient", "time ms"], "llrlrrr")
     tokens_per_s = plan.batch_size * seq_len / plan.predicted_step_s

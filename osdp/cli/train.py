@@ -41,21 +41,20 @@ import torch
 import torch.distributed as dist
 
 import osdp
-from osdp.runtime import dcp as checkpoint
 from osdp import models
-from osdp.models.data import CorpusLoader, synthetic_batch
 from osdp.cli.launch import run_on_ranks
+from osdp.describe.units import build_units
 from osdp.distributed import all_gather_objects, peer_failures, warn_shared_store
 from osdp.fsdp_ext.apply import complete_plan
 from osdp.log import QUIET_ENV
 from osdp.machine.identity import machine_info
 from osdp.machine.memory import PeakMemory
+from osdp.models.data import CorpusLoader, synthetic_batch
 from osdp.optim import make_optimizer
-from osdp.schema.plan import Plan
 from osdp.report import format_bytes, format_table, plan_table
+from osdp.runtime import dcp as checkpoint
 from osdp.runtime.step import train_step
-from osdp.describe.units import build_units
-
+from osdp.schema.plan import Plan
 
 # gpt2-tiny at batch 8 x 64 on 2 ranks needs 3.66 MiB per rank at the least (everything sharded or checkpointed)
 # and 4.74 MiB for every unit replicated (the fastest): a budget between gives a plan that mixes modes, which is

@@ -19,20 +19,20 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from osdp.cost.neighbours import sequence_order, unit_neighbours
+from osdp.cost.terms import _REDUCE_BYTES, DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, OPTIMIZER_STATES, Calibration
+from osdp.cost.unit import _as_option, _Context
 from osdp.machine.device_info import DeviceInfo
+from osdp.schema.description import ModelDescription
 from osdp.schema.plan import (
+    ROOT,
     Plan,
     PlanError,
-    ROOT,
     UnitPlan,
     display_path,
     replicates_with_ddp,
 )
-from osdp.schema.description import ModelDescription
 from osdp.search.problem import NODE_OPTIONS, OPTIONS, Option
-from osdp.cost.terms import Calibration, DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, OPTIMIZER_STATES, _REDUCE_BYTES
-from osdp.cost.unit import _Context, _as_option
-from osdp.cost.neighbours import sequence_order, unit_neighbours
 
 
 def _context(

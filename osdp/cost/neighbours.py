@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-
+from osdp.cost.terms import _DTYPE_BYTES, _REDUCE_BYTES, OptionCost, _padded_numel
+from osdp.describe.granularity import blocks_apart
+from osdp.schema.description import ModelDescription
 from osdp.schema.plan import (
     ROOT,
 )
-from osdp.describe.granularity import blocks_apart
-from osdp.schema.description import ModelDescription
-from osdp.cost.terms import OptionCost, _DTYPE_BYTES, _REDUCE_BYTES, _padded_numel
 
 
 def sequence_order(description: ModelDescription) -> list[str]:

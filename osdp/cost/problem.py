@@ -14,27 +14,26 @@ for it (``osdp.cost.schedule.predict``), which is what a searched plan reports.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from osdp.machine.device_info import DeviceInfo
-from osdp.schema.plan import (
-    Plan,
-    PlanError,
-    ROOT,
-    UnitPlan,
-    display_path,
-)
-from osdp.schema.description import ModelDescription
-from osdp.search.problem import Option, Problem, SubUnits
-import itertools
-
-from osdp.describe.granularity import blocks_apart
+from osdp.cost.context import UNIFORM_MODES, _base, _context, _uniform, options_for
 from osdp.cost.neighbours import nested_neighbours
 from osdp.cost.terms import Calibration
 from osdp.cost.unit import _as_option, _impossible, unit_cost
-from osdp.cost.context import UNIFORM_MODES, _base, _context, _uniform, options_for
+from osdp.describe.granularity import blocks_apart
+from osdp.machine.device_info import DeviceInfo
+from osdp.schema.description import ModelDescription
+from osdp.schema.plan import (
+    ROOT,
+    Plan,
+    PlanError,
+    UnitPlan,
+    display_path,
+)
+from osdp.search.problem import Option, Problem, SubUnits
 
 
 def build_problem(
@@ -141,7 +140,7 @@ def build_block_problem(
         if path not in blocks:
             continue
         rows = [row[p] for p in blocks[path]]
-        choices = [np.flatnonzero(parts.allowed[r]) for r in rows]
+        choices = [_undominated(parts, r) for r in rows]
         if np.prod([len(c) for c in choices]) > max_combinations:
             continue
         columns = []
@@ -165,6 +164,18 @@ def build_block_problem(
     return Problem(time=time_, mem=mem, transient=transient, allowed=allowed, base=whole.base,
                    batch_size=batch_size, units=coarse.paths, options=labels)
 
+
+
+def _undominated(problem: Problem, row: int) -> np.ndarray:
+    """The options of unit ``row`` that no other of its options beats in time, memory and transient alike (the
+    first of equal ones). A block's parts combine by sum (time, memory) and max (transient), so a combination
+    with a dominated part is itself dominated: only these need combining."""
+    allowed = np.flatnonzero(problem.allowed[row])
+    t, m, tr = problem.time[row, allowed], problem.mem[row, allowed], problem.transient[row, allowed]
+    no_worse = (t[:, None] <= t[None, :]) & (m[:, None] <= m[None, :]) & (tr[:, None] <= tr[None, :])
+    better = no_worse & ~(no_worse.T)  # i beats j: no worse anywhere, and j is worse somewhere
+    equal_before = no_worse & no_worse.T & np.tri(len(allowed), k=-1, dtype=bool).T  # i equals j, i earlier
+    return allowed[~(better | equal_before).any(axis=0)]
 
 
 def _relative(path: str, block: str) -> str:

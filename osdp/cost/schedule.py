@@ -15,18 +15,18 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from osdp.machine.device_info import DeviceInfo
-from osdp.schema.plan import (
-    Plan,
-    PlanError,
-    ROOT,
-    display_path,
-)
-from osdp.schema.description import ModelDescription
+from osdp.cost.context import _base, _context, _options_of, _uniform, uniform_mode_of
+from osdp.cost.neighbours import plan_neighbours, sequence_order
 from osdp.cost.terms import Calibration, OptionCost, Prediction
 from osdp.cost.unit import unit_cost
-from osdp.cost.neighbours import plan_neighbours, sequence_order
-from osdp.cost.context import _base, _context, _options_of, _uniform, uniform_mode_of
+from osdp.machine.device_info import DeviceInfo
+from osdp.schema.description import ModelDescription
+from osdp.schema.plan import (
+    ROOT,
+    Plan,
+    PlanError,
+    display_path,
+)
 
 
 def predict(
@@ -71,8 +71,12 @@ def predict(
     bounding = [unit_cost(u, o, ctx) for u, o in zip(description.units, options)]  # as the search prices them
     mem = np.array([c.mem_bytes for c in bounding], dtype=np.int64)
     transient = np.array([c.transient_bytes for c in bounding], dtype=np.int64)
+    bound_neighbours = ctx.neighbours
     ctx = replace(ctx, neighbours=plan_neighbours(description, bounding))
-    costs = [unit_cost(u, o, ctx) for u, o in zip(description.units, options)]
+    # a unit's price depends on the context only through its neighbours: where the plan's are the bound's,
+    # the bounding price is the price
+    costs = [c if ctx.neighbours.get(u.path) == bound_neighbours.get(u.path) else unit_cost(u, o, ctx)
+             for u, o, c in zip(description.units, options, bounding)]
     times = np.array([c.time_s for c in costs], dtype=np.float64)
     base = _base(ctx)
     step_s = float(times.sum())

@@ -9,12 +9,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-
 from osdp.machine.device_info import DeviceInfo
 from osdp.schema.plan import (
     MODES,
 )
-
 
 # fp32 state tensors per parameter (momentum, Adam's two moments)
 OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}  # by osdp.optim.OPTIMIZERS

@@ -62,19 +62,29 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-
+from osdp.cost.terms import (
+    _DTYPE_BYTES,
+    _FOREACH_TEMPS,
+    _REDUCE_BYTES,
+    DDP_BUCKET_BYTES,
+    OPTIMIZER_STATES,
+    USED_FLAG_BYTES,
+    Calibration,
+    OptionCost,
+    _padded_numel,
+    _remove,
+)
 from osdp.machine.collective_model import CollectiveModel
 from osdp.machine.device_info import DeviceInfo
+from osdp.schema.description import UnitProfile
 from osdp.schema.plan import (
-    PlanError,
     ROOT,
+    PlanError,
     UnitPlan,
     replicates_with_ddp,
     reshards_after_forward,
 )
-from osdp.schema.description import UnitProfile
 from osdp.search.problem import Option
-from osdp.cost.terms import Calibration, DDP_BUCKET_BYTES, OPTIMIZER_STATES, OptionCost, USED_FLAG_BYTES, _DTYPE_BYTES, _FOREACH_TEMPS, _REDUCE_BYTES, _padded_numel, _remove
 
 
 @dataclass(frozen=True)
@@ -125,6 +135,10 @@ def _impossible(unit: UnitProfile, option: Option) -> str | None:
         return f"{where} cannot be split: it holds no splittable Linear"
     if ckpt and unit.nested:
         return f"{where}: checkpointing a unit that encloses other units is not modelled"
+    if ckpt == "selective" and k > 1:
+        return f"{where}: selective checkpointing cannot tell a split Linear's matmuls apart"
+    if ckpt == "selective" and any(c.sac_bytes is None or c.sac_recompute_s is None for c in unit.costs.values()):
+        return f"{where} was not described for selective checkpointing"
     if scope == "node" and (mode == "replicate" or k > 1):
         return f"{where}: shard scope 'node' needs mode 'zero2' or 'zero3' without split"
     return None
@@ -151,6 +165,9 @@ def _shard_group(ctx: _Context, scope: str) -> tuple[int, CollectiveModel, Colle
     return topology.ranks_per_node, topology.intra, topology.inter
 
 
+# Over 80 lines: the price of one unit under one option, term by term in the order docs/COST_MODEL.md derives
+# them; its terms feed each other (the gathers' bytes the memory, the compute what the collectives hide behind),
+# and split into functions they would travel as a dozen arguments.
 def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context) -> OptionCost:
     """Time, additive memory and transient memory of ``unit`` under ``option`` (see the module docstring)."""
     option = _as_option(option)
@@ -184,7 +201,8 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     gathered = dt * fsdp_padded  # FSDP's unsharded parameters (and its flat all-gather buffer)
     rs_input = _REDUCE_BYTES * fsdp_padded
     grad = 4 * shard_numel
-    act = costs.ckpt_bytes.bytes(b) if ckpt else costs.act_bytes.bytes(b)
+    policy = {False: "none", True: "full"}.get(ckpt, ckpt)
+    act = costs.kept_bytes(b, policy)
     foreach = ctx.device.device_type == "cuda"
     foreach_temps = _FOREACH_TEMPS[opt] * 4 * shard_numel if foreach else 0
     largest_shard = max((4 * math.ceil(math.prod(s) / shard_n) for s in unit.param_shapes), default=0)
@@ -226,7 +244,8 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     transient = max(fwd, bwd, post, optimizer_temp)
 
     # -- time --------------------------------------------------------------------
-    compute = cal.compute_scale * (costs.fwd_s(b) + costs.bwd_s(b) + (costs.recompute_seconds(b) if ckpt else 0.0))
+    recompute = costs.recompute_seconds(b, policy) if ckpt else 0.0
+    compute = cal.compute_scale * (costs.fwd_s(b) + costs.bwd_s(b) + recompute)
     world = ctx.device.collectives
     if ddp:
         # DDP all-reduces 25 MiB buckets across units: each unit pays its bytes and its share of an alpha
@@ -272,7 +291,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     # waits for the rank that drifted furthest behind while computing since the last one
     meeting_wait = 0.0
     if not ddp and n > 1:
-        backward = costs.bwd_s(b) + (costs.recompute_seconds(b) if ckpt else 0.0)
+        backward = costs.bwd_s(b) + recompute
         meeting_wait = cal.meeting_wait_s_per_sqrt_s * sqrt_segments(
             cal.compute_scale * costs.fwd_s(b), cal.compute_scale * backward)
     optimizer_s = (  # the per-tensor cost is DTensor dispatch: DDP's parameters are plain tensors

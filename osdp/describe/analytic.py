@@ -33,14 +33,14 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from osdp.machine.device_info import DeviceInfo
-from osdp.machine.presets import device_preset
-from osdp.log import Progress
-from osdp.machine.memory import map_tensors
-from osdp.schema.description import PRECISIONS, ModelDescription, UnitWorkload
 from osdp.describe.batch import ProfileError, batch_size_of, input_bytes_per_sample, input_spec, resize_batch
 from osdp.describe.measure import fit_costs, memory_pass, resolve_units, unit_profiles
-from osdp.describe.units import Unit, build_units, structure_signature
+from osdp.describe.units import Unit, build_units, checkpointable, structure_signature
+from osdp.log import Progress
+from osdp.machine.device_info import DeviceInfo
+from osdp.machine.memory import map_tensors
+from osdp.machine.presets import device_preset
+from osdp.schema.description import PRECISIONS, ModelDescription, UnitWorkload
 
 
 def fake_copy(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None) -> nn.Module:
@@ -79,6 +79,19 @@ class _Flops:
         self.last = total
 
 
+def _check_rates(info: DeviceInfo, precisions: Sequence[str]) -> None:
+    """ProfileError unless every precision is known and ``info`` has a FLOP/s figure for it."""
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise ProfileError(f"precision {p!r} is not one of {list(PRECISIONS)}")
+        rate = info.flops.get(str(PRECISIONS[p]).removeprefix("torch."), 0.0)
+        if not rate > 0:
+            raise ProfileError(
+                f"device {info.name!r} has no FLOP/s figure for {p}: measure one (osdp.machine.measure.measure_flops) "
+                "or use a preset that has it"
+            )
+
+
 def describe_analytic(
     model: nn.Module,
     example_input: Any,
@@ -102,15 +115,7 @@ def describe_analytic(
     start = time.perf_counter()
     units_given = units
     info = device if isinstance(device, DeviceInfo) else device_preset(device, world_size)
-    for p in precisions:
-        if p not in PRECISIONS:
-            raise ProfileError(f"precision {p!r} is not one of {list(PRECISIONS)}")
-        rate = info.flops.get(str(PRECISIONS[p]).removeprefix("torch."), 0.0)
-        if not rate > 0:
-            raise ProfileError(
-                f"device {info.name!r} has no FLOP/s figure for {p}: measure one (osdp.machine.measure.measure_flops) "
-                "or use a preset that has it"
-            )
+    _check_rates(info, precisions)
     if next(model.parameters(), None) is None:
         raise ProfileError("the model has no parameters: there is nothing to describe")
     n = batch_size_of(example_input)
@@ -139,7 +144,10 @@ def describe_analytic(
                     memory[b], order = memory_pass(runnable, runnable_units, resize_batch(fake_input, b), loss_fn, meter)
                 flops[b] = meter.flops
                 seconds[b] = {k: f / rate for k, f in meter.flops.items()}
-            costs[prec] = fit_costs(runnable_units, sizes, memory, seconds, flops)
+            # Compute is priced by FLOPs here, and every op PyTorch's counter gives FLOPs to (matmuls, attention,
+            # convolutions) is one selective checkpointing keeps: what it recomputes costs no FLOPs.
+            free = {"selective": {b: {u.path: 0.0 for u in checkpointable(runnable_units)} for b in sizes}}
+            costs[prec] = fit_costs(runnable_units, sizes, memory, seconds, flops, recompute_seconds=free)
         profiles = unit_profiles(fake_model, units, costs)
     description = ModelDescription(
         model=name,

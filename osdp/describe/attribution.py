@@ -21,13 +21,12 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from osdp.describe.recompute import SAVED_OPS
+from osdp.describe.units import Unit, checkpointable, param_homes
 from osdp.machine.memory import iter_tensors
 from osdp.schema.plan import ROOT
-from osdp.describe.units import Unit, param_homes
-from osdp.describe.units import checkpointable
-
-
 
 
 class Segments:
@@ -225,3 +224,23 @@ def _working_sets(
         both = max(raw.get(("fwd", path), 0), raw.get(("bwd", path), 0))
         m["recompute_peak"] = both - credit_bwd.get(path, 0)
         m["bwd_end"] = end.get(path, 0)
+
+
+class KeptBySelective(TorchDispatchMode):
+    """Per unit, the bytes selective checkpointing keeps beyond the unit's inputs: the outputs of the ops in
+    ``recompute.SAVED_OPS`` its own forward runs (in no unit nested in it), as the checkpoint's cache holds them.
+    Works on real and on fake tensors."""
+
+    def __init__(self, segments: Segments):
+        super().__init__()
+        self.segments = segments
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in SAVED_OPS and self.segments.phase == "fwd" and torch.is_grad_enabled():
+            owner = self.segments.stack[-1] if self.segments.stack else ROOT
+            outputs = out if isinstance(out, (tuple, list)) else (out,)
+            kept = sum(t.nelement() * t.element_size() for t in outputs if isinstance(t, torch.Tensor))
+            self.bytes[owner] = self.bytes.get(owner, 0) + kept
+        return out

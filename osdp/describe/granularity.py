@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable
 
+from osdp.describe.units import nesting
 from osdp.schema.description import ModelDescription
 from osdp.schema.plan import ROOT, Plan
-from osdp.describe.units import nesting
 
 
 def blocks_apart(coarse: ModelDescription, nested: ModelDescription) -> dict[str, tuple[str, ...]]:

@@ -15,18 +15,16 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from osdp.describe.forward_caches import disable_caches_in_training
-from osdp.schema.description import PHASES, Affine, UnitProfile, UnitWorkload
-from osdp.machine.memory import LiveBytesTracker, iter_tensors
-from osdp.optim import make_optimizer
-from osdp.schema.plan import ROOT, display_path
-from osdp.describe.recompute import checkpoint_unit, undo_checkpoint
-from osdp.machine.timing import StepTimer
-from osdp.describe.units import Unit, build_units, checkpointable, discover_units, param_homes, trace_calls
+from osdp.describe.attribution import KeptBySelective, Segments, _Saved, _storage_key, _Timer, _working_sets
 from osdp.describe.batch import ProfileError, call_model, loss_of
-from osdp.describe.attribution import Segments, _Saved, _Timer, _storage_key, _working_sets
-
-
+from osdp.describe.forward_caches import disable_caches_in_training
+from osdp.describe.recompute import checkpoint_unit, undo_checkpoint
+from osdp.describe.units import Unit, build_units, checkpointable, discover_units, param_homes, trace_calls
+from osdp.machine.memory import LiveBytesTracker, iter_tensors
+from osdp.machine.timing import StepTimer
+from osdp.optim import make_optimizer
+from osdp.schema.description import PHASES, Affine, UnitProfile, UnitWorkload
+from osdp.schema.plan import ROOT, display_path
 
 
 def _step(model: nn.Module, batch: Any, loss_fn, segments: Segments | None = None, after_forward=None) -> None:
@@ -173,13 +171,17 @@ def memory_pass(
             if p.requires_grad and (home := segments.homes[id(p)]) not in enclosing
         ]
 
+        kept_by_selective = KeptBySelective(segments)
+
         def after_forward() -> None:
             nonlocal root_total
             memory.update(saved.per_unit(u.path for u in units))
             root_total = saved.live.get(ROOT, 0)
+            for u in checkpointable(units):  # what selective checkpointing keeps: the inputs and SAVED_OPS' outputs
+                memory[u.path]["sac"] = memory[u.path]["ckpt"] + kept_by_selective.bytes.get(u.path, 0)
 
         try:
-            with segments, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            with segments, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), kept_by_selective:
                 _step(model, batch, loss_fn, segments, after_forward)
         finally:
             for h in grad_hooks:
@@ -196,70 +198,72 @@ def _time_at(
     loss_fn,
     repeats: int,
     sync: Callable[[], None],
-    checkpointed: bool = False,
+    policies: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Per-unit seconds (medians over ``repeats`` hooked steps), scaled so that they add up to the
     median plain step (hooks cost a few percent, waiting for a GPU at every boundary more; plain
-    and hooked steps alternate). With ``checkpointed``, also each checkpointable unit's recompute
-    seconds ("recompute_seconds"): how much longer a step takes with it checkpointed. How much that is
-    in all comes from whole unhooked steps, every unit checkpointed against none, and how it divides
-    among units from the differences of their hooked backward segments (a unit whose backward needs
-    little of its forward recomputes little). Each checkpointed step follows a plain one and both
-    are medians of the pairs' differences, so a machine that speeds up or slows down while we
-    measure moves both sides of a difference alike."""
-    timed: dict[bool, list[dict]] = {False: [], True: []}
-    plain: dict[bool, list[float]] = {False: [], True: []}
+    and hooked steps alternate). For each checkpoint policy in ``policies`` ("full", "selective"), also each
+    checkpointable unit's recompute seconds under it ("recompute_seconds"[policy]): how much longer a step
+    takes with it checkpointed. How much that is in all comes from whole unhooked steps, every unit
+    checkpointed against none, and how it divides among units from the differences of their hooked
+    backward segments (a unit whose backward needs little of its forward recomputes little). Each
+    checkpointed step follows a plain one and both are medians of the pairs' differences, so a machine that
+    speeds up or slows down while we measure moves both sides of a difference alike."""
+    timed: dict[str, list[dict]] = {p: [] for p in ("none", *policies)}
+    plain: dict[str, list[float]] = {p: [] for p in ("none", *policies)}
     for _ in range(repeats):
-        for ckpt in (False, True) if checkpointed else (False,):
-            with _checkpointed(model, units) if ckpt else contextlib.nullcontext():
+        for policy in timed:
+            with _checkpointed(model, units, policy) if policy != "none" else contextlib.nullcontext():
                 model.zero_grad(set_to_none=True)
                 timer = _Timer(sync)
                 with Segments(model, units, timer) as segments:
                     sync()
                     timer.last = time.perf_counter()
                     _step(model, batch, loss_fn, segments)
-                timed[ckpt].append(timer.seconds)
+                timed[policy].append(timer.seconds)
                 model.zero_grad(set_to_none=True)
                 with StepTimer(_device_of(model)) as step:
                     _step(model, batch, loss_fn)
-                plain[ckpt].append(step.seconds)
+                plain[policy].append(step.seconds)
     model.zero_grad(set_to_none=True)
-    medians = _median_by_key(timed[False])
-    step_s = statistics.median(plain[False])
+    medians = _median_by_key(timed["none"])
+    step_s = statistics.median(plain["none"])
     scale = step_s / sum(medians.values())
-    out = {
+    out: dict[str, Any] = {
         "seconds": {k: v * scale for k, v in medians.items()},
         "step_s": step_s,
-        "hooked_step_s": statistics.median(sum(t.values()) for t in timed[False]),
+        "hooked_step_s": statistics.median(sum(t.values()) for t in timed["none"]),
+        "recompute_seconds": {},
+        "recompute_step_s": {},
     }
-    if checkpointed:
-        scale_ckpt = statistics.median(plain[True]) / sum(_median_by_key(timed[True]).values())
+    for policy in policies:
+        scale_ckpt = statistics.median(plain[policy]) / sum(_median_by_key(timed[policy]).values())
         shares = {
             u.path: statistics.median(
                 max(0.0, c.get(("bwd", u.path), 0.0) * scale_ckpt - p.get(("bwd", u.path), 0.0) * scale)
-                for p, c in zip(timed[False], timed[True])
+                for p, c in zip(timed["none"], timed[policy])
             )
             for u in checkpointable(units)
         }
         # The segments alone over-count: checkpointing moves time across segment boundaries (gpt2-mini:
         # their sum was 1.3x the steps' difference with attention and MLP as units, 2x with whole blocks,
         # which made the search prefer the finer units for checkpointing when they are not faster).
-        extra = max(0.0, statistics.median(c - p for p, c in zip(plain[False], plain[True])))
+        extra = max(0.0, statistics.median(c - p for p, c in zip(plain["none"], plain[policy])))
         total = sum(shares.values())
-        out["recompute_seconds"] = {path: share * extra / total if total > 0 else 0.0
-                                    for path, share in shares.items()}
-        out["recompute_step_s"] = extra
+        out["recompute_seconds"][policy] = {path: share * extra / total if total > 0 else 0.0
+                                            for path, share in shares.items()}
+        out["recompute_step_s"][policy] = extra
     return out
 
 
 @contextlib.contextmanager
-def _checkpointed(model: nn.Module, units: Sequence[Unit]):
-    """Every checkpointable unit checkpointed as a plan checkpoints it (``osdp.describe.recompute``, forward caches
-    off: ``osdp.describe.forward_caches``); restored on exit."""
+def _checkpointed(model: nn.Module, units: Sequence[Unit], policy: str = "full"):
+    """Every checkpointable unit checkpointed with ``policy`` as a plan checkpoints it
+    (``osdp.describe.recompute``, forward caches off: ``osdp.describe.forward_caches``); restored on exit."""
     modules = dict(model.named_modules())
     wrapped = [modules[u.path] for u in checkpointable(units)]
     for m in wrapped:
-        checkpoint_unit(m)
+        checkpoint_unit(m, policy)
     no_cache = disable_caches_in_training(model, warn=False)
     try:
         yield
@@ -340,11 +344,11 @@ def fit_costs(
     memory: Mapping[int, Mapping[str, Mapping[str, float]]],
     seconds: Mapping[int, Mapping[tuple[str, str], float]],
     flops: Mapping[int, Mapping[tuple[str, str], float]] | None = None,
-    recompute_seconds: Mapping[int, Mapping[str, float]] | None = None,
+    recompute_seconds: Mapping[str, Mapping[int, Mapping[str, float]]] | None = None,
 ) -> dict[str, UnitWorkload]:
     """UnitWorkload per unit from measurements at each size: times averaged over identical units,
     memory exact per unit (a unit's place in the schedule matters), all fitted linear in b.
-    ``recompute_seconds``: per size, each checkpointable unit's measured recompute time."""
+    ``recompute_seconds``: per checkpoint policy and size, each checkpointable unit's recompute time."""
     paths = [u.path for u in units]
 
     def by_unit(table: Mapping[tuple[str, str], float]) -> dict[str, dict[str, float]]:
@@ -352,13 +356,13 @@ def fit_costs(
 
     times = {b: average_repeated(units, by_unit(seconds[b]), statistics.fmean) for b in sizes}
     counts = {b: by_unit(flops[b]) for b in sizes} if flops is not None else None
-    recompute: dict[str, Affine] = {}
-    if recompute_seconds is not None:
-        paired = checkpointable(units)
-        per_size = {b: {p: {"s": s} for p, s in recompute_seconds[b].items()} for b in sizes}
+    recompute: dict[str, dict[str, Affine]] = {}  # policy -> path -> seconds
+    paired = checkpointable(units)
+    for policy, at_size in (recompute_seconds or {}).items():
+        per_size = {b: {p: {"s": s} for p, s in at_size[b].items()} for b in sizes}
         extra = {b: average_repeated(paired, per_size[b], statistics.fmean) for b in sizes}
-        for u in paired:
-            recompute[u.path] = Affine.fit(sizes, [extra[b][u.path]["s"] for b in sizes])
+        recompute[policy] = {u.path: Affine.fit(sizes, [extra[b][u.path]["s"] for b in sizes]) for u in paired}
+    selective = {u.path for u in paired if all("sac" in memory[b][u.path] for b in sizes)}
 
     def fit(table: Mapping[int, Mapping[str, Mapping[str, float]]], path: str, key: str) -> Affine:
         return Affine.fit(sizes, [table[b][path].get(key, 0) for b in sizes])
@@ -375,7 +379,9 @@ def fit_costs(
             bwd_end_bytes=fit(memory, p, "bwd_end"),
             fwd_flops=fit(counts, p, "fwd") if counts else None,
             bwd_flops=fit(counts, p, "bwd") if counts else None,
-            recompute_s=recompute.get(p),
+            recompute_s=recompute.get("full", {}).get(p),
+            sac_bytes=fit(memory, p, "sac") if p in selective and "selective" in recompute else None,
+            sac_recompute_s=recompute.get("selective", {}).get(p),
         )
         for p in paths
     }

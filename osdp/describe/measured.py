@@ -33,23 +33,32 @@ import copy
 import hashlib
 import json
 import time
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
-from osdp.schema.description import PRECISIONS, ModelDescription, UnitWorkload
+from osdp.describe.attribution import synchronizer
+from osdp.describe.batch import ProfileError, batch_size_of, input_bytes_per_sample, input_spec, resize_batch
+from osdp.describe.measure import (
+    _device_of,
+    _step,
+    _time_at,
+    fit_costs,
+    memory_pass,
+    resolve_units,
+    time_optimizers,
+    unit_profiles,
+)
+from osdp.describe.units import Unit, build_units, checkpointable, structure_signature
 from osdp.log import Progress
 from osdp.machine.identity import device_name
 from osdp.machine.timing import StepTimer
+from osdp.schema.description import PRECISIONS, ModelDescription, UnitWorkload
 from osdp.store import cache_dir, write_atomically
-from osdp.describe.units import Unit, build_units, checkpointable, structure_signature
-from osdp.describe.batch import ProfileError, batch_size_of, input_bytes_per_sample, input_spec, resize_batch
-from osdp.describe.attribution import synchronizer
-from osdp.describe.measure import _device_of, _step, _time_at, fit_costs, memory_pass, resolve_units, time_optimizers, unit_profiles
 
-
-PROFILE_VERSION = 5  # bump when what is measured changes: old cache entries are ignored
+PROFILE_VERSION = 6  # bump when what is measured changes: old cache entries are ignored
 
 
 
@@ -152,42 +161,20 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
     }
     key = _cache_key(key_parts)
     path = cache_dir() / "describe" / f"{key}.json"
-    if cache and path.exists():
-        try:
-            description = ModelDescription.from_json(path.read_text())
-            description.from_cache = True
-            show.done(f"from cache {path}")
-            return description
-        except (ValueError, KeyError, TypeError):
-            pass  # unreadable entry (older format): measure again
+    cached = _read_cached(path) if cache else None
+    if cached is not None:
+        show.done(f"from cache {path}")
+        return cached
 
     saved_grads = {p: p.grad for p in params}
-    sync = synchronizer(device)
     costs: dict[str, dict[str, UnitWorkload]] = {}
     checks: dict[str, Any] = {}
-    order: list[str] = []
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for prec in precisions:
-                runnable = model if prec == "fp32" else _copy_in(model, PRECISIONS[prec])
-                runnable_units = build_units(runnable, [u.path for u in units])
-                show(f"{prec}: warm-up")
-                step_s = _warm_up(runnable, resize_batch(example_input, sizes[-1]), loss_fn)
-                reps = repeats or max(2, min(7, int(time_budget_s / len(precisions) / max(step_s, 1e-4) / 2.5 / len(sizes))))
-                memory, seconds, recompute = {}, {}, {}
-                for i, b in enumerate(sizes):
-                    show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps")
-                    batch = resize_batch(example_input, b)
-                    memory[b], order = memory_pass(runnable, runnable_units, batch, loss_fn)
-                    with_ckpt = bool(checkpointable(runnable_units))
-                    timing = _time_at(runnable, runnable_units, batch, loss_fn, reps, sync, checkpointed=with_ckpt)
-                    seconds[b] = timing["seconds"]
-                    checks.setdefault(prec, {})[str(b)] = {k: timing[k] for k in ("step_s", "hooked_step_s")}
-                    if with_ckpt:
-                        recompute[b] = timing["recompute_seconds"]
-                costs[prec] = fit_costs(runnable_units, sizes, memory, seconds, recompute_seconds=recompute or None)
-                if runnable is not model:
-                    del runnable
+                budget_s = time_budget_s / len(precisions)
+                costs[prec], checks[prec], order = _measure_precision(
+                    model, units, example_input, sizes, prec, loss_fn, repeats, budget_s, show)
             show("timing the optimizers")
             opt = time_optimizers(params, optimizers)
     finally:
@@ -214,6 +201,45 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
     if cache:
         write_atomically(path, description.to_json())
     return description
+
+
+def _read_cached(path: Path) -> ModelDescription | None:
+    """The description cached at ``path``, or None (none there, or an older format: measured again)."""
+    if not path.exists():
+        return None
+    try:
+        description = ModelDescription.from_json(path.read_text())
+    except (ValueError, KeyError, TypeError):
+        return None
+    description.from_cache = True
+    return description
+
+
+def _measure_precision(model: nn.Module, units: Sequence[Unit], example_input: Any, sizes: tuple[int, ...],
+                       prec: str, loss_fn, repeats: int | None, time_budget_s: float,
+                       show: Progress) -> tuple[dict[str, UnitWorkload], dict[str, Any], list[str]]:
+    """Every unit's workload at precision ``prec`` (memory and time at each micro-batch size, fitted linear in
+    it), the timed steps' checks, and the order the units ran in."""
+    runnable = model if prec == "fp32" else _copy_in(model, PRECISIONS[prec])
+    runnable_units = build_units(runnable, [u.path for u in units])
+    sync = synchronizer(next(model.parameters()).device)
+    show(f"{prec}: warm-up")
+    step_s = _warm_up(runnable, resize_batch(example_input, sizes[-1]), loss_fn)
+    reps = repeats or max(2, min(7, int(time_budget_s / max(step_s, 1e-4) / 2.5 / len(sizes))))
+    memory, seconds, checks, order = {}, {}, {}, []
+    policies = ("full", "selective") if checkpointable(runnable_units) else ()
+    recompute: dict[str, dict[int, dict[str, float]]] = {p: {} for p in policies}
+    for i, b in enumerate(sizes):
+        show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps")
+        batch = resize_batch(example_input, b)
+        memory[b], order = memory_pass(runnable, runnable_units, batch, loss_fn)
+        timing = _time_at(runnable, runnable_units, batch, loss_fn, reps, sync, policies)
+        seconds[b] = timing["seconds"]
+        checks[str(b)] = {k: timing[k] for k in ("step_s", "hooked_step_s")}
+        for policy in policies:
+            recompute[policy][b] = timing["recompute_seconds"][policy]
+    costs = fit_costs(runnable_units, sizes, memory, seconds, recompute_seconds=recompute or None)
+    return costs, checks, order
 
 
 def describe_once(model: nn.Module, example_input: Any, **settings: Any) -> ModelDescription:

@@ -70,7 +70,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from osdp._torch_private import (
-    FSDPAllGatherBase, FSDPReduceScatterBase, fsdp_device, storage_holders, tensor_holders,
+    FSDPAllGatherBase,
+    FSDPReduceScatterBase,
+    fsdp_device,
+    storage_holders,
+    tensor_holders,
 )
 
 IMPLEMENTATIONS = ("native", "pairwise")

@@ -42,18 +42,18 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from osdp.report import first_few
-from osdp.distributed.group import ensure_process_group, job_device
-from osdp.distributed import collectives as comm
 from osdp.describe.forward_caches import disable_caches_in_training
-from osdp.distributed import all_gather_objects, ranks_per_node, world
-from osdp.schema.plan import Plan, PlanError, ROOT, UnitPlan, display_path, replicates_with_ddp
-from osdp.machine.memory import register_gradient_storages
 from osdp.describe.recompute import checkpoint_unit
-from osdp.split import SplitLinear, apply_split, split_parameters, splittable_linears
+from osdp.describe.units import Unit, build_units, is_callable, structure_signature, unit_parameters
+from osdp.distributed import all_gather_objects, ranks_per_node, world
+from osdp.distributed import collectives as comm
+from osdp.distributed.group import ensure_process_group, job_device
 from osdp.fsdp_ext.module_api import UnitExtras, extend_unit
 from osdp.fsdp_ext.replicate import ReplicaReducer
-from osdp.describe.units import Unit, build_units, is_callable, structure_signature, unit_parameters
+from osdp.machine.memory import register_gradient_storages
+from osdp.report import first_few
+from osdp.schema.plan import ROOT, Plan, PlanError, UnitPlan, display_path, replicates_with_ddp
+from osdp.split import SplitLinear, apply_split, split_parameters, splittable_linears
 
 _PLAN_ATTR = "_osdp_plan"
 _REPLICATED_ATTR = "_osdp_replicated"
@@ -259,8 +259,8 @@ def apply_plan(
             apply_split(modules[unit.path], decision.split, meshes.shard, exclude=nested, root=model,
                         mp_policy=mp_policy)
         module = model.get_submodule(unit.path)  # a unit that is itself a Linear was just replaced
-        if decision.checkpoint:
-            checkpoint_unit(module)
+        if decision.checkpoint_policy != "none":
+            checkpoint_unit(module, decision.checkpoint_policy)
         by_ddp = decision.mode == "replicate" and replicate_with_ddp
         if by_ddp:
             replicated.update(owned[unit.path])

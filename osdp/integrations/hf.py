@@ -47,11 +47,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import transformers
 
-from osdp.integrations import IntegrationError
-from osdp.runtime import dcp as osdp_checkpoint
 from osdp.distributed import raise_on_any_rank
 from osdp.fsdp_ext.apply import plan_of
 from osdp.fsdp_ext.gradients import clip_grad_norm_
+from osdp.integrations import IntegrationError
+from osdp.runtime import dcp as osdp_checkpoint
 
 CHECKPOINT_SUBDIR = "osdp"  # inside the Trainer's checkpoint-N: the model's and the optimizer's shards (DCP)
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer's name, so that the Trainer's own files sit beside ours

@@ -56,11 +56,11 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from osdp.integrations import IntegrationError
-from osdp.runtime import dcp as osdp_checkpoint
 from osdp.distributed import raise_on_any_rank
 from osdp.fsdp_ext.apply import plan_of
 from osdp.fsdp_ext.gradients import clip_grad_norm_
+from osdp.integrations import IntegrationError
+from osdp.runtime import dcp as osdp_checkpoint
 
 METADATA_NAME = "meta.pt"  # Lightning's name (lightning.fabric.utilities.load._METADATA_FILENAME) for the rest
 

@@ -14,8 +14,6 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from scipy.optimize import nnls
 
-
-
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
 # --------------------------------------------------------------------------- sizes

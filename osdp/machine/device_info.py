@@ -9,8 +9,8 @@ from typing import Any, Mapping
 
 import torch
 
-from osdp.sizes import parse_size
 from osdp.machine.collective_model import CollectiveModel, Topology
+from osdp.sizes import parse_size
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:

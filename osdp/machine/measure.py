@@ -12,11 +12,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from osdp.distributed import collectives as comm
 from osdp import distributed
-from osdp.machine.timing import StepTimer
-from osdp.machine.collective_model import AlphaBeta, COLLECTIVES, CollectiveModel, Topology
+from osdp.distributed import collectives as comm
+from osdp.machine.collective_model import COLLECTIVES, AlphaBeta, CollectiveModel, Topology
 from osdp.machine.device_info import DeviceInfo, _dtype_name
+from osdp.machine.timing import StepTimer
 
 
 def _group_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -7,10 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping
 
-
-from osdp.sizes import parse_size
 from osdp.machine.collective_model import COLLECTIVES, CollectiveModel, Topology
 from osdp.machine.device_info import DeviceInfo
+from osdp.sizes import parse_size
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from osdp.report import first_few
 from osdp.distributed import broadcast_object, peer_failures, raise_on_any_rank, world
+from osdp.report import first_few
 
 MARKER = "osdp_checkpoint.json"
 FORMAT = "osdp-checkpoint"

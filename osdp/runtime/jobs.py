@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from osdp.describe.units import discover_units
 from osdp.distributed import all_gather_objects
 from osdp.fsdp_ext.apply import apply_plan
 from osdp.machine.memory import PeakMemory, iter_tensors
 from osdp.optim import make_optimizer
-from osdp.schema.plan import ROOT, Plan
 from osdp.runtime.step import train_step
-from osdp.describe.units import discover_units
+from osdp.schema.plan import ROOT, Plan
 
 
 @dataclasses.dataclass

@@ -75,9 +75,22 @@ class UnitWorkload:
     # stops once the last tensor backward needs is rebuilt, so it is cheaper than the forward);
     # None (analytic descriptions, units that cannot be checkpointed): the forward time.
     recompute_s: Affine | None = None
+    # Selective checkpointing (osdp.describe.recompute: matmul and attention outputs kept, the rest
+    # recomputed): what the unit keeps then (its inputs and those outputs), and what it adds to the backward.
+    # None: not described (older descriptions; units that cannot be checkpointed), so not offered.
+    sac_bytes: Affine | None = None
+    sac_recompute_s: Affine | None = None
 
-    def recompute_seconds(self, b: float) -> float:
+    def recompute_seconds(self, b: float, policy: str = "full") -> float:
+        """What checkpointing under ``policy`` ("full" or "selective") adds to the unit's backward."""
+        if policy == "selective":
+            return self.sac_recompute_s(b)
         return (self.recompute_s or self.fwd_s)(b)
+
+    def kept_bytes(self, b: float, policy: str) -> int:
+        """Activation bytes the unit keeps from its forward to its backward under checkpoint ``policy``."""
+        kept = {"none": self.act_bytes, "full": self.ckpt_bytes, "selective": self.sac_bytes}[policy]
+        return kept.bytes(b)
 
 
 @dataclass(frozen=True)

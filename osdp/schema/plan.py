@@ -4,7 +4,8 @@ A Plan is plain data. It says, for every unit (a module path), how its
 parameters are held (``replicate``, ``zero2`` or ``zero3``), over which ranks
 a sharded unit is sharded (``shard_scope``: all of them, or those of its node,
 replicated across nodes), into how many slices its large Linears are split,
-and whether its activations are checkpointed; plus plan-wide settings
+and how its activations are checkpointed (none, selective: matmul and attention
+outputs kept, the rest recomputed; full); plus plan-wide settings
 (micro-batch size, mixed precision, ranks per node) and what the search
 predicted. It round-trips through JSON with a schema version,
 and has a stable hash of the decisions so that ranks can check they agree.
@@ -18,7 +19,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Version 1 had no selective checkpointing: its plans read as they are (checkpoint true or false).
+READABLE_SCHEMA_VERSIONS = (1, 2)
 
 MODES = ("replicate", "zero2", "zero3")
 # "world": sharded over every rank; "node": sharded over the ranks of one node and replicated across
@@ -27,6 +30,10 @@ MODES = ("replicate", "zero2", "zero3")
 SHARD_SCOPES = ("world", "node")
 MIXED_PRECISION = ("fp32", "bf16")
 SPLIT_CHOICES = (1, 2, 4, 8)  # what the search offers; a hand-written plan may use any k >= 1
+# How a unit's activations are checkpointed (osdp.describe.recompute). In a plan "none" is false and "full" is
+# true, as in plans made before selective checkpointing, which keep their hash.
+CHECKPOINT_POLICIES = ("none", "selective", "full")
+_CHECKPOINT_VALUES = {"none": False, False: False, "full": True, True: True, "selective": "selective"}
 
 # The baselines every strategy comparison uses, as a mode for every unit.
 STRATEGIES = {"ddp": "replicate", "zero2": "zero2", "fsdp": "zero3", "zero3": "zero3"}
@@ -64,11 +71,15 @@ class UnitPlan:
     path: str
     mode: str = "zero3"
     split: int = 1
-    checkpoint: bool = False
+    checkpoint: bool | str = False  # False (none), "selective" or True (full); "none" and "full" read as such
     shard_scope: str = "world"
 
     def __post_init__(self) -> None:
         where = f"unit '{display_path(self.path)}'"
+        if not isinstance(self.checkpoint, (bool, str)) or self.checkpoint not in _CHECKPOINT_VALUES:
+            raise PlanError(f"{where}: checkpoint must be one of {', '.join(CHECKPOINT_POLICIES)} (or true, false), "
+                            f"got {self.checkpoint!r}")
+        object.__setattr__(self, "checkpoint", _CHECKPOINT_VALUES[self.checkpoint])
         if self.mode not in MODES:
             raise PlanError(f"{where}: mode '{self.mode}' does not exist; use one of {', '.join(MODES)}")
         if self.shard_scope not in SHARD_SCOPES:
@@ -79,8 +90,10 @@ class UnitPlan:
                             "do; use it with mode 'zero2' or 'zero3'")
         if isinstance(self.split, bool) or not isinstance(self.split, int) or self.split < 1:
             raise PlanError(f"{where}: split must be an integer >= 1 (1 = not split), got {self.split!r}")
-        if not isinstance(self.checkpoint, bool):
-            raise PlanError(f"{where}: checkpoint must be true or false, got {self.checkpoint!r}")
+        if self.checkpoint == "selective" and self.split > 1:
+            raise PlanError(f"{where}: selective checkpointing cannot tell a split Linear's matmuls apart (its "
+                            "gathers and matmuls run in one autograd function): use checkpoint true (full) or "
+                            "false for a split unit")
         if self.split > 1 and self.mode != "zero3":
             raise PlanError(
                 f"{where}: split={self.split} needs mode 'zero3' (a split operator gathers its "
@@ -98,10 +111,15 @@ class UnitPlan:
         return reshards_after_forward(self.path, self.mode)
 
     @property
+    def checkpoint_policy(self) -> str:
+        """"none", "selective" or "full"."""
+        return {False: "none", True: "full"}.get(self.checkpoint, self.checkpoint)
+
+    @property
     def label(self) -> str:
         """``zero3@node/split2+ckpt``-style: mode, then what differs from the defaults."""
         return (self.mode + ("@node" if self.shard_scope == "node" else "")
-                + (f"/split{self.split}" if self.split > 1 else "") + ("+ckpt" if self.checkpoint else ""))
+                + (f"/split{self.split}" if self.split > 1 else "") + {"none": "", "selective": "+sac", "full": "+ckpt"}[self.checkpoint_policy])
 
 
 @dataclass
@@ -184,8 +202,9 @@ class Plan:
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         d = dict(d)
         version = d.pop("schema_version", None)
-        if version != SCHEMA_VERSION:
-            raise PlanError(f"plan schema_version {version!r} is not supported; this osdp reads version {SCHEMA_VERSION}")
+        if version not in READABLE_SCHEMA_VERSIONS:
+            raise PlanError(f"plan schema_version {version!r} is not supported; this osdp reads versions "
+                            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
         claimed_hash = d.pop("hash", None)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
@@ -201,7 +220,7 @@ class Plan:
             if extra:
                 raise PlanError(f"unit '{display_path(raw['path'])}': unknown field(s) {extra}")
             units.append(UnitPlan(**raw))
-        plan = cls(units=units, **d)
+        plan = cls(units=units, schema_version=version, **d)
         if claimed_hash is not None and claimed_hash != plan.hash:
             raise PlanError(
                 f"plan hash {claimed_hash} does not match its contents (recomputed {plan.hash}); "
@@ -230,7 +249,8 @@ class Plan:
             return d
 
         out = {
-            "schema_version": self.schema_version,
+            # the oldest schema that can say this plan: a plan an older osdp could read keeps the hash it had there
+            "schema_version": 2 if any(u.checkpoint == "selective" for u in self.units) else 1,
             "units": [unit(u) for u in sorted(self.units, key=lambda u: u.path)],
             "batch_size": self.batch_size,
             "mixed_precision": self.mixed_precision,

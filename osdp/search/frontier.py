@@ -13,9 +13,8 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from osdp.search.problem import Problem
-from osdp.sizes import format_bytes
 from osdp.search.solver import DEFAULT_BUCKETS, _Tables, min_peak
-
+from osdp.sizes import format_bytes
 
 _TIE = 1e-12  # relative: sums of the same times in another order differ by float rounding, not by a better plan
 

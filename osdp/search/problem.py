@@ -26,13 +26,12 @@ from osdp.schema.plan import MODES, SPLIT_CHOICES, UnitPlan
 from osdp.sizes import format_bytes
 
 
-
 class Option(NamedTuple):
     """One way to run a unit: the fields of ``osdp.plan.UnitPlan`` but its path."""
 
     mode: str
     split: int = 1
-    checkpoint: bool = False
+    checkpoint: bool | str = False  # False (none), "selective" or True (full), as UnitPlan.checkpoint
     scope: str = "world"  # shard scope: over every rank, or within the node ("node")
 
 
@@ -46,16 +45,19 @@ class SubUnits(NamedTuple):
         return " + ".join(f"{name or '(own)'}: {UnitPlan(name, *o).label}" for name, o in self.parts)
 
 
-# The standard option table: (mode, split, checkpoint), sharded over every rank.
-# Splitting only exists for zero3, so a cost model marks the other (mode,
-# split > 1) rows not allowed.
+# How a unit's activations may be checkpointed: none, selective, full (osdp.schema.plan.CHECKPOINT_POLICIES).
+CHECKPOINTS = (False, "selective", True)
+# The standard option table: (mode, split, checkpoint), sharded over every rank. Only what a plan can say:
+# splitting only exists for zero3, and selective checkpointing not with it (a split Linear's matmuls run
+# inside one autograd function). A cost model masks what a given unit cannot take.
 OPTIONS: tuple[Option, ...] = tuple(
-    Option(mode, k, ckpt) for mode, k, ckpt in itertools.product(MODES, SPLIT_CHOICES, (False, True))
+    Option(mode, k, ckpt) for mode, k, ckpt in itertools.product(MODES, SPLIT_CHOICES, CHECKPOINTS)
+    if k == 1 or (mode == "zero3" and ckpt != "selective")
 )
 # What a job spanning several nodes adds: units sharded within their node (zero2 and zero3, unsplit: a split
 # Linear is sharded over every rank).
 NODE_OPTIONS: tuple[Option, ...] = tuple(
-    Option(mode, 1, ckpt, "node") for mode, ckpt in itertools.product(("zero2", "zero3"), (False, True))
+    Option(mode, 1, ckpt, "node") for mode, ckpt in itertools.product(("zero2", "zero3"), CHECKPOINTS)
 )
 
 
@@ -101,7 +103,7 @@ class Problem:
     group:     [U] ids of identical units (repeated blocks); None = detected from the arrays
     units, options: optional labels (unit paths, option descriptions) for reports
 
-    Treat the arrays as read-only once built: identical-unit detection is cached.
+    Treat the arrays as read-only once built: identical-unit detection and the least peak are cached.
     """
 
     time: np.ndarray
@@ -114,6 +116,7 @@ class Problem:
     units: Sequence[str] | None = None
     options: Sequence[Any] | None = None
     _types: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
+    _min_peak: tuple[int, np.ndarray] | None = field(default=None, init=False, repr=False)  # solver.min_peak's
 
     def __post_init__(self) -> None:
         self.time = np.asarray(self.time, dtype=np.float64)

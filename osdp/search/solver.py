@@ -94,8 +94,15 @@ def min_peak(problem: Problem) -> tuple[int, np.ndarray]:
 
     ``min over T of T + base + sum_u min{mem[u, o] : transient[u, o] <= T}``,
     evaluated for every T at once by sweeping each unit's running minimum of
-    memory over its options in transient order.
+    memory over its options in transient order. Computed once per problem (every solve asks).
     """
+    if problem._min_peak is None:
+        problem._min_peak = _min_peak(problem)
+    need, choice = problem._min_peak
+    return need, choice.copy()
+
+
+def _min_peak(problem: Problem) -> tuple[int, np.ndarray]:
     rep, kind = problem.unit_types()
     ok, mem, tr, t = problem.allowed[rep], problem.mem[rep], problem.transient[rep], problem.time[rep]
     count = np.bincount(kind, minlength=len(rep))

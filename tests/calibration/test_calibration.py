@@ -11,9 +11,9 @@ import sys
 
 import pytest
 import torch
-
 from dist_harness import run_ranks
-from osdp.describe.analytic import describe_analytic
+
+from osdp.calibration.fit import fit_calibration, pooled_compute_scale
 from osdp.calibration.nets import PROFILES, CalibrationError, calibration_jobs
 from osdp.calibration.store import (
     CalibrationKey,
@@ -23,9 +23,9 @@ from osdp.calibration.store import (
     other_calibrations,
     read_calibration,
 )
-from osdp.calibration.fit import fit_calibration, pooled_compute_scale
-from osdp.cost.terms import Calibration
 from osdp.cost.schedule import predict
+from osdp.cost.terms import Calibration
+from osdp.describe.analytic import describe_analytic
 from osdp.machine.presets import device_preset
 from osdp.schema.plan import MODES
 

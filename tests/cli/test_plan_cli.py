@@ -5,13 +5,13 @@ import json
 import pytest
 
 from osdp import models
+from osdp.cli.plan import describe_for, main
 from osdp.cost.problem import build_problem
 from osdp.cost.schedule import predict
-from osdp.machine.presets import device_preset
 from osdp.describe.sources import from_reference
-from osdp.schema.plan import Plan
-from osdp.cli.plan import describe_for, main
+from osdp.machine.presets import device_preset
 from osdp.planner import description_of
+from osdp.schema.plan import Plan
 from osdp.search import OPTIONS, solve
 
 

@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import run_ranks
+from toy_models import GPT
 
 import osdp
-from dist_harness import run_ranks
 from osdp.distributed import PeerFailure, as_peer_failure, free_port, peer_failures
-from toy_models import GPT
 
 TRAIN = [sys.executable, "-m", "osdp.cli.train", "--model", "gpt2-tiny", "--strategy", "zero2", "--steps", "6",
          "--warmup", "1", "--batch-size", "2", "--seq-len", "32", "--log-every", "1"]

@@ -9,8 +9,8 @@ import warnings
 
 import pytest
 import torch
-
 from dist_harness import run_ranks
+
 from osdp.cli.validate import build_parser, format_report, kendall_tau, summarize
 
 # per-block-b: blocks taken apart priced from two descriptions; not per-block-a, whose whole checkpointed

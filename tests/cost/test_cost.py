@@ -10,18 +10,18 @@ import pytest
 import torch
 
 from osdp import models
-from osdp.cost.terms import OPTIMIZER_STATES, Calibration
 from osdp.cost.context import UNIFORM_MODES, options_for, uniform_mode_of
+from osdp.cost.neighbours import sequence_order
 from osdp.cost.problem import build_problem, build_problems, choice_of, plan_from_choice
 from osdp.cost.schedule import predict
-from osdp.cost.neighbours import sequence_order
+from osdp.cost.terms import OPTIMIZER_STATES, Calibration
 from osdp.cost.unit import unit_cost
+from osdp.describe.measured import describe
 from osdp.machine.collective_model import COLLECTIVES, AlphaBeta, CollectiveModel, Topology
 from osdp.machine.device_info import DeviceInfo
 from osdp.machine.presets import device_preset
-from osdp.schema.plan import Plan, PlanError, UnitPlan
-from osdp.describe.measured import describe
 from osdp.models.data import synthetic_batch
+from osdp.schema.plan import Plan, PlanError, UnitPlan
 from osdp.search.problem import NODE_OPTIONS, OPTIONS, BudgetTooSmall, Option
 from osdp.search.solver import min_peak, solve
 
@@ -211,7 +211,8 @@ def test_directions(tiny):
     dev = device(8)
 
     def plan(mode, split=1, ckpt=False, precision="fp32"):
-        return Plan([UnitPlan(u.path, mode, split if u.split_shapes else 1, ckpt and not u.nested) for u in tiny.units],
+        return Plan([UnitPlan(u.path, mode, split if u.split_shapes else 1, ckpt if not u.nested else False)
+                     for u in tiny.units],
                     batch_size=B, mixed_precision=precision)
 
     serial = Calibration(overlap=0.0)  # with overlap, compute may hide the difference
@@ -220,6 +221,11 @@ def test_directions(tiny):
     assert zero3.step_s > zero2.step_s
     ckpt = predict(tiny, plan("zero3", ckpt=True), dev, calibration=serial)
     assert ckpt.peak_bytes < zero3.peak_bytes and ckpt.step_s > zero3.step_s
+    # selective checkpointing keeps more than full (the matmuls' outputs): what the description says it keeps
+    sac = predict(tiny, plan("zero3", ckpt="selective"), dev, calibration=serial)
+    assert ckpt.peak_bytes < sac.peak_bytes
+    kept = sum(u.costs["fp32"].kept_bytes(B, "selective" if u.path and not u.nested else "none") for u in tiny.units)
+    assert sac.breakdown["totals"]["activation_bytes"] == kept
     split = predict(tiny, plan("zero3", split=8), dev, calibration=serial)
     mlp = "blocks.0.mlp"
     assert split.breakdown["units"][mlp]["fwd_transient_bytes"] < zero3.breakdown["units"][mlp]["fwd_transient_bytes"]
@@ -267,11 +273,17 @@ def test_checkpointing_costs_the_measured_recompute(tiny):
     cal = Calibration(overlap=0.0, checkpoint_overhead_s=5e-5)
 
     def step(description, ckpt):
-        plan = Plan([UnitPlan(u.path, "replicate", 1, ckpt and u.path == mlp) for u in tiny.units], batch_size=B)
+        plan = Plan([UnitPlan(u.path, "replicate", 1, ckpt if u.path == mlp else False) for u in tiny.units],
+                    batch_size=B)
         return predict(description, plan, device(1), calibration=cal).breakdown["units"][mlp]["compute_s"]
 
     assert step(described, True) - step(described, False) == pytest.approx(1e-3 + 2e-4 * B)
     assert step(unmeasured, True) - step(unmeasured, False) == pytest.approx(costs.fwd_s(B))
+    # selective: its own measured recompute, and the same per-unit overhead
+    assert step(tiny, "selective") - step(tiny, False) == pytest.approx(costs.sac_recompute_s(B))
+    unit = predict(tiny, Plan([UnitPlan(u.path, "replicate", 1, "selective" if u.path == mlp else False)
+                               for u in tiny.units], batch_size=B), device(1), calibration=cal).breakdown["units"][mlp]
+    assert unit["activation_bytes"] == costs.sac_bytes.bytes(B)
 
 
 def test_overlap_hides_collectives_behind_compute(tiny):
@@ -291,15 +303,15 @@ def test_units_whose_collectives_make_the_ranks_meet_wait_per_square_root_of_the
     wait = 8e-3
     base, meeting = Calibration(compute_scale=1.3), Calibration(compute_scale=1.3, meeting_wait_s_per_sqrt_s=wait)
     for mode in ("replicate", "zero2", "zero3"):
-        for ckpt in (False, True):
-            plan = Plan([UnitPlan(u.path, mode, checkpoint=ckpt and not u.nested and u.path != "")
+        for ckpt in (False, "selective", True):
+            plan = Plan([UnitPlan(u.path, mode, checkpoint=ckpt if not u.nested and u.path != "" else False)
                          for u in tiny.units], batch_size=B, mixed_precision=precision)
             for n in (1, 2):
                 without = predict(tiny, plan, device(n), calibration=base)
                 with_wait = predict(tiny, plan, device(n), calibration=meeting)
                 for u, p in zip(tiny.units, plan.units):
                     c = u.costs[precision]
-                    backward = c.bwd_s(B) + (c.recompute_seconds(B) if p.checkpoint else 0.0)
+                    backward = c.bwd_s(B) + (c.recompute_seconds(B, p.checkpoint_policy) if p.checkpoint else 0.0)
                     meets = n > 1 and not (mode == "replicate" and precision == "fp32")  # fp32 replicate: DDP
                     expected = wait * (math.sqrt(1.3 * c.fwd_s(B)) + math.sqrt(1.3 * backward)) if meets else 0.0
                     units = with_wait.breakdown["units"][u.path], without.breakdown["units"][u.path]
@@ -313,9 +325,9 @@ def test_ddp_hides_all_but_its_last_bucket_behind_backward():
     import torch.distributed as dist
     from torch import nn
 
-    from osdp.describe.analytic import describe_analytic
-    from osdp.cost.terms import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
     from osdp.cost.context import _context
+    from osdp.cost.terms import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
+    from osdp.describe.analytic import describe_analytic
     from osdp.describe.units import param_homes
 
     class Net(nn.Module):  # the root's parameters used first (an embedding), then 8 MiB blocks: four buckets
@@ -455,8 +467,8 @@ def test_node_scope_on_one_node_is_world_scope_and_is_not_offered(tiny):
     assert options_for(one) == OPTIONS and options_for(device_preset("a100-nvlink-hdr200", 8)) == OPTIONS
     assert options_for(two_nodes()) == OPTIONS + NODE_OPTIONS
     assert options_for(two_nodes(ranks_per_node=1)) == OPTIONS  # a node of one rank: node scope is replicate
-    assert NODE_OPTIONS == (Option("zero2", 1, False, "node"), Option("zero2", 1, True, "node"),
-                            Option("zero3", 1, False, "node"), Option("zero3", 1, True, "node"))
+    assert NODE_OPTIONS == tuple(Option(mode, 1, ckpt, "node") for mode in ("zero2", "zero3")
+                                 for ckpt in (False, "selective", True))
     # on two nodes, node scope is allowed wherever the mode and checkpointing are
     problem = build_problem(tiny, two_nodes(), B)
     for j, option in enumerate(problem.options[len(OPTIONS):], start=len(OPTIONS)):

@@ -5,17 +5,16 @@ import pytest
 import torch
 
 from osdp import models
-from osdp.describe import granularity
-from osdp.cost.problem import build_block_problem
-from osdp.describe.analytic import describe_analytic
-from osdp.cost.problem import build_problem, plan_from_choice
+from osdp.cost.problem import build_block_problem, build_problem, plan_from_choice
 from osdp.cost.schedule import predict
+from osdp.describe import granularity
+from osdp.describe.analytic import describe_analytic
+from osdp.describe.units import discover_units
 from osdp.machine.presets import device_preset
-from osdp.schema.plan import ROOT
 from osdp.planner import GRANULARITY_TOLERANCE, description_of, find_plan
+from osdp.schema.plan import ROOT
 from osdp.search import OPTIONS, BudgetTooSmall, SubUnits, min_peak, solve
 from osdp.search.reference import brute_force
-from osdp.describe.units import discover_units
 
 BATCH = 2
 

@@ -9,13 +9,13 @@ import warnings
 import pytest
 import torch
 import transformers  # a test extra: pip install -e ".[test]"
-
-import osdp
-from dist_harness import run_ranks
-from osdp.describe.forward_caches import cached_modules
 from cases import every_mode_plans
+from dist_harness import run_ranks
 from hf_models import BATCH, FAMILIES, SEQ, VOCAB, hf_model
 from training_check import STEPS, assert_matches_reference, full_state, reference, train, train_under_plans
+
+import osdp
+from osdp.describe.forward_caches import cached_modules
 
 
 def batches(family: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -48,7 +48,7 @@ def _train_searched(rank, world_size, family, global_batches):
     plan = osdp.plan_of(model)
     losses = train(model, global_batches, rank, world_size)
     state = full_state(model)
-    return [(losses, state if rank == 0 else None)], sorted({(u.mode, u.split, u.checkpoint) for u in plan.units})
+    return [(losses, state if rank == 0 else None)], sorted({(u.mode, u.split, u.checkpoint_policy) for u in plan.units})
 
 
 @pytest.mark.parametrize("family", FAMILIES)

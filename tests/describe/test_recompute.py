@@ -8,7 +8,7 @@ import copy
 import torch
 import torch.nn as nn
 
-from osdp.describe.recompute import checkpoint_unit, is_checkpointed, undo_checkpoint
+from osdp.describe.recompute import checkpoint_policy, checkpoint_unit, is_checkpointed, undo_checkpoint
 
 
 class Block(nn.Module):
@@ -56,3 +56,51 @@ def test_a_deep_copy_stays_checkpointed_and_independent_and_undo_restores_the_cl
     assert type(block) is Block and not is_checkpointed(block)
     grads(block, x)
     assert block.calls == 1
+
+
+def test_a_selectively_checkpointed_unit_keeps_its_matmuls_and_gives_the_same_gradients():
+    """Selective: the matmuls' outputs are kept (fc1's and fc2's are not recomputed), tanh is recomputed; the
+    gradients are the plain module's, bitwise. Switching policy and undoing go back to the class."""
+    torch.manual_seed(0)
+    plain, x = Block(), torch.randn(4, 8)
+    selective = copy.deepcopy(plain)
+    checkpoint_unit(selective, "selective")
+    assert checkpoint_policy(selective) == "selective" and type(selective).__name__ == "SelectivelyCheckpointedBlock"
+    expected = grads(plain, x)
+    addmm = []
+    with _Ops(addmm):
+        got = grads(selective, x)
+    assert selective.calls == 2  # its forward ran again in backward, for what was not kept
+    assert addmm.count("addmm") == 2  # fc1's and fc2's, in forward only: the recompute took them from the cache
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0)
+    checkpoint_unit(selective, "full")
+    assert checkpoint_policy(selective) == "full" and isinstance(selective, Block)
+    addmm.clear()
+    with _Ops(addmm):
+        grads(selective, x)
+    # full: fc1's done again in the recompute (which stops once backward has what it needs: not fc2's output)
+    assert addmm.count("addmm") == 3
+    undo_checkpoint(selective)
+    assert type(selective) is Block and checkpoint_policy(selective) == "none"
+
+
+class _Ops:
+    """Records the name of every addmm and mm dispatched."""
+
+    def __init__(self, out):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
+                    out.append(func.__name__.split(".")[0])
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        return self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import run_ranks
 
 from osdp.distributed import collectives as comm
-from dist_harness import run_ranks
 
 SIZES = (1, 3, 64, 1001)  # elements per rank: odd, prime, one
 
@@ -129,9 +129,10 @@ def _train_pairwise(rank, world_size, build, batches, plans_json, backends):
     """``_against_native``; then under pairwise, for each split backend, every plan trained as in
     training_check: FSDP2 units use FSDPReduceScatter, and FSDP2's and the Python split loop's reductions
     went through it."""
+    from training_check import full_state, train
+
     import osdp
     import osdp.split as split
-    from training_check import full_state, train
 
     direct = _against_native(rank, world_size), _all_gather_against_native(rank, world_size)
     comm.set_reduce_scatter("pairwise")
@@ -155,9 +156,10 @@ def _train_pairwise(rank, world_size, build, batches, plans_json, backends):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_pairwise_equals_native_and_trains_like_one_process(world_size):
     """One spawn per world size (each costs seconds): the direct comparison, then training."""
-    import osdp.split as split
     from cases import build_toy, every_mode_plans, toy_batches
     from training_check import assert_matches_reference, reference
+
+    import osdp.split as split
 
     try:
         split.build_extension()

@@ -13,10 +13,11 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 
 import baselines
-from osdp._torch_private import ddp_bucket_bytes  # noqa: E402
-from dist_harness import run_ranks  # noqa: E402
 from cases import build_reference, reference_batches  # noqa: E402
+from dist_harness import run_ranks  # noqa: E402
 from training_check import assert_matches_reference, reference  # noqa: E402
+
+from osdp._torch_private import ddp_bucket_bytes  # noqa: E402
 
 MODEL = "gpt2-tiny"
 
@@ -26,8 +27,8 @@ def _structure(model: nn.Module, blocks: nn.ModuleList) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
-    from osdp.distributed import collectives as comm
     from osdp._torch_private import checkpoint_wrapper
+    from osdp.distributed import collectives as comm
 
     wrapper_type = type(checkpoint_wrapper(nn.Linear(1, 1)))
     inner = model.module if isinstance(model, DistributedDataParallel) else model
@@ -37,6 +38,9 @@ def _structure(model: nn.Module, blocks: nn.ModuleList) -> dict:
         "sharded_blocks": sum(isinstance(b, FSDPModule) for b in blocks),
         "root_sharded": isinstance(inner, FSDPModule),
         "checkpointed_blocks": sum(isinstance(b, wrapper_type) for b in blocks),
+        # per-op selective: the wrapper's checkpoint runs with a context_fn (the policy)
+        "selective_blocks": sum(isinstance(b, wrapper_type) and "context_fn" in b.checkpoint_fn.keywords
+                                for b in blocks),
         "pairwise": comm.uses_pairwise(inner) and comm.uses_pairwise(inner, "all_gather"),
         "bucket_bytes": ddp_bucket_bytes(model) if isinstance(model, DistributedDataParallel) else 0,
     }
@@ -54,8 +58,9 @@ def _sharded_after_forward(model: nn.Module, blocks: nn.ModuleList, batch) -> li
 
 
 def _build_and_train(rank, world_size, batches):
-    from osdp.distributed import collectives as comm
     from training_check import full_state, train
+
+    from osdp.distributed import collectives as comm
 
     comm.set_reduce_scatter("pairwise")  # the experiments' settings; the native ones are FSDP2's defaults
     comm.set_all_gather("pairwise")
@@ -88,7 +93,9 @@ def test_each_baseline_is_what_its_name_says_and_trains_like_one_process():
         info = out[0][name][2]
         n = info["n_blocks"]
         assert n == 2
-        assert info["checkpointed_blocks"] == (n if name.endswith("+ac") else 0), name
+        checkpointed = {"ac": n, "sac": n, "ac2": n // 2}.get(name.partition("+")[2], 0)  # ac2: every second
+        assert info["checkpointed_blocks"] == checkpointed, name
+        assert info["selective_blocks"] == (n if name.endswith("+sac") else 0), name
         if name.startswith("torch-ddp"):
             assert info["ddp"] and info["fsdp_modules"] == 0, name
             assert info["bucket_bytes"] == params, name  # DDP's buckets, counted by osdp.machine.memory: all gradients
@@ -104,8 +111,9 @@ def test_each_baseline_is_what_its_name_says_and_trains_like_one_process():
 
 def _hybrid_on_two_nodes(rank, world_size, batches):
     """The HSDP baselines on 2 nodes x 2 ranks (LOCAL_WORLD_SIZE=2, as torchrun sets it on each node)."""
-    from osdp.distributed import collectives as comm
     from training_check import full_state, train
+
+    from osdp.distributed import collectives as comm
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     comm.set_reduce_scatter("pairwise")
@@ -158,10 +166,11 @@ def test_transformer_blocks_of_a_hugging_face_model_and_a_model_without_blocks()
 def _collectives_per_step(rank, world_size, batches):
     """All-gathers and reduce-scatters in one training step (after a first one): OSDP's zero3 and zero2
     plans in whole blocks, as the search takes them when memory is no limit, and their native twins."""
+    from training_check import train
+
     import osdp
     from osdp.distributed import collectives as comm
     from osdp.schema.plan import Plan
-    from training_check import train
 
     comm.set_reduce_scatter("pairwise")
     counts = {"all_gather": 0, "reduce_scatter": 0}

@@ -27,8 +27,8 @@ MiB = 2**20
 def tiny():
     """gpt2-tiny on 2 ranks of the cpu-loopback preset, described analytically (no process group, ~1 s)."""
     from osdp import models
-    from osdp.describe.analytic import describe_analytic
     from osdp.cost.problem import build_problem
+    from osdp.describe.analytic import describe_analytic
     from osdp.machine.presets import device_preset
 
     info = device_preset("cpu-loopback", 2, memory="1GiB")
@@ -64,7 +64,7 @@ def result(tiny):
 
     import osdp
     from osdp.cost.schedule import predict
-    from osdp.planner import least_budget, find_plan
+    from osdp.planner import find_plan, least_budget
     from osdp.search import BudgetTooSmall
 
     model, description, info, problem = tiny

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import build_toy, every_mode_plans, toy_batches
+from dist_harness import run_ranks
+from training_check import assert_matches_reference, full_state, reference, train
 
 import osdp
-from dist_harness import run_ranks
-from cases import build_toy, every_mode_plans, toy_batches
-from training_check import assert_matches_reference, full_state, reference, train
 
 
 def train_compiled(rank, world_size, plans_json, how):

@@ -9,17 +9,16 @@ every step. Node-scoped plans on 4 ranks (2 nodes of 2).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from dist_harness import run_ranks
 from torch.distributed.fsdp import FSDPModule
+from training_check import full_state
 
 import osdp
-from dist_harness import run_ranks
 from osdp.schema.plan import Plan, UnitPlan
-from training_check import full_state
 
 STEPS = 3
 ATOL = 1e-5
@@ -85,6 +84,9 @@ def plans() -> dict[str, Plan]:
         "zero3": Plan.for_strategy(paths, "fsdp"),
         "split": Plan(split),
         "checkpointed": Plan([UnitPlan(p, "zero3", checkpoint=p.startswith("blocks")) for p in paths]),
+        # selective checkpointing (matmul outputs kept, the rest recomputed) in every mode
+        "selective": Plan([UnitPlan(p, modes[i % 3], checkpoint="selective" if p.startswith("blocks") else False)
+                           for i, p in enumerate(paths)]),
         "mixed": Plan([UnitPlan(p, modes[i % 3], checkpoint=i % 2 == 1, split=2 if p.endswith("mlp") and
                                 modes[i % 3] == "zero3" else 1) for i, p in enumerate(paths)]),
         "replicate_root": Plan([UnitPlan(p, "zero3" if p else "replicate") for p in paths]),
@@ -198,7 +200,7 @@ def _assert_matrix(per_rank, steps):
 
 
 @pytest.mark.parametrize("plan_names", [("replicate", "zero2", "zero3"), ("split", "checkpointed"),
-                                        ("mixed", "replicate_root")])
+                                        ("mixed", "replicate_root", "selective")])
 def test_every_behaviour_trains_as_one_process_under_every_plan(plan_names):
     every = plans()
     chosen = {n: every[n].to_json() for n in plan_names}

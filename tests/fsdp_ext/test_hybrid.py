@@ -10,14 +10,13 @@ import os
 
 import pytest
 import torch
-
-import osdp
-from dist_harness import run_ranks
-from osdp.runtime import dcp as checkpoint
-from osdp.schema.plan import Plan, PlanError, UnitPlan
 from cases import build_toy, toy_batches
+from dist_harness import run_ranks
 from training_check import assert_matches_reference, full_state, reference, sgd, train
 
+import osdp
+from osdp.runtime import dcp as checkpoint
+from osdp.schema.plan import Plan, PlanError, UnitPlan
 
 # -- the plan field -------------------------------------------------------------------------------
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import contextlib
 
+import model_styles as styles
 import pytest
 import torch
-
-import osdp
-import model_styles as styles
 from dist_harness import run_ranks
 from training_check import full_state
+
+import osdp
 
 STEPS = 4
 WARMUP = 2  # steps before the optimizer's state exists and the reducer has its final buckets

@@ -9,16 +9,16 @@ and whole blocks as units train the same.
 from __future__ import annotations
 
 import torch
+from cases import build_toy, toy_batches
+from dist_harness import run_ranks
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from training_check import assert_matches_reference, full_state, reference, sgd
 
 import osdp
-from dist_harness import run_ranks
+from osdp.describe.units import unit_parameters
 from osdp.machine.memory import PeakMemory
 from osdp.schema.plan import ROOT, Plan, UnitPlan
-from osdp.describe.units import unit_parameters
-from cases import build_toy, toy_batches
-from training_check import assert_matches_reference, full_state, reference, sgd
 
 
 def _mixed_plan(model) -> Plan:
@@ -145,8 +145,8 @@ def test_whole_blocks_as_units_train_equal_to_one_process():
 
 def _bucket_storages_each_step(rank, world_size):
     from osdp import models
-    from osdp.models.data import synthetic_batch
     from osdp.fsdp_ext.apply import reducer_storages
+    from osdp.models.data import synthetic_batch
 
     torch.manual_seed(0)
     config = models.get_config("gpt2-tiny", seq_len=32)

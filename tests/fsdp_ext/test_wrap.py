@@ -3,9 +3,8 @@
 import functools
 
 import pytest
-
-from dist_harness import run_ranks
 from cases import build_reference, build_toy, every_mode_plans, reference_batches, toy_batches
+from dist_harness import run_ranks
 from training_check import assert_matches_reference, reference, train_under_plans
 
 

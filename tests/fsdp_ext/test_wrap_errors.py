@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from dist_harness import run_ranks
 from torch.distributed.tensor import DTensor
+from toy_models import GPT
 
 import osdp
-from dist_harness import run_ranks
 from osdp.schema.plan import Plan, PlanError, UnitPlan
-from toy_models import GPT
 
 
 def _error_of(fn):
@@ -54,7 +54,6 @@ def test_bad_and_mismatched_plans_fail_on_every_rank_without_hanging():
 
 def test_single_process_without_process_group_wraps_and_matches_plain_training():
     import torch.distributed as dist
-
     from training_check import reference, train
 
     batches = [(torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))) for _ in range(2)]

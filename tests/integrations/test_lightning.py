@@ -22,12 +22,13 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 L = pytest.importorskip("lightning.pytorch")
 
-import osdp  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
-from osdp.runtime.dcp import MARKER
-from osdp.schema.plan import Plan
 from toy_models import GPT  # noqa: E402
 from training_check import full_state, plan_kinds  # noqa: E402
+
+import osdp  # noqa: E402
+from osdp.runtime.dcp import MARKER
+from osdp.schema.plan import Plan
 
 WORLD = 2
 PER_RANK = 2

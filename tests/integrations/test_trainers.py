@@ -19,11 +19,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import osdp  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
+from training_check import full_state, plan_kinds  # noqa: E402
+
+import osdp  # noqa: E402
 from osdp.runtime.dcp import MARKER
 from osdp.schema.plan import Plan
-from training_check import full_state, plan_kinds  # noqa: E402
 
 WORLD = 2
 PER_RANK = 2

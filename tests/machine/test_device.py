@@ -5,12 +5,12 @@ import statistics
 
 import pytest
 import torch
-
 from dist_harness import run_ranks
+
 from osdp.machine.collective_model import COLLECTIVES, AlphaBeta, CollectiveModel, Topology, ring_factor
-from osdp.machine.presets import DEVICE_PRESETS, device_preset, list_presets, multi_node_presets
 from osdp.machine.device_info import DeviceInfo
 from osdp.machine.measure import combine_samples, measure_collectives, measure_device, measure_flops
+from osdp.machine.presets import DEVICE_PRESETS, device_preset, list_presets, multi_node_presets
 from osdp.sizes import format_bytes, parse_size
 
 # ----------------------------------------------------------------------------- sizes

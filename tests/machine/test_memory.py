@@ -5,9 +5,9 @@ import threading
 import numpy as np
 import pytest
 import torch
+from dist_harness import run_ranks
 from torch import nn
 
-from dist_harness import run_ranks
 from osdp.machine.memory import CATEGORIES, LiveBytesTracker, MemoryStats, PeakMemory
 
 # ----------------------------------------------------------------------------- known allocations

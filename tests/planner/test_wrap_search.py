@@ -1,9 +1,9 @@
 """osdp.wrap(model, device_mem=..., example_input=...) searches once, agrees on every rank, and fits."""
 
 import torch
+from dist_harness import run_ranks
 
 import osdp
-from dist_harness import run_ranks
 from osdp import models
 from osdp.models.data import synthetic_batch
 
@@ -28,8 +28,8 @@ def _wrap_with_budget(rank, world_size, budget):
 def _uniform_plans_predicted(plan, batch):
     """Predicted step of every uniform plan over the searched plan's units, priced as the search priced it
     (the cached calibration, the description at the plan's granularity)."""
-    from osdp.cost.schedule import predict
     from osdp.calibration.measured import calibrate
+    from osdp.cost.schedule import predict
     from osdp.planner import description_of, planning_descriptions
 
     machine = calibrate()  # cached by the wrap above: no collective runs here
@@ -63,8 +63,8 @@ def test_wrap_searches_once_and_every_rank_applies_the_same_plan():
 def _peaks_under_searched_plans(rank, world_size):
     """Plans osdp.wrap searches at budgets from the least any plan needs to what the fastest needs, each
     trained: its measured peaks per rank (three steps after the optimizer's state exists)."""
-    from osdp.runtime.step import peaks_per_step
     from osdp.optim import make_optimizer
+    from osdp.runtime.step import peaks_per_step
 
     config = models.get_config("gpt2-tiny", seq_len=32)
     batch = synthetic_batch(config, 4, 32, generator=torch.Generator().manual_seed(rank))

@@ -6,14 +6,14 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import run_ranks
+from toy_models import GPT
+from training_check import full_state, train
 
 import osdp
-from dist_harness import run_ranks
 from osdp.runtime import dcp as checkpoint
 from osdp.runtime.dcp import CheckpointError
 from osdp.schema.plan import Plan, UnitPlan
-from toy_models import GPT
-from training_check import full_state, train
 
 GLOBAL_BATCH = 8  # divisible by 1, 2 and 4 ranks
 OPTIMIZERS = ("sgd", "adamw")

@@ -2,13 +2,13 @@
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, StateDictOptions
-
-import osdp
 from dist_harness import run_ranks
-from osdp.schema.plan import Plan, UnitPlan
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from toy_models import GPT
 from training_check import full_state, train
+
+import osdp
+from osdp.schema.plan import Plan, UnitPlan
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import copy
 
 import torch
+from cases import build_toy, every_mode_plans, toy_batches
+from dist_harness import run_ranks
+from training_check import assert_matches_reference, cloned, full_state, reference, sgd, train, train_under_plans
 
 import osdp
-from dist_harness import run_ranks
 from osdp.distributed import collectives as comm
 from osdp.schema.plan import Plan
 from osdp.split import set_backend
-from cases import build_toy, every_mode_plans, toy_batches
-from training_check import assert_matches_reference, cloned, full_state, reference, sgd, train, train_under_plans
 
 
 def _split_plan() -> Plan:

@@ -23,7 +23,7 @@ def test_json_round_trip_keeps_everything_and_the_hash():
     again = Plan.from_json(plan.to_json())
     assert again == plan
     assert again.hash == plan.hash
-    assert json.loads(plan.to_json())["schema_version"] == 1
+    assert json.loads(plan.to_json())["schema_version"] == 2  # written in the newest schema
 
 
 def test_hash_covers_decisions_not_predictions_or_unit_order():
@@ -40,7 +40,8 @@ def test_hash_covers_decisions_not_predictions_or_unit_order():
         (dict(path="mlp", mode="zero4"), "unit 'mlp': mode 'zero4' does not exist; use one of replicate, zero2, zero3"),
         (dict(path="mlp", split=0), "unit 'mlp': split must be an integer >= 1 (1 = not split), got 0"),
         (dict(path="mlp", mode="replicate", split=2), "unit 'mlp': split=2 needs mode 'zero3'"),
-        (dict(path="", checkpoint="yes"), "unit '<root>': checkpoint must be true or false, got 'yes'"),
+        (dict(path="", checkpoint="yes"), "unit '<root>': checkpoint must be one of none, selective, full (or true, "
+                                          "false), got 'yes'"),
     ],
 )
 def test_bad_unit_decisions_name_the_unit(unit, message):
@@ -66,3 +67,39 @@ def test_hand_edited_json_with_stale_hash_is_refused():
         Plan.from_dict(d)
     del d["hash"]
     assert Plan.from_dict(d).unit("blocks.0.attn").mode == "zero3"
+
+
+# A plan written by osdp before selective checkpointing (schema 1), as that osdp wrote it.
+PLAN_V1 = ('{"units": [{"path": "blocks.0", "mode": "zero3", "split": 1, "checkpoint": true, "shard_scope": "world"}, '
+           '{"path": "blocks.1", "mode": "replicate", "split": 1, "checkpoint": false, "shard_scope": "world"}, '
+           '{"path": "", "mode": "zero2", "split": 1, "checkpoint": false, "shard_scope": "world"}], "batch_size": 4, '
+           '"mixed_precision": "fp32", "world_size": null, "ranks_per_node": null, "model_signature": null, '
+           '"predicted_step_s": null, "predicted_peak_bytes": null, "search_seconds": null, "meta": {}, '
+           '"schema_version": 1, "hash": "23a3584ba5712daa"}')
+
+
+def test_a_plan_of_schema_1_reads_as_none_and_full_with_its_hash():
+    plan = Plan.from_json(PLAN_V1)  # its hash is checked on reading: it is the one the old osdp computed
+    assert [u.checkpoint_policy for u in plan.units] == ["full", "none", "none"]
+    assert plan.hash == "23a3584ba5712daa"
+    again = Plan.from_json(plan.to_json())
+    assert again.hash == plan.hash and again.units == plan.units
+    # written anew, with the same decisions: the same hash
+    assert Plan(plan.units, batch_size=4).hash == plan.hash
+
+
+def test_checkpoint_policies_read_by_name_and_selective_is_its_own_decision():
+    full, none = UnitPlan("a", checkpoint="full"), UnitPlan("a", checkpoint="none")
+    assert (full.checkpoint, none.checkpoint) == (True, False)  # as a plan has always said them
+    assert full == UnitPlan("a", checkpoint=True) and none == UnitPlan("a")
+    selective = UnitPlan("a", checkpoint="selective")
+    assert selective.checkpoint_policy == "selective" and selective.label == "zero3+sac" and full.label == "zero3+ckpt"
+    plans = [Plan([UnitPlan("a", checkpoint=c)]) for c in (False, "selective", True)]
+    assert len({p.hash for p in plans}) == 3
+    back = Plan.from_json(plans[1].to_json())
+    assert back.units[0].checkpoint == "selective" and back.hash == plans[1].hash
+
+
+def test_selective_checkpointing_of_a_split_unit_is_refused_naming_it():
+    with pytest.raises(PlanError, match="unit 'blocks.0.mlp': selective checkpointing cannot tell a split Linear"):
+        UnitPlan("blocks.0.mlp", "zero3", split=2, checkpoint="selective")

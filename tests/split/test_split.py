@@ -15,15 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint
+from dist_harness import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import osdp.split as split
-from osdp.split import SplitLinear, apply_split, split_layout, split_parameters, splittable_linears
-from osdp.split import _build, _extension
-
-from dist_harness import run_ranks
+from osdp.split import SplitLinear, _build, _extension, apply_split, split_layout, split_parameters, splittable_linears
 
 KS = (1, 2, 3, 4, 8)
 # (in, out, leading dims): divisible by N*k, uneven for k and N, fewer rows than ranks*k (empty pieces/ranks)

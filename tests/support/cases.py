@@ -2,12 +2,12 @@
 their batches, and plans that use every mode (checkpointing, splitting, per-block units)."""
 
 import torch
+from toy_models import GPT
+from training_check import STEPS
 
 import osdp
 from osdp.schema.plan import Plan, UnitPlan
 from osdp.split import splittable_linears
-from toy_models import GPT
-from training_check import STEPS
 
 
 def build_toy():
@@ -24,13 +24,15 @@ def toy_batches(global_batch=8):
 
 
 def every_mode_plans(model):
-    """Baselines, two mixed plans that use every mode with checkpointing on and off, and one that
+    """Baselines, two mixed plans that use every mode with checkpointing off, full and selective, and one that
     splits every unit that can be split (k = 2, 3, 4 in turn) next to replicated and zero2 units."""
     units = osdp.discover_units(model)
     paths = [u.path for u in units]
     modes = ["replicate", "zero2", "zero3"]
     mixed_a = Plan([UnitPlan(p, modes[i % 3], checkpoint=i % 2 == 0) for i, p in enumerate(paths)])
-    mixed_b = Plan([UnitPlan(p, modes[(i + 1) % 3], checkpoint=i % 2 == 1) for i, p in enumerate(paths)])
+    # full and selective checkpointing in turn
+    mixed_b = Plan([UnitPlan(p, modes[(i + 1) % 3], checkpoint=(False, True, False, "selective")[i % 4])
+                    for i, p in enumerate(paths)])
     modules = dict(model.named_modules())
     split = []
     for i, u in enumerate(units):
@@ -58,7 +60,8 @@ def per_block_plan(model):
         if u.path == blocks[0]:
             units.append(UnitPlan(u.path, "zero3", checkpoint=True))
         elif not u.path.startswith(blocks[0] + "."):  # the first block's sub-blocks are in it
-            units.append(UnitPlan(u.path, modes[i % 3], checkpoint=not u.nested and i % 2 == 0))
+            units.append(UnitPlan(u.path, modes[i % 3], checkpoint=(not u.nested and i % 2 == 0) and
+                                  ("selective" if i % 4 == 0 else True)))
     return Plan(units)
 
 

@@ -10,9 +10,8 @@ import json
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-
 from dist_harness import run_ranks
+from torch.distributed.device_mesh import init_device_mesh
 
 
 def _split_step(rank, world_size):

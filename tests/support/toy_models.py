@@ -1,5 +1,9 @@
 """A small user-style model (not one of ours): tied embeddings, sub-blocks, LayerNorms."""
-import torch, torch.nn as nn, torch.nn.functional as F
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
 class Attn(nn.Module):
     def __init__(s, h): super().__init__(); s.qkv = nn.Linear(h, 3*h); s.proj = nn.Linear(h, h)
     def forward(s, x):
