@@ -244,7 +244,7 @@ def twin_plan(descriptions, mode: str, ac: bool | str, blocks: str, device_info,
     for d in descriptions:
         if d.granularity == "nested":
             continue  # only ever searched per block, with the "block" description
-        plan = Plan([UnitPlan(u.path, mode, checkpoint=ac and u.path.startswith(blocks + "."))
+        plan = Plan([UnitPlan(u.path, mode, checkpoint=ac if u.path.startswith(blocks + ".") else False)
                      for u in d.units], **settings)
         plan.meta["granularity"] = d.granularity
         step = predict(d, plan, device_info, optimizer=optimizer, calibration=calibration).step_s
