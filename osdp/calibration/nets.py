@@ -225,6 +225,7 @@ def describe_nets(device: torch.device, profile: CalibrationProfile, *, optimize
         descriptions[spec.name] = describe_once(
             build().to(device), batch, cache=False, progress=False, optimizers=(optimizer,),
             repeats=profile.describe_repeats,
+            checkpoint_policies=("full",),  # the calibration's jobs checkpoint in full only
         )
     return descriptions
 

@@ -99,6 +99,7 @@ def describe(
     cache: bool = True,
     progress: bool = True,
     name: str | None = None,
+    checkpoint_policies: Sequence[str] = ("full", "selective"),
 ) -> ModelDescription:
     """Measure ``model`` on the device its parameters are on (see the module docstring).
 
@@ -108,13 +109,15 @@ def describe(
     the example's and the example's. ``precisions``: "fp32" and/or "bf16"
     (measured on a bf16 copy, as FSDP's mixed precision computes). ``units``
     default to ``osdp.discover_units`` at ``granularity`` with call counts, so
-    a module that runs twice per forward is merged into its parent. The model's parameters,
-    gradients, buffers and RNG state are left as they were.
+    a module that runs twice per forward is merged into its parent. ``checkpoint_policies``: the
+    checkpointing whose recompute is timed (a unit not described for one is not offered it). The model's
+    parameters, gradients, buffers and RNG state are left as they were.
     """
     with _buffers_kept(model):
         return _describe(model, example_input, loss_fn=loss_fn, batch_sizes=batch_sizes, precisions=precisions,
                          units=units, granularity=granularity, optimizers=optimizers, repeats=repeats,
-                         time_budget_s=time_budget_s, cache=cache, progress=progress, name=name)
+                         time_budget_s=time_budget_s, cache=cache, progress=progress, name=name,
+                         checkpoint_policies=tuple(checkpoint_policies))
 
 
 @contextlib.contextmanager
@@ -131,7 +134,7 @@ def _buffers_kept(model: nn.Module):
 
 
 def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, granularity, optimizers, repeats,
-              time_budget_s, cache, progress, name) -> ModelDescription:
+              time_budget_s, cache, progress, name, checkpoint_policies) -> ModelDescription:
     start = time.perf_counter()
     params = list(model.parameters())
     if not params:
@@ -158,6 +161,7 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
         "input": input_spec(example_input), "sizes": sizes, "precisions": list(precisions),
         "device": device_name(device), "torch": torch.__version__, "optimizers": list(optimizers),
         "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)) if loss_fn else None,
+        "checkpoint_policies": list(checkpoint_policies),
     }
     key = _cache_key(key_parts)
     path = cache_dir() / "describe" / f"{key}.json"
@@ -174,7 +178,7 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
             for prec in precisions:
                 budget_s = time_budget_s / len(precisions)
                 costs[prec], checks[prec], order = _measure_precision(
-                    model, units, example_input, sizes, prec, loss_fn, repeats, budget_s, show)
+                    model, units, example_input, sizes, prec, loss_fn, repeats, budget_s, show, checkpoint_policies)
             show("timing the optimizers")
             opt = time_optimizers(params, optimizers)
     finally:
@@ -216,8 +220,8 @@ def _read_cached(path: Path) -> ModelDescription | None:
 
 
 def _measure_precision(model: nn.Module, units: Sequence[Unit], example_input: Any, sizes: tuple[int, ...],
-                       prec: str, loss_fn, repeats: int | None, time_budget_s: float,
-                       show: Progress) -> tuple[dict[str, UnitWorkload], dict[str, Any], list[str]]:
+                       prec: str, loss_fn, repeats: int | None, time_budget_s: float, show: Progress,
+                       policies: tuple[str, ...]) -> tuple[dict[str, UnitWorkload], dict[str, Any], list[str]]:
     """Every unit's workload at precision ``prec`` (memory and time at each micro-batch size, fitted linear in
     it), the timed steps' checks, and the order the units ran in."""
     runnable = model if prec == "fp32" else _copy_in(model, PRECISIONS[prec])
@@ -227,7 +231,7 @@ def _measure_precision(model: nn.Module, units: Sequence[Unit], example_input: A
     step_s = _warm_up(runnable, resize_batch(example_input, sizes[-1]), loss_fn)
     reps = repeats or max(2, min(7, int(time_budget_s / max(step_s, 1e-4) / 2.5 / len(sizes))))
     memory, seconds, checks, order = {}, {}, {}, []
-    policies = ("full", "selective") if checkpointable(runnable_units) else ()
+    policies = policies if checkpointable(runnable_units) else ()
     recompute: dict[str, dict[int, dict[str, float]]] = {p: {} for p in policies}
     for i, b in enumerate(sizes):
         show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps")
