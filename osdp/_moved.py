@@ -6,7 +6,7 @@ moved whole is the new module itself (``import osdp.checkpoint`` gives ``osdp.ru
 osdp.train`` runs ``osdp.cli.train``); one that was split answers each name from the module that holds it now.
 Old names of a module that is now a package of the same name (``osdp.calibration``, ``osdp.machine``,
 ``osdp.cost``) are answered by that
-package's ``__getattr__`` through ``moved_attribute``.
+package's ``__getattr__`` (``old_names``).
 """
 
 from __future__ import annotations
@@ -89,6 +89,12 @@ def moved_attribute(module: str, name: str) -> object:
         _warn(f"{module}.{name}", f"{found[0].__name__}.{name}")
         return vars(found[0])[name]
     raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+
+def old_names(module: str):
+    """The module ``__getattr__`` of ``module`` (a package or module that kept its name) that answers the
+    previous release's names in it: ``__getattr__ = old_names(__name__)``."""
+    return lambda name: moved_attribute(module, name)
 
 
 class _Loader(importlib.abc.Loader):

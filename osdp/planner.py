@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from osdp._moved import old_names
 from osdp.cost.problem import build_block_problem, build_problems, plan_from_choice
 from osdp.cost.schedule import predict
 from osdp.cost.terms import Calibration, Prediction
@@ -373,7 +374,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:  # the previous release's names of this module (osdp._moved)
-    from osdp._moved import moved_attribute
-
-    return moved_attribute("osdp.planner", name)
+__getattr__ = old_names(__name__)  # the previous release's names of this module (osdp._moved)

@@ -39,8 +39,6 @@ The package: ``nets`` (the synthetic models and what is measured of them), ``fit
 fit), ``store`` (the cached record and its key), ``measured`` (``calibrate``: the cache, else a measurement).
 """
 
+from osdp._moved import old_names
 
-def __getattr__(name: str) -> object:  # the previous release's names of this package (osdp._moved)
-    from osdp._moved import moved_attribute
-
-    return moved_attribute("osdp.calibration", name)
+__getattr__ = old_names(__name__)  # the previous release's names of this package (osdp._moved)

@@ -16,8 +16,6 @@ results), ``unit`` (one unit under one option), ``neighbours`` (the FSDP buffers
 ``problem`` (every unit under every option: the search's ``Problem``).
 """
 
+from osdp._moved import old_names
 
-def __getattr__(name: str) -> object:  # the previous release's names of this package (osdp._moved)
-    from osdp._moved import moved_attribute
-
-    return moved_attribute("osdp.cost", name)
+__getattr__ = old_names(__name__)  # the previous release's names of this package (osdp._moved)

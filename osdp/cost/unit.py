@@ -78,6 +78,7 @@ from osdp.machine.collective_model import CollectiveModel
 from osdp.machine.device_info import DeviceInfo
 from osdp.schema.description import UnitProfile
 from osdp.schema.plan import (
+    checkpoint_policy,
     ROOT,
     PlanError,
     UnitPlan,
@@ -201,7 +202,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     gathered = dt * fsdp_padded  # FSDP's unsharded parameters (and its flat all-gather buffer)
     rs_input = _REDUCE_BYTES * fsdp_padded
     grad = 4 * shard_numel
-    policy = {False: "none", True: "full"}.get(ckpt, ckpt)
+    policy = checkpoint_policy(ckpt)
     act = costs.kept_bytes(b, policy)
     foreach = ctx.device.device_type == "cuda"
     foreach_temps = _FOREACH_TEMPS[opt] * 4 * shard_numel if foreach else 0

@@ -35,6 +35,11 @@ SPLIT_CHOICES = (1, 2, 4, 8)  # what the search offers; a hand-written plan may 
 CHECKPOINT_POLICIES = ("none", "selective", "full")
 _CHECKPOINT_VALUES = {"none": False, False: False, "full": True, True: True, "selective": "selective"}
 
+
+def checkpoint_policy(checkpoint: bool | str) -> str:
+    """"none", "selective" or "full" for a plan's ``checkpoint`` value (false, "selective", true)."""
+    return {False: "none", True: "full"}.get(checkpoint, checkpoint)
+
 # The baselines every strategy comparison uses, as a mode for every unit.
 STRATEGIES = {"ddp": "replicate", "zero2": "zero2", "fsdp": "zero3", "zero3": "zero3"}
 
@@ -113,7 +118,7 @@ class UnitPlan:
     @property
     def checkpoint_policy(self) -> str:
         """"none", "selective" or "full"."""
-        return {False: "none", True: "full"}.get(self.checkpoint, self.checkpoint)
+        return checkpoint_policy(self.checkpoint)
 
     @property
     def label(self) -> str:
