@@ -290,7 +290,8 @@ def planning_descriptions(model: nn.Module, example_input: Any, **settings: Any)
     show = Progress(f"describe {name}")
 
     def one(granularity: str) -> ModelDescription:
-        show(f"{granularity} units ({GRANULARITIES.index(granularity) + 1}/{len(GRANULARITIES)})")
+        index = GRANULARITIES.index(granularity)
+        show(f"{granularity} units ({index + 1}/{len(GRANULARITIES)})", index / len(GRANULARITIES))
         return planning_description(model, example_input, granularity=granularity, progress=False, **settings)
 
     descriptions = describe_granularities(one)
@@ -342,9 +343,11 @@ def plan(
         device_info = device_preset(device, world_size)
     else:
         from osdp.calibration.measured import calibrate
+        from osdp.calibration.nets import needs_ddp_overlap
 
         ensure_process_group()  # the calibration is for the group the plan runs on (one gloo rank if none)
-        machine = calibrate()  # collective: cached, or measured by every rank now
+        # collective: cached, or measured by every rank now, as much as this model needs
+        machine = calibrate(ddp_overlap=needs_ddp_overlap(model))
         device_info, calibration = machine.device_info, calibration or machine.calibration
     descriptions = planning_descriptions(model, example_input, loss_fn=loss_fn, mixed_precision=mixed_precision)
     rank, _ = world()

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from osdp.cost.terms import DDP_FIRST_BUCKET_BYTES
 from osdp.describe.measured import describe_once
 from osdp.describe.units import discover_units
 from osdp.fsdp_ext.apply import apply_plan
@@ -84,6 +85,9 @@ class NetSpec:
     split: bool = True  # also zero3 with every block split in 2
     compute: bool = False  # the compute scale is measured on its plain model
     blocks: int = 8  # units besides the root
+    # its replicated job is the one DDP's hidden all-reduce (Calibration.ddp_overlap) is fitted on: a job whose
+    # model fits DDP's first bucket hides none, and a calibration for it can go without (``needs_ddp_overlap``)
+    ddp_buckets: bool = False
 
     @property
     def name(self) -> str:
@@ -139,9 +143,10 @@ class CalibrationProfile:
     describe_repeats: int
     compute_rounds: int
     meeting_net: MeetingNet
-    # a calibration whose fixed step varied more than this (``spread``) was measured on a busy machine and
-    # is not cached; None: not checked (the tiny nets' steps, ~1 ms, are too short to tell)
+    # a calibration whose fixed step varied more than this (``spread``) was measured on a busy machine: it is
+    # cached with that noise, and every job that uses it is told; None: not checked (the tiny nets' steps, ~1 ms, are too short to tell)
     busy_spread: float | None = None
+    about: str = "a few seconds"  # how long it takes on 2 CPU ranks, as the first run tells the user
 
 
 # 2 and 4 Linears per unit separate per-unit from per-parameter costs; 3 blocks against 8 separate what a
@@ -160,10 +165,27 @@ PROFILES = {
             NetSpec(2, 512, 64, ("zero3",), overheads=False, compute=True),
             # 8 MiB units, 64 MiB in all: DDP reduces three buckets while backward goes on (longer than their
             # all-reduce, as in a transformer), then the last
-            NetSpec(2, 1024, 64, ("replicate",), overheads=False, split=False),
+            NetSpec(2, 1024, 64, ("replicate",), overheads=False, split=False, ddp_buckets=True),
         ),
         run_s=1.2, min_steps=5, warmup=2, collectives_s=2.0, refits=3, describe_repeats=5, compute_rounds=15,
         meeting_net=MeetingNet(n_layer=2, n_embd=128, n_head=4, seq_len=64, batch=8), busy_spread=1.5,
+        about="about a minute",
+    ),
+    # what a job whose model fits DDP's first bucket needs (the first run of a small model: ``osdp train``'s
+    # default): every term but DDP's hidden all-reduce, whose net is the slowest to train, over two rounds of
+    # re-fitted collectives instead of three; ``osdp calibrate --full`` measures the rest
+    "quick": CalibrationProfile(
+        "quick",
+        (
+            NetSpec(2, 64, 4, MODES, overheads=True, checkpoint=True),
+            NetSpec(4, 64, 4, MODES, overheads=True, checkpoint=True),
+            NetSpec(2, 64, 4, MODES, overheads=True, split=False, blocks=3),
+            NetSpec(2, 512, 4, MODES, overheads=True),
+            NetSpec(2, 512, 64, ("zero3",), overheads=False, compute=True),
+        ),
+        run_s=1.0, min_steps=5, warmup=2, collectives_s=2.0, refits=2, describe_repeats=5, compute_rounds=15,
+        meeting_net=MeetingNet(n_layer=2, n_embd=128, n_head=4, seq_len=64, batch=8), busy_spread=1.5,
+        about="about 40 s",
     ),
     # for tests: every term measured, at toy sizes, in a few seconds; keyed apart from "full"
     "tiny": CalibrationProfile(
@@ -186,6 +208,22 @@ def profile_from_env() -> CalibrationProfile:
     if name not in PROFILES:
         raise CalibrationError(f"{PROFILE_ENV}={name!r}: use one of {sorted(PROFILES)}")
     return PROFILES[name]
+
+
+def profiles_for_job(ddp_overlap: bool) -> tuple[CalibrationProfile, ...]:
+    """The profiles whose calibration serves a job, the fullest first (the one measured when none is cached is
+    the last): ``OSDP_CALIBRATION_PROFILE``'s when set; else "full", and "quick" where the job does not need
+    DDP's hidden all-reduce (``ddp_overlap``: see ``needs_ddp_overlap``)."""
+    if os.environ.get(PROFILE_ENV):
+        return (profile_from_env(),)
+    return (PROFILES["full"],) if ddp_overlap else (PROFILES["full"], PROFILES["quick"])
+
+
+def needs_ddp_overlap(model: nn.Module) -> bool:
+    """Whether a plan for ``model`` can hide DDP's all-reduce behind its backward: only where its replicated
+    parameters fill more than DDP's first bucket (every bucket but the last reduces while backward goes on);
+    the cost model prices the hidden fraction with ``Calibration.ddp_overlap``."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) > DDP_FIRST_BUCKET_BYTES
 
 
 def _net_and_batch(spec: NetSpec, device: torch.device) -> tuple[Callable[[], nn.Module], tuple[torch.Tensor]]:

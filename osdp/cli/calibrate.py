@@ -22,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=2, help="local ranks to launch when not under torchrun (default 2)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--force", action="store_true", help="measure again even if this job's calibration is cached")
+    p.add_argument("--full", action="store_true",
+                   help="every term, DDP's all-reduce hidden behind backward among them (what models over 1 MiB "
+                        "need; the experiments use it); default: what a small model's job needs, in less time")
     p.add_argument("--json", type=Path, help="also write the calibration here")
     return p
 
@@ -31,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body(device: torch.device) -> None:
-        record = calibrate(device, force=args.force)
+        record = calibrate(device, force=args.force, profile="full" if args.full else None, ddp_overlap=False)
         if world()[0] == 0:
             print(record.summary())
             print(f"cached in {calibration_path(record.key)}")

@@ -33,6 +33,7 @@ import os
 import signal
 import statistics
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -46,7 +47,7 @@ from osdp.cli.launch import run_on_ranks
 from osdp.describe.units import build_units
 from osdp.distributed import all_gather_objects, peer_failures, warn_shared_store
 from osdp.fsdp_ext.apply import complete_plan
-from osdp.log import QUIET_ENV
+from osdp.log import QUIET_ENV, format_seconds
 from osdp.machine.identity import machine_info
 from osdp.machine.memory import PeakMemory
 from osdp.models.data import CorpusLoader, synthetic_batch
@@ -221,6 +222,7 @@ def train_steps(args: argparse.Namespace, model, optimizer, batch_at: Callable, 
     rank = dist.get_rank()
     memory_step = min(first_step + args.warmup, args.steps - 1)
     losses, step_times, peak, breakdown = [], [], None, None
+    started = time.perf_counter()
     for step in range(first_step, args.steps):
         _test_kill_hook(step, rank, args.checkpoint_dir)
         meter = PeakMemory(device, model, optimizer) if step == memory_step else contextlib.nullcontext()
@@ -233,7 +235,10 @@ def train_steps(args: argparse.Namespace, model, optimizer, batch_at: Callable, 
         if step >= args.warmup and step != memory_step:
             step_times.append(times.seconds)
         if rank == 0 and not args.quiet and (step % args.log_every == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {loss_value:.4f}  {times.seconds * 1e3:8.1f} ms", flush=True)
+            elapsed, left = time.perf_counter() - started, args.steps - 1 - step
+            pace = f"{format_seconds(elapsed)}, about {format_seconds(elapsed / (step + 1 - first_step) * left)} left"
+            print(f"step {step:4d}/{args.steps}  loss {loss_value:.4f}  {times.seconds * 1e3:8.1f} ms  "
+                  f"({pace if left else format_seconds(elapsed)})", flush=True)
         done = step + 1
         if args.checkpoint_dir is not None and (
             done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)

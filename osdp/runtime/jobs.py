@@ -108,6 +108,9 @@ def meet_at_every_unit(model: nn.Module) -> None:
             modules[unit.path].register_full_backward_pre_hook(meet)
 
 
+SETUP_SHARE = 0.2  # of run_jobs' time, building the jobs and their warm-up steps (measured on the calibration's)
+
+
 def run_jobs(
     jobs: dict[str, Job],
     *,
@@ -119,7 +122,7 @@ def run_jobs(
     max_steps: int = 200,
     rounds: int = 4,
     each_round: Callable[[], None] | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str, float], None] | None = None,
     loss_fn: Callable | None = None,
     measure_peak: bool = True,
 ) -> dict[str, dict[str, Any]]:
@@ -130,12 +133,13 @@ def run_jobs(
     ``rounds`` times spread over them. Per job: the median over steps of the
     slowest rank's time (and that time for each step, in order: the jobs' i-th
     steps ran one after another, so they pair), and (``measure_peak``) the largest peak over ranks of
-    one tracked step (CPU tracking slows a step, so it is not timed).
+    one tracked step (CPU tracking slows a step, so it is not timed). ``progress(message, fraction)`` hears
+    what is done, with the fraction of the whole.
     """
     trainers = {}
     for i, (name, job) in enumerate(jobs.items()):
         if progress:
-            progress(f"setting up {i + 1}/{len(jobs)} {name}")
+            progress(f"setting up {i + 1}/{len(jobs)} {name}", SETUP_SHARE * i / len(jobs))
         trainers[name] = _Trainer(job, device, optimizer, loss_fn)
     warm = {name: [t.step()[0] for _ in range(warmup)][-1] for name, t in trainers.items()}
     wanted = int(time_budget_s * len(jobs) / max(sum(warm.values()), 1e-9))
@@ -147,7 +151,7 @@ def run_jobs(
         for name, trainer in trainers.items():
             times[name].append(trainer.step())
         if progress and (s + 1) % max(1, steps // 10) == 0:
-            progress(f"step {s + 1}/{steps} of every job")
+            progress(f"step {s + 1}/{steps} of every job", SETUP_SHARE + (1 - SETUP_SHARE) * (s + 1) / steps)
     out = {}
     for name, trainer in trainers.items():
         tracked = measure_peak and trainer.job.parallel
