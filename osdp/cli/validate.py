@@ -65,7 +65,8 @@ from osdp.schema.plan import ROOT, Plan, UnitPlan
 def default_plans(
     description: ModelDescription, batch_size: int, world_size: int, *, splits: bool = True
 ) -> dict[str, Plan]:
-    """The four baselines and mixed plans using every mode, split, checkpointing and bf16 (if described).
+    """The four baselines and mixed plans using every mode, split, checkpointing (full and selective) and bf16
+    (if described).
 
     Blocks alternate between their first and second kind of unit (attention,
     MLP) where a plan treats them differently; the root and embeddings follow
@@ -75,7 +76,7 @@ def default_plans(
     kinds = sorted({u.signature for u in units if u.split_shapes and u.path != ROOT})
     first = kinds[0] if kinds else None
 
-    def plan(choose: Callable[[Any], tuple[str, int, bool]], precision: str = "fp32", strategy: str | None = None) -> Plan:
+    def plan(choose: Callable[[Any], tuple[str, int, bool | str]], precision: str = "fp32", strategy: str | None = None) -> Plan:
         decisions = []
         for u in units:
             mode, k, ckpt = choose(u)
@@ -101,6 +102,11 @@ def default_plans(
         "ddp-ckpt": plan(lambda u: ("replicate", 1, block(u))),
         "mixed-rep-z3": plan(lambda u: ("replicate", 1, False) if u.signature == first else ("zero3", 1, False)),
         "mixed-z2-ckpt": plan(lambda u: ("zero2", 1, True) if u.signature == first else ("zero3", 1, False)),
+        # selective checkpointing (matmul and attention outputs kept, the rest recomputed) on every block, and
+        # on one kind of block beside the other kind checkpointed in full
+        "fsdp-sac": plan(lambda u: ("zero3", 1, "selective" if block(u) else False)),
+        "mixed-sac": plan(lambda u: ("replicate", 1, "selective") if u.signature == first
+                          else ("zero3", 1, block(u))),
     }
     if splits:
         plans["split2"] = plan(lambda u: ("zero3", 2, False))
