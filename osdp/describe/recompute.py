@@ -67,8 +67,12 @@ def checkpoint_unit(module: nn.Module, policy: str = "full") -> None:
 
         @functools.wraps(cls.forward)  # its signature too: callers inspect it (the Trainer picks dataset columns by it)
         def forward(self, *args, **kwargs):
-            return torch.utils.checkpoint.checkpoint(cls.forward, self, *args, use_reentrant=False, **context,
-                                                     **kwargs)
+            # the unit's keyword arguments go to it through a closure: passed on, checkpoint() would take the
+            # ones it knows as its own (a forward's ``debug=True`` would set checkpoint's debug mode)
+            def run(*args):
+                return cls.forward(self, *args, **kwargs)
+
+            return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **context)
 
         prefix = "SelectivelyCheckpointed" if policy == "selective" else "Checkpointed"
         checkpointed = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})

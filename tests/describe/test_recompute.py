@@ -42,6 +42,32 @@ def test_a_checkpointed_unit_recomputes_and_gives_the_same_gradients():
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0)
 
 
+class Named(nn.Module):
+    """A unit whose forward takes keywords checkpoint() has too, and a tensor by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, *, bias, debug=False, use_reentrant=True, context_fn=None):
+        y = torch.tanh(self.fc(x)) + bias
+        return (y, debug, use_reentrant, context_fn) if debug else y
+
+
+def test_a_checkpointed_units_keyword_arguments_are_its_own():
+    torch.manual_seed(0)
+    for policy in ("full", "selective"):
+        plain, x, bias = Named(), torch.randn(4, 8), torch.randn(8, requires_grad=True)
+        checkpointed = copy.deepcopy(plain)
+        checkpoint_unit(checkpointed, policy)
+        assert checkpointed(x, bias=bias, debug=True, use_reentrant="mine", context_fn="mine")[1:] == (
+            True, "mine", "mine")
+        outs = [m(x, bias=bias).square().sum() for m in (plain, checkpointed)]
+        grads = [torch.autograd.grad(o, [*m.parameters(), bias]) for o, m in zip(outs, (plain, checkpointed))]
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_a_deep_copy_stays_checkpointed_and_independent_and_undo_restores_the_class():
     torch.manual_seed(0)
     block = Block()

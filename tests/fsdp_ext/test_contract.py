@@ -227,6 +227,59 @@ def test_node_scoped_plans_train_as_one_process_on_two_nodes(monkeypatch):
     _assert_matrix(per_rank, steps)
 
 
+# -- dropout: the same masks whatever the plan ---------------------------------------------------------------
+
+
+class DropoutNet(ContractNet):
+    """ContractNet with dropout after the embedding and inside every block's sub-blocks."""
+
+    def __init__(self):
+        super().__init__()
+        for block in self.blocks:
+            block.attn.insert(2, nn.Dropout(0.3))
+            block.mlp.insert(2, nn.Dropout(0.3))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, idx):
+        x = self.drop(self.wte(idx))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x), self.aux(x)
+
+
+def _train_with_dropout(rank, world_size, plan_jsons, steps):
+    out = {}
+    for plan_name, plan_json in plan_jsons.items():
+        torch.manual_seed(0)
+        model = DropoutNet()
+        osdp.wrap(model, plan=plan_json)
+        torch.manual_seed(100 + rank)  # each rank its own masks, the same under every plan
+        losses = run_behaviour(model, "plain", steps, rank, world_size)
+        state = full_state(model)
+        out[plan_name] = (losses, state if rank == 0 else None)
+    return out
+
+
+def test_dropout_draws_the_same_masks_under_every_plan():
+    """A checkpointed unit recomputes its forward in backward, dropout included: it must draw the masks its
+    forward drew (and leave the generator where one forward leaves it), or its gradients silently differ from
+    the same unit's unrecomputed. Ranks draw other masks than one process would, so plans are compared with
+    each other, on the same ranks and seeds."""
+    torch.manual_seed(0)
+    paths = [u.path for u in osdp.discover_units(DropoutNet())]
+    assert paths == [u.path for u in osdp.discover_units(build())]  # ContractNet's plans apply
+    chosen = {n: p.to_json() for n, p in plans().items()}
+    per_rank = run_ranks(_train_with_dropout, 2, chosen, batches(), timeout=600)
+    ref_losses, ref_state = per_rank[0]["replicate"]
+    failures = []
+    for name, (losses, state) in per_rank[0].items():
+        loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        param_err = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+        if loss_err > ATOL or param_err > ATOL:
+            failures.append(f"{name}: loss {loss_err:.1e}, parameters {param_err:.1e}")
+    assert not failures, "dropout trained otherwise than under the replicated plan:\n" + "\n".join(failures)
+
+
 # -- replicas that drift apart are found ------------------------------------------------------------------------
 
 
