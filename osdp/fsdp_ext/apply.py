@@ -264,15 +264,8 @@ def apply_plan(
             continue  # sharded with its group
         decision = plan.unit(unit.path)
         members = grouped.get(unit.path, [unit.path])  # a group's units share its settings (Plan checks)
-        if decision.split > 1:  # never in a group
-            nested = {modules[p] for p in unit.nested}
-            apply_split(modules[unit.path], decision.split, meshes.shard, exclude=nested, root=model,
-                        mp_policy=mp_policy)
+        group = _split_and_checkpoint(model, unit, members, decision, meshes.shard, mp_policy)
         module = model.get_submodule(unit.path)  # a unit that is itself a Linear was just replaced
-        group = [model.get_submodule(p) for p in members]
-        if decision.checkpoint_policy != "none":
-            for m in group:
-                checkpoint_unit(m, decision.checkpoint_policy)
         by_ddp = decision.mode == "replicate" and replicate_with_ddp
         if by_ddp:
             replicated.update(owned[unit.path])
@@ -300,15 +293,27 @@ def apply_plan(
     for path, extra in extras.items():
         extra.reducer = reducer
         extend_unit(model.get_submodule(path), extra)
-    not_last = {model.get_submodule(p) for members in groups.values() for p in members[:-1]}
-    for module in model.modules():
-        if isinstance(module, FSDPModule) and module not in not_last:  # a group reshards after its last module
-            module.register_forward_hook(_reshard_after_forward_without_grad)
+    _reshard_when_evaluating(model, groups)
     if any(d.checkpoint for d in plan.units):
         disable_caches_in_training(model)  # a recomputed forward must save what the first one saved
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     setattr(model, _PLAN_ATTR, plan)
     return model
+
+
+def _split_and_checkpoint(model: nn.Module, unit: Unit, members: list[str], decision: UnitPlan, mesh: DeviceMesh,
+                          mp_policy: MixedPrecisionPolicy) -> list[nn.Module]:
+    """Split the unit's Linears and checkpoint its modules (the unit's, or its group's: ``members``, in the model's
+    order) as ``decision`` says; those modules."""
+    modules = dict(model.named_modules())
+    if decision.split > 1:  # never in a group
+        nested = {modules[p] for p in unit.nested}
+        apply_split(modules[unit.path], decision.split, mesh, exclude=nested, root=model, mp_policy=mp_policy)
+    group = [model.get_submodule(p) for p in members]  # a unit that is itself a Linear was just replaced
+    if decision.checkpoint_policy != "none":
+        for module in group:
+            checkpoint_unit(module, decision.checkpoint_policy)
+    return group
 
 
 def _own_modules(unit: nn.Module, nested: set[nn.Module]) -> list[nn.Module]:
@@ -338,6 +343,14 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     """
     plan_of(model)  # raises unless wrapped
     model.set_requires_gradient_sync(requires_gradient_sync)
+
+
+def _reshard_when_evaluating(model: nn.Module, groups: dict[str, list[str]]) -> None:
+    """``_reshard_after_forward_without_grad`` on every FSDP2 unit, after the last module of a group."""
+    not_last = {model.get_submodule(p) for members in groups.values() for p in members[:-1]}
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and module not in not_last:
+            module.register_forward_hook(_reshard_after_forward_without_grad)
 
 
 def _reshard_after_forward_without_grad(module: FSDPModule, args, output):
