@@ -159,6 +159,23 @@ def group_runs(description: ModelDescription, k: int) -> dict[str, list[str]]:
     return {run[i]: run[i:i + k] for run in runs for i in range(0, len(run) - k + 1, k)} if k > 1 else {}
 
 
+GROUPED = ", groups of "  # how a description's granularity says it groups its blocks ("block, groups of 2")
+
+
+def grouped_by(description: ModelDescription, k: int) -> ModelDescription | None:
+    """``description`` with its blocks in groups of ``k`` (``group_runs``), its granularity saying so; None where
+    it has no k consecutive identical blocks."""
+    runs = group_runs(description, k)
+    if not runs:
+        return None
+    return dataclasses.replace(grouped(description, runs), granularity=f"{description.granularity}{GROUPED}{k}")
+
+
+def ungrouped_granularity(granularity: str) -> str:
+    """The granularity a ``grouped_by`` description was made from."""
+    return granularity.split(GROUPED)[0]
+
+
 def expand_groups(plan: Plan, description: ModelDescription) -> Plan:
     """``plan`` (found in a ``grouped`` description: one decision per group) naming every unit of each group,
     each with the group's decision."""
