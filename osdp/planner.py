@@ -35,7 +35,7 @@ from osdp.log import Progress
 from osdp.machine.device_info import DeviceInfo
 from osdp.machine.presets import device_preset
 from osdp.schema.description import ModelDescription
-from osdp.schema.plan import Plan
+from osdp.schema.plan import GROUP_CHOICES, Plan
 from osdp.search import BudgetTooSmall, FrontierPoint, Problem, min_peak, pareto_frontier, sweep_batch_sizes
 from osdp.search.solver import Solution
 from osdp.sizes import parse_size
@@ -114,9 +114,9 @@ def find_plan(
         least = min(pricing.least_bound_plans, key=lambda f: f.prediction.peak_bytes)
         raise BudgetTooSmall(budget, least.prediction.peak_bytes, least.plan.batch_size)
     speeds = [(f.description, f.samples_per_s) for f in found]
-    best = found[choose_granularity(speeds)]
+    best = _with_groups_if_faster(found, choose_granularity)
     plan = dataclasses.replace(
-        best.plan,
+        granularity.expand_groups(best.plan, best.description),
         world_size=device_info.world_size,
         # the prediction is for this node layout (each level's links): the plan says so, and wrap checks it
         ranks_per_node=device_info.topology.ranks_per_node if device_info.topology is not None else None,
@@ -151,6 +151,11 @@ def _candidates(descriptions: Sequence[ModelDescription], device_info: DeviceInf
     candidates: list[tuple[list[Problem], Describer]] = [
         ([p for b in batch_sizes for p in build_problems(d, device_info, b, **settings)], lambda _, d=d: d)
         for d in descriptions if d.granularity != "nested"  # priced per block, with the "block" description
+    ]
+    candidates += [  # k consecutive identical blocks as one unit, where a description has them
+        ([p for b in batch_sizes for p in build_problems(g, device_info, b, **settings)], lambda _, g=g: g)
+        for d in descriptions if d.granularity != "nested" for k in GROUP_CHOICES[1:]
+        if (g := granularity.grouped_by(d, k)) is not None
     ]
     by_granularity = {d.granularity: d for d in descriptions}
     coarse, nested = by_granularity.get("block"), by_granularity.get("nested")
@@ -259,11 +264,23 @@ def choose_granularity(candidates: Sequence[tuple[ModelDescription, float]]) -> 
     return min(close, key=lambda i: (len(candidates[i][0].units), -candidates[i][1]))
 
 
+def _with_groups_if_faster(found: Sequence[_Found], choose: Callable[[list], int]) -> _Found:
+    """The granularity ``choose`` takes among the plans without groups, or the fastest grouped plan where it is
+    predicted faster still: a group trades memory for fewer fixed costs, taken only for speed."""
+    apart = [f for f in found if not any(u.group for u in f.description.units)]
+    best = apart[choose([(f.description, f.samples_per_s) for f in apart])] if apart else None
+    grouped = max((f for f in found if all(f is not a for a in apart)), key=lambda f: f.samples_per_s, default=None)
+    if best is None or (grouped is not None and grouped.samples_per_s > best.samples_per_s):
+        return grouped
+    return best
+
+
 def description_of(plan: Plan, descriptions: Sequence[ModelDescription]) -> ModelDescription:
     """The description whose units are ``plan``'s, among (or composed from) the ``descriptions`` it was searched
-    in: what prices it (``osdp.cost.schedule.predict``) as the search did."""
+    in: what prices it (``osdp.cost.schedule.predict``, which merges the plan's groups) as the search did."""
     by_granularity = {d.granularity: d for d in descriptions}
     chosen = plan.meta.get("granularity")
+    chosen = granularity.ungrouped_granularity(chosen) if chosen else chosen
     if chosen == "per-block":
         coarse, nested = by_granularity["block"], by_granularity["nested"]
         return granularity.compose(coarse, nested, granularity.apart_in(plan, coarse, nested))

@@ -82,8 +82,10 @@ def build_problems(description: ModelDescription, device_info: DeviceInfo, batch
     """What the search solves at one micro-batch size: ``build_problem`` over every option, and one problem
     per mode of ``UNIFORM_MODES`` whose plans are priced with their true neighbours (the fastest plan that
     fits is the fastest over all of them)."""
+    # a mode some unit cannot take has no plan all in it (a group is never replicated)
+    modes = [m for m in UNIFORM_MODES if not any(_impossible(u, Option(m)) for u in description.units)]
     return [build_problem(description, device_info, batch_size, **settings),
-            *(build_problem(description, device_info, batch_size, uniform_mode=m, **settings) for m in UNIFORM_MODES)]
+            *(build_problem(description, device_info, batch_size, uniform_mode=m, **settings) for m in modes)]
 
 
 def choice_of(problem: Problem, plan: Plan) -> np.ndarray:

@@ -19,6 +19,7 @@ from osdp.cost.context import _base, _context, _options_of, _uniform, uniform_mo
 from osdp.cost.neighbours import plan_neighbours, sequence_order
 from osdp.cost.terms import Calibration, OptionCost, Prediction
 from osdp.cost.unit import unit_cost
+from osdp.describe.granularity import grouped
 from osdp.machine.device_info import DeviceInfo
 from osdp.schema.description import ModelDescription
 from osdp.schema.plan import (
@@ -45,8 +46,11 @@ def predict(
     (``schedule_peak``, with the plan's neighbours); for a plan whose options are all in
     ``options_for(device_info)`` the step time and ``breakdown["bound_peak_bytes"]`` are exactly
     ``build_problem(...)``'s ``step_time`` and ``peak`` for the same choice, with ``uniform_mode=``
-    the plan's mode where all its units take one of ``UNIFORM_MODES``.
+    the plan's mode where all its units take one of ``UNIFORM_MODES``. A plan's groups are priced as one unit
+    each (``osdp.describe.granularity.grouped``: the description may have them merged already, or not).
     """
+    if isinstance(plan_or_choices, Plan) and plan_or_choices.groups():
+        description, plan_or_choices = _grouped(description, plan_or_choices)
     if isinstance(plan_or_choices, Plan):
         batch_size = batch_size or plan_or_choices.batch_size
         precision = precision or plan_or_choices.mixed_precision
@@ -98,6 +102,15 @@ def predict(
         },
     }
     return Prediction(step_s, peak, breakdown)
+
+
+def _grouped(description: ModelDescription, plan: Plan) -> tuple[ModelDescription, Plan]:
+    """The description with the plan's groups merged, and the plan with one decision per group (its first
+    unit's, for the group's merged unit)."""
+    groups = plan.groups()
+    inside = {p for first, members in groups.items() for p in members if p != first}
+    return grouped(description, groups), replace(plan, units=[u for u in plan.units if u.path not in inside],
+                                                 meta=dict(plan.meta))
 
 
 def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], base: int) -> tuple[int, str]:

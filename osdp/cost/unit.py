@@ -48,6 +48,12 @@ transient (only the largest counts)
     optimizer's temporaries.
 base
     the calibration's measured margin.
+group (k consecutive identical blocks as one FSDP2 unit)
+    one block's costs k times (compute, activations, per-tensor and
+    per-checkpoint costs), the k blocks' parameters in one all-gather and one
+    reduce-scatter, the per-unit overhead and the ranks' meetings once; the
+    forward of its last block runs beside the earlier blocks' activations, and
+    its backward beside the later blocks' unsharded gradients.
 shard scope (on a device with a topology of several nodes)
     a unit sharded within its node holds 1/ranks_per_node of its states,
     gathers and reduce-scatters over the node's group (``Topology.intra``),
@@ -142,6 +148,8 @@ def _impossible(unit: UnitProfile, option: Option) -> str | None:
         return f"{where} was not described for selective checkpointing"
     if scope == "node" and (mode == "replicate" or k > 1):
         return f"{where}: shard scope 'node' needs mode 'zero2' or 'zero3' without split"
+    if unit.blocks > 1 and mode == "replicate":
+        return f"{where} is a group of {unit.blocks} blocks: a replicated unit gathers nothing to group"
     return None
 
 
@@ -180,6 +188,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     cal, opt = ctx.calibration, ctx.optimizer
     costs = unit.costs[ctx.precision]
     enclosing = bool(unit.nested) or unit.path == ROOT
+    blocks = unit.blocks  # a group of k identical blocks: its costs are one block's (UnitProfile.group)
 
     split = list(unit.split_shapes) if k > 1 else []
     fsdp_shapes = _remove(unit.param_shapes, split)
@@ -203,7 +212,8 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     rs_input = _REDUCE_BYTES * fsdp_padded
     grad = 4 * shard_numel
     policy = checkpoint_policy(ckpt)
-    act = costs.kept_bytes(b, policy)
+    kept = costs.kept_bytes(b, policy)  # per block
+    act = blocks * kept
     foreach = ctx.device.device_type == "cuda"
     foreach_temps = _FOREACH_TEMPS[opt] * 4 * shard_numel if foreach else 0
     largest_shard = max((4 * math.ceil(math.prod(s) / shard_n) for s in unit.param_shapes), default=0)
@@ -220,12 +230,16 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         always, before, after = persistent + (gathered if enclosing else 0), act + held, grad + foreach_temps
     mem = always + max(before, after)
 
-    # the working sets beyond what mem already counts of this unit's activations
-    temp_fwd = costs.fwd_peak_bytes.signed_bytes(b) - act
-    temp_bwd = (costs.recompute_peak_bytes if ckpt else costs.bwd_peak_bytes).signed_bytes(b) - act
+    # the working sets beyond what mem already counts of this unit's activations. In a group, the last block's
+    # forward runs with the earlier blocks' activations kept; a block's backward with the later blocks' unsharded
+    # gradients (reduced only after the group's backward) or the earlier blocks' activations, the larger at worst
+    block_grad = dt * fsdp_full // blocks
+    temp_fwd = costs.fwd_peak_bytes.signed_bytes(b) + (blocks - 1) * kept - act
+    temp_bwd = ((costs.recompute_peak_bytes if ckpt else costs.bwd_peak_bytes).signed_bytes(b)
+                + (blocks - 1) * max(kept, block_grad) - act)
     flat = gathered if mode != "replicate" else 0  # all-gather output kept until the next unit gathers
     # when its backward ends FSDP copies the unsharded gradients (in the working set) into the reduce buffer
-    post = costs.bwd_end_bytes.signed_bytes(b) - act + rs_input
+    post = costs.bwd_end_bytes.signed_bytes(b) + (blocks - 1) * block_grad - act + rs_input
     prefetched, rs_previous = ctx.neighbours.get(unit.path, (0, 0))
     own = gathered if (mode == "zero3" and not enclosing) else 0
     if enclosing:
@@ -245,8 +259,9 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     transient = max(fwd, bwd, post, optimizer_temp)
 
     # -- time --------------------------------------------------------------------
-    recompute = costs.recompute_seconds(b, policy) if ckpt else 0.0
-    compute = cal.compute_scale * (costs.fwd_s(b) + costs.bwd_s(b) + recompute)
+    recompute = blocks * costs.recompute_seconds(b, policy) if ckpt else 0.0
+    fwd_s, bwd_s = blocks * costs.fwd_s(b), blocks * costs.bwd_s(b)
+    compute = cal.compute_scale * (fwd_s + bwd_s + recompute)
     world = ctx.device.collectives
     if ddp:
         # DDP all-reduces 25 MiB buckets across units: each unit pays its bytes and its share of an alpha
@@ -275,15 +290,17 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     hideable = 0.0
     if ddp:  # DDP's all-reduce, gloo's in-training cost of it included, runs while backward goes on
         # the all-reduce alone: DDP copies gradients into its buckets on the backward's thread
-        hideable = min(comm * (1.0 - ctx.ddp_last_bucket.get(unit.path, 1.0)), cal.compute_scale * costs.bwd_s(b))
+        hideable = min(comm * (1.0 - ctx.ddp_last_bucket.get(unit.path, 1.0)), cal.compute_scale * bwd_s)
         hidden = max(overlap * compute, cal.ddp_overlap * hideable)
         exposed, per_byte = max(comm + per_byte - hidden, 0.0), 0.0
     else:
         exposed = max(comm - overlap * compute, 0.0)
+    # once per FSDP2 unit, a group's too: its hooks, its meetings and its collectives' latency; per tensor and
+    # per checkpointed module (each block of a group is checkpointed on its own): for every block
     overhead = (
         cal.unit_overhead_s.get(mode, 0.0) + (cal.root_overhead_s.get(mode, 0.0) if unit.path == ROOT else 0.0)
         + (0.0 if ddp else cal.param_overhead_s * len(fsdp_shapes))
-        + (cal.checkpoint_overhead_s if ckpt else 0.0)
+        + (blocks * cal.checkpoint_overhead_s if ckpt else 0.0)
         + per_byte
         + cal.slice_overhead_s * slices + cal.slice_s_per_byte * slice_bytes
         + cal.slice_contention * min(split_comm, compute)
@@ -292,9 +309,9 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     # waits for the rank that drifted furthest behind while computing since the last one
     meeting_wait = 0.0
     if not ddp and n > 1:
-        backward = costs.bwd_s(b) + recompute
+        backward = bwd_s + recompute
         meeting_wait = cal.meeting_wait_s_per_sqrt_s * sqrt_segments(
-            cal.compute_scale * costs.fwd_s(b), cal.compute_scale * backward)
+            cal.compute_scale * fwd_s, cal.compute_scale * backward)
     optimizer_s = (  # the per-tensor cost is DTensor dispatch: DDP's parameters are plain tensors
         (0.0 if ddp else ctx.calibration.optimizer_tensor_s * len(unit.param_shapes))
         + ctx.optimizer_s_per_byte * 4 * shard_numel

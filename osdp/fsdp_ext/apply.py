@@ -22,6 +22,10 @@ the root, as ``fully_shard`` expects:
   makes the bf16 copy that compute needs;
 * ``split: k``: the unit's large Linears become ``SplitLinear`` (k slices,
   gathered one at a time); FSDP2 leaves their weights alone;
+* ``group``: k consecutive identical units as one FSDP2 unit, ``fully_shard``
+  on the list of their modules (``fsdp_ext.groups``): one all-gather and one
+  reduce-scatter for the k of them, each module still answering FSDP2's
+  methods (for the whole group, as FSDP2 does);
 * ``checkpoint``: activation checkpointing of the unit (``osdp.describe.recompute``:
   module paths and state-dict keys do not change, ``torch.compile`` traces
   it); modules that keep a forward cache are called without it while
@@ -48,6 +52,7 @@ from osdp.describe.units import Unit, build_units, is_callable, structure_signat
 from osdp.distributed import all_gather_objects, ranks_per_node, world
 from osdp.distributed import collectives as comm
 from osdp.distributed.group import ensure_process_group, job_device
+from osdp.fsdp_ext.groups import group_members
 from osdp.fsdp_ext.module_api import UnitExtras, extend_unit
 from osdp.fsdp_ext.replicate import ReplicaReducer
 from osdp.machine.memory import register_gradient_storages
@@ -130,8 +135,9 @@ def check_model(model: nn.Module, device: torch.device) -> None:
         )
 
 
-def validate_plan(model: nn.Module, plan: Plan, world_size: int) -> list[Unit]:
-    """Check a (completed) plan against a model that passed ``check_model``; return its units bottom-up.
+def validate_plan(model: nn.Module, plan: Plan, world_size: int) -> tuple[list[Unit], dict[str, list[str]]]:
+    """Check a (completed) plan against a model that passed ``check_model``; return its units bottom-up and its
+    groups (``fsdp_ext.groups.group_members``).
 
     Raises PlanError."""
     if getattr(model, _PLAN_ATTR, None) is not None:
@@ -173,7 +179,7 @@ def validate_plan(model: nn.Module, plan: Plan, world_size: int) -> list[Unit]:
                     f"unit '{unit.name}' cannot be split (split={decision.split}): it holds no Linear large "
                     "enough to split that is not tied to another module; use split=1"
                 )
-    return units
+    return units, group_members(model, plan, units)
 
 
 def job_ranks_per_node(plan: Plan) -> int:
@@ -239,7 +245,7 @@ def apply_plan(
     try:
         local_ranks = job_ranks_per_node(plan)
         check_model(model, device)
-        units = validate_plan(model, plan, world_size)
+        units, groups = validate_plan(model, plan, world_size)
     except PlanError as e:
         error = e
     check_same_plan_everywhere(plan, error, local_ranks)
@@ -252,15 +258,14 @@ def apply_plan(
     owned = unit_parameters(model, plan.paths)
     replicated: set[nn.Parameter] = set()  # left to the reducer, so ignored by every fully_shard
     extras: dict[str, UnitExtras] = {}
+    grouped = {p: members for members in groups.values() for p in members}
     for unit in units:  # bottom-up, root last
+        if unit.path in extras:
+            continue  # sharded with its group
         decision = plan.unit(unit.path)
-        if decision.split > 1:
-            nested = {modules[p] for p in unit.nested}
-            apply_split(modules[unit.path], decision.split, meshes.shard, exclude=nested, root=model,
-                        mp_policy=mp_policy)
+        members = grouped.get(unit.path, [unit.path])  # a group's units share its settings (Plan checks)
+        group = _split_and_checkpoint(model, unit, members, decision, meshes.shard, mp_policy)
         module = model.get_submodule(unit.path)  # a unit that is itself a Linear was just replaced
-        if decision.checkpoint_policy != "none":
-            checkpoint_unit(module, decision.checkpoint_policy)
         by_ddp = decision.mode == "replicate" and replicate_with_ddp
         if by_ddp:
             replicated.update(owned[unit.path])
@@ -268,17 +273,18 @@ def apply_plan(
         # answers FSDP2's methods, and the root stays the root (otherwise every top-level sharded unit would
         # be a root of its own, keeping its parameters gathered after forward and prefetching nothing).
         fully_shard(
-            module,
+            group if len(group) > 1 else module,
             mesh=meshes.shard if by_ddp else meshes.for_unit(decision),
             reshard_after_forward=decision.reshards_after_forward,
             mp_policy=mp_policy,
             ignored_params=(split_parameters(module) | replicated) or None,
         )
-        extras[unit.path] = UnitExtras(
-            replicated=list(owned[unit.path]) if by_ddp else [],
-            split_linears=[m for m in _own_modules(module, {modules[p] for p in unit.nested})
-                           if isinstance(m, SplitLinear)],
-        )
+        for path in members:
+            extras[path] = UnitExtras(
+                replicated=list(owned[unit.path]) if by_ddp else [],
+                split_linears=[m for m in _own_modules(module, {modules[p] for p in unit.nested})
+                               if isinstance(m, SplitLinear)],
+            )
     reducer = None
     if replicated:
         in_order = {n: p for n, p in model.named_parameters() if p in replicated}
@@ -287,14 +293,27 @@ def apply_plan(
     for path, extra in extras.items():
         extra.reducer = reducer
         extend_unit(model.get_submodule(path), extra)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.register_forward_hook(_reshard_after_forward_without_grad)
+    _reshard_when_evaluating(model, groups)
     if any(d.checkpoint for d in plan.units):
         disable_caches_in_training(model)  # a recomputed forward must save what the first one saved
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     setattr(model, _PLAN_ATTR, plan)
     return model
+
+
+def _split_and_checkpoint(model: nn.Module, unit: Unit, members: list[str], decision: UnitPlan, mesh: DeviceMesh,
+                          mp_policy: MixedPrecisionPolicy) -> list[nn.Module]:
+    """Split the unit's Linears and checkpoint its modules (the unit's, or its group's: ``members``, in the model's
+    order) as ``decision`` says; those modules."""
+    modules = dict(model.named_modules())
+    if decision.split > 1:  # never in a group
+        nested = {modules[p] for p in unit.nested}
+        apply_split(modules[unit.path], decision.split, mesh, exclude=nested, root=model, mp_policy=mp_policy)
+    group = [model.get_submodule(p) for p in members]  # a unit that is itself a Linear was just replaced
+    if decision.checkpoint_policy != "none":
+        for module in group:
+            checkpoint_unit(module, decision.checkpoint_policy)
+    return group
 
 
 def _own_modules(unit: nn.Module, nested: set[nn.Module]) -> list[nn.Module]:
@@ -324,6 +343,14 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     """
     plan_of(model)  # raises unless wrapped
     model.set_requires_gradient_sync(requires_gradient_sync)
+
+
+def _reshard_when_evaluating(model: nn.Module, groups: dict[str, list[str]]) -> None:
+    """``_reshard_after_forward_without_grad`` on every FSDP2 unit, after the last module of a group."""
+    not_last = {model.get_submodule(p) for members in groups.values() for p in members[:-1]}
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and module not in not_last:
+            module.register_forward_hook(_reshard_after_forward_without_grad)
 
 
 def _reshard_after_forward_without_grad(module: FSDPModule, args, output):

@@ -105,11 +105,21 @@ class UnitProfile:
     param_shapes: tuple[tuple[int, ...], ...]  # own parameters
     split_shapes: tuple[tuple[int, int], ...]  # weights a split plan turns into SplitLinear
     nested: tuple[str, ...]
-    costs: Mapping[str, UnitWorkload]  # precision -> its workload
+    costs: Mapping[str, UnitWorkload]  # precision -> its workload (per block where the unit is a group)
+    # The units of the group this unit stands for (k consecutive identical blocks as one FSDP2 unit: ``UnitPlan.
+    # group``), the first (its path) first; () for a unit of its own. Its parameter shapes are all the blocks',
+    # its costs one block's: the cost model prices the k blocks' compute and activations, and the group's
+    # gathers and fixed costs once (``osdp.describe.granularity.grouped``).
+    group: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
         return display_path(self.path)
+
+    @property
+    def blocks(self) -> int:
+        """How many identical blocks the unit is: 1, or k for a group of k."""
+        return max(1, len(self.group))
 
 
 @dataclass
@@ -175,6 +185,7 @@ class ModelDescription:
                     "param_shapes": tuple(tuple(s) for s in u["param_shapes"]),
                     "split_shapes": tuple(tuple(s) for s in u["split_shapes"]),
                     "nested": tuple(u["nested"]),
+                    "group": tuple(u.get("group", ())),
                     "costs": {p: costs(c) for p, c in u["costs"].items()},
                 }
             )

@@ -4,8 +4,11 @@ A Plan is plain data. It says, for every unit (a module path), how its
 parameters are held (``replicate``, ``zero2`` or ``zero3``), over which ranks
 a sharded unit is sharded (``shard_scope``: all of them, or those of its node,
 replicated across nodes), into how many slices its large Linears are split,
-and how its activations are checkpointed (none, selective: matmul and attention
-outputs kept, the rest recomputed; full); plus plan-wide settings
+how its activations are checkpointed (none, selective: matmul and attention
+outputs kept, the rest recomputed; full), and whether it is one FSDP2 unit
+with the identical units beside it (``group``: k consecutive blocks gathered
+and reduced together, fewer fixed per-unit costs for more memory gathered at
+once); plus plan-wide settings
 (micro-batch size, mixed precision, ranks per node) and what the search
 predicted. It round-trips through JSON with a schema version,
 and has a stable hash of the decisions so that ranks can check they agree.
@@ -19,9 +22,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-SCHEMA_VERSION = 2
-# Version 1 had no selective checkpointing: its plans read as they are (checkpoint true or false).
-READABLE_SCHEMA_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+# Version 1 had no selective checkpointing, version 2 no groups: their plans read as they are.
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 
 MODES = ("replicate", "zero2", "zero3")
 # "world": sharded over every rank; "node": sharded over the ranks of one node and replicated across
@@ -30,6 +33,7 @@ MODES = ("replicate", "zero2", "zero3")
 SHARD_SCOPES = ("world", "node")
 MIXED_PRECISION = ("fp32", "bf16")
 SPLIT_CHOICES = (1, 2, 4, 8)  # what the search offers; a hand-written plan may use any k >= 1
+GROUP_CHOICES = (1, 2, 4)  # consecutive identical blocks per FSDP2 unit the search offers (1 = not grouped)
 # How a unit's activations are checkpointed (osdp.describe.recompute). In a plan "none" is false and "full" is
 # true, as in plans made before selective checkpointing, which keep their hash.
 CHECKPOINT_POLICIES = ("none", "selective", "full")
@@ -78,6 +82,9 @@ class UnitPlan:
     split: int = 1
     checkpoint: bool | str = False  # False (none), "selective" or True (full); "none" and "full" read as such
     shard_scope: str = "world"
+    # The first unit of the group this unit is one FSDP2 unit with (``fully_shard([first, ...])``), its own path
+    # for the first; None: a unit of its own. A group's units share mode, checkpoint and shard scope.
+    group: str | None = None
 
     def __post_init__(self) -> None:
         where = f"unit '{display_path(self.path)}'"
@@ -104,12 +111,29 @@ class UnitPlan:
                 f"{where}: split={self.split} needs mode 'zero3' (a split operator gathers its "
                 f"slices one at a time, which only a fully sharded unit does); got mode '{self.mode}'"
             )
+        if self.group is not None:
+            if not isinstance(self.group, str):
+                raise PlanError(f"{where}: group must name the first unit of its group, got {self.group!r}")
+            if self.mode == "replicate":
+                raise PlanError(f"{where}: a replicated unit cannot be grouped (group '{display_path(self.group)}'): "
+                                "grouping gathers units' shards together, and a replicated unit gathers nothing; "
+                                "use mode 'zero2' or 'zero3', or drop 'group'")
+            if self.split > 1:
+                raise PlanError(f"{where}: a split unit cannot be grouped (group '{display_path(self.group)}'): its "
+                                "Linears gather their slices one at a time, outside the group's gather; use split=1 "
+                                "or drop 'group'")
+            if self.path == ROOT or self.group == ROOT:
+                raise PlanError(f"{where}: the root unit encloses every other unit and cannot be grouped")
         if self.split > 1 and self.shard_scope == "node":
             raise PlanError(f"{where}: split={self.split} with shard_scope 'node' is not supported: a split "
                             "Linear is sharded over every rank; use shard_scope 'world' for split units")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def same_group_settings(self, other: "UnitPlan") -> bool:
+        """Whether ``other`` can be one FSDP2 unit with this one: the same mode, checkpoint and shard scope."""
+        return (self.mode, self.checkpoint, self.shard_scope) == (other.mode, other.checkpoint, other.shard_scope)
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -124,7 +148,8 @@ class UnitPlan:
     def label(self) -> str:
         """``zero3@node/split2+ckpt``-style: mode, then what differs from the defaults."""
         return (self.mode + ("@node" if self.shard_scope == "node" else "")
-                + (f"/split{self.split}" if self.split > 1 else "") + {"none": "", "selective": "+sac", "full": "+ckpt"}[self.checkpoint_policy])
+                + (f"/split{self.split}" if self.split > 1 else "") + {"none": "", "selective": "+sac", "full": "+ckpt"}[self.checkpoint_policy]
+                + ("/grouped" if self.group is not None else ""))
 
 
 @dataclass
@@ -150,6 +175,8 @@ class Plan:
             if u.path in seen:
                 raise PlanError(f"unit '{display_path(u.path)}' appears twice in the plan")
             seen.add(u.path)
+        self.units = _without_groups_of_one(self.units)
+        check_groups(self.units)
         if self.mixed_precision not in MIXED_PRECISION:
             raise PlanError(
                 f"mixed_precision '{self.mixed_precision}' does not exist; use one of {', '.join(MIXED_PRECISION)}"
@@ -192,6 +219,10 @@ class Plan:
     @property
     def paths(self) -> list[str]:
         return [u.path for u in self.units]
+
+    def groups(self) -> dict[str, list[str]]:
+        """First unit of each group -> the paths of its units (the first first, then in plan order)."""
+        return groups_of(self.units)
 
     # -- JSON ---------------------------------------------------------------------
 
@@ -251,11 +282,14 @@ class Plan:
             d = u.to_dict()
             if u.shard_scope == "world":  # the default: plans made before shard scopes keep their hash
                 del d["shard_scope"]
+            if u.group is None:  # likewise plans made before groups
+                del d["group"]
             return d
 
         out = {
             # the oldest schema that can say this plan: a plan an older osdp could read keeps the hash it had there
-            "schema_version": 2 if any(u.checkpoint == "selective" for u in self.units) else 1,
+            "schema_version": (3 if any(u.group is not None for u in self.units)
+                               else 2 if any(u.checkpoint == "selective" for u in self.units) else 1),
             "units": [unit(u) for u in sorted(self.units, key=lambda u: u.path)],
             "batch_size": self.batch_size,
             "mixed_precision": self.mixed_precision,
@@ -277,3 +311,36 @@ class Plan:
             counts[u.label] = counts.get(u.label, 0) + 1
         parts = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
         return f"Plan {self.hash}: {len(self.units)} units ({parts})"
+
+
+def groups_of(units: Iterable[UnitPlan]) -> dict[str, list[str]]:
+    """First unit of each group -> the paths of its units (the first first, then in the order given)."""
+    groups: dict[str, list[str]] = {}
+    for u in units:
+        if u.group is not None:
+            groups.setdefault(u.group, [u.group]).extend([u.path] if u.path != u.group else [])
+    return groups
+
+
+def _without_groups_of_one(units: list[UnitPlan]) -> list[UnitPlan]:
+    """A group of one unit is that unit on its own: said the one way (the hash does not tell them apart)."""
+    alone = {first for first, members in groups_of(units).items() if len(members) == 1}
+    return [dataclasses.replace(u, group=None) if u.group in alone and u.path == u.group else u for u in units]
+
+
+def check_groups(units: list[UnitPlan]) -> None:
+    """PlanError naming the units unless every group's first unit is in it and its units agree on mode,
+    checkpoint and shard scope (that they are consecutive identical modules is checked against the model)."""
+    by_path = {u.path: u for u in units}
+    for first, members in groups_of(units).items():
+        named = ", ".join(f"'{display_path(p)}'" for p in members)
+        leader = by_path.get(first)
+        if leader is None or leader.group != first:
+            raise PlanError(f"units {named} name '{display_path(first)}' as their group's first unit, which is "
+                            f"{'not in the plan' if leader is None else 'not in that group'}; give it "
+                            f"group '{first}' too")
+        mixed = [p for p in members if not by_path[p].same_group_settings(leader)]
+        if mixed:
+            settings = "; ".join(f"'{display_path(p)}': {by_path[p].label}" for p in [first, *mixed])
+            raise PlanError(f"group '{display_path(first)}' ({named}) mixes settings ({settings}): one FSDP2 unit "
+                            "has one mode, checkpoint and shard scope; give its units the same")

@@ -4,7 +4,7 @@ A plan-independence matrix: each behaviour a training script may have (requires_
 FSDP2's methods on the model and on units, gradient clipping, parameters unused in some steps, a module never
 called, the model called twice per step, buffers, unshard/reshard calls) under every kind of plan, on 2 gloo
 ranks, equal to one process training the global batch (fp32 within 1e-5), and ``osdp.check_replicas`` after
-every step. Node-scoped plans on 4 ranks (2 nodes of 2).
+every step; grouped plans (both blocks one FSDP2 unit) among them. Node-scoped plans on 4 ranks (2 nodes of 2).
 """
 
 from __future__ import annotations
@@ -90,7 +90,17 @@ def plans() -> dict[str, Plan]:
         "mixed": Plan([UnitPlan(p, modes[i % 3], checkpoint=i % 2 == 1, split=2 if p.endswith("mlp") and
                                 modes[i % 3] == "zero3" else 1) for i, p in enumerate(paths)]),
         "replicate_root": Plan([UnitPlan(p, "zero3" if p else "replicate") for p in paths]),
+        # the two blocks one FSDP2 unit (fully_shard([blocks.0, blocks.1])), resharded after forward or kept
+        "grouped": _grouped(model, "zero3", False),
+        "grouped_zero2_ckpt": _grouped(model, "zero2", True),
     }
+
+
+def _grouped(model, mode, checkpoint) -> Plan:
+    blocks = ("blocks.0", "blocks.1")
+    return Plan([UnitPlan(u.path, mode if u.path else "zero3", checkpoint=checkpoint and u.path in blocks,
+                          group="blocks.0" if u.path in blocks else None)
+                 for u in osdp.discover_units(model, granularity="block")])
 
 
 # -- the behaviours: one training script each, run wrapped on N ranks and plain on one process ----------------
@@ -200,7 +210,7 @@ def _assert_matrix(per_rank, steps):
 
 
 @pytest.mark.parametrize("plan_names", [("replicate", "zero2", "zero3"), ("split", "checkpointed"),
-                                        ("mixed", "replicate_root", "selective")])
+                                        ("mixed", "replicate_root", "selective"), ("grouped", "grouped_zero2_ckpt")])
 def test_every_behaviour_trains_as_one_process_under_every_plan(plan_names):
     every = plans()
     chosen = {n: every[n].to_json() for n in plan_names}

@@ -23,7 +23,7 @@ def test_json_round_trip_keeps_everything_and_the_hash():
     again = Plan.from_json(plan.to_json())
     assert again == plan
     assert again.hash == plan.hash
-    assert json.loads(plan.to_json())["schema_version"] == 2  # written in the newest schema
+    assert json.loads(plan.to_json())["schema_version"] == 3  # written in the newest schema
 
 
 def test_hash_covers_decisions_not_predictions_or_unit_order():
@@ -103,3 +103,59 @@ def test_checkpoint_policies_read_by_name_and_selective_is_its_own_decision():
 def test_selective_checkpointing_of_a_split_unit_is_refused_naming_it():
     with pytest.raises(PlanError, match="unit 'blocks.0.mlp': selective checkpointing cannot tell a split Linear"):
         UnitPlan("blocks.0.mlp", "zero3", split=2, checkpoint="selective")
+
+
+# -- groups: k consecutive identical units as one FSDP2 unit ------------------------------------------------
+
+def grouped(*units, **settings):
+    return Plan([*units, UnitPlan("")], **settings)
+
+
+def test_a_group_round_trips_and_is_its_own_decision():
+    plan = grouped(UnitPlan("blocks.0", group="blocks.0"), UnitPlan("blocks.1", group="blocks.0"), batch_size=2)
+    assert plan.groups() == {"blocks.0": ["blocks.0", "blocks.1"]}
+    assert plan.unit("blocks.1").label == "zero3/grouped"
+    back = Plan.from_json(plan.to_json())
+    assert back == plan and back.hash == plan.hash and back.groups() == plan.groups()
+    apart = grouped(UnitPlan("blocks.0"), UnitPlan("blocks.1"), batch_size=2)
+    assert apart.hash != plan.hash
+    assert plan.decisions()["schema_version"] == 3 and apart.decisions()["schema_version"] == 1
+    assert "group" not in apart.decisions()["units"][0]  # plans without groups keep the hash they had
+
+
+def test_a_group_of_one_unit_is_that_unit_alone():
+    alone = grouped(UnitPlan("blocks.0", group="blocks.0"), UnitPlan("blocks.1"))
+    assert alone.groups() == {} and alone.unit("blocks.0").group is None
+    assert alone.hash == grouped(UnitPlan("blocks.0"), UnitPlan("blocks.1")).hash
+
+
+@pytest.mark.parametrize(
+    "units, message",
+    [
+        ([UnitPlan("blocks.0", "zero3", group="blocks.0"), UnitPlan("blocks.1", "zero2", group="blocks.0")],
+         "group 'blocks.0' ('blocks.0', 'blocks.1') mixes settings ('blocks.0': zero3/grouped; 'blocks.1': "
+         "zero2/grouped)"),
+        ([UnitPlan("blocks.0", group="blocks.0"), UnitPlan("blocks.1", checkpoint=True, group="blocks.0")],
+         "group 'blocks.0' ('blocks.0', 'blocks.1') mixes settings"),
+        ([UnitPlan("blocks.1", group="blocks.0")], "units 'blocks.0', 'blocks.1' name 'blocks.0' as their group's "
+                                                   "first unit, which is not in the plan"),
+        ([UnitPlan("blocks.0"), UnitPlan("blocks.1", group="blocks.0")], "which is not in that group"),
+    ],
+)
+def test_groups_that_cannot_be_one_unit_are_refused_naming_the_units(units, message):
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        grouped(*units)
+
+
+@pytest.mark.parametrize(
+    "unit, message",
+    [
+        (dict(path="blocks.1", mode="replicate", group="blocks.0"), "unit 'blocks.1': a replicated unit cannot be "
+                                                                    "grouped"),
+        (dict(path="blocks.1", split=2, group="blocks.0"), "unit 'blocks.1': a split unit cannot be grouped"),
+        (dict(path="", group=""), "unit '<root>': the root unit encloses every other unit and cannot be grouped"),
+    ],
+)
+def test_units_that_cannot_be_grouped_are_refused(unit, message):
+    with pytest.raises(PlanError, match=message):
+        UnitPlan(**unit)

@@ -47,7 +47,30 @@ def every_mode_plans(model):
         plans["per_block"] = per_block_plan(model)
     if any(u.split > 1 for u in split):
         plans["split"] = Plan(split)
+    if (grouped := grouped_plan(model)) is not None:
+        plans["grouped"] = grouped
     return plans
+
+
+def grouped_plan(model):
+    """At block granularity, every two consecutive blocks one FSDP2 unit (zero3, then zero2 checkpointed, in turn),
+    the other units zero3; None if the model has no two consecutive blocks."""
+    units = [u for u in osdp.discover_units(model, granularity="block")]
+    by_path = {u.path: u for u in units}
+    group, pairs = {}, 0
+    for u in units:
+        parent, _, index = u.path.rpartition(".")
+        if not index.isdigit() or u.path in group or int(index) % 2:
+            continue
+        nxt = f"{parent}.{int(index) + 1}"
+        if nxt in by_path and not u.nested and by_path[nxt].signature == u.signature:
+            group[u.path] = group[nxt] = (u.path, pairs % 2)
+            pairs += 1
+    if not group:
+        return None
+    return Plan([UnitPlan(u.path, "zero2" if u.path in group and group[u.path][1] else "zero3",
+                          checkpoint=u.path in group and group[u.path][1] == 1,
+                          group=group[u.path][0] if u.path in group else None) for u in units])
 
 
 def per_block_plan(model):
