@@ -16,6 +16,7 @@ from osdp.cost.problem import build_problem, build_problems, choice_of, plan_fro
 from osdp.cost.schedule import predict
 from osdp.cost.terms import OPTIMIZER_STATES, Calibration
 from osdp.cost.unit import unit_cost
+from osdp.describe.analytic import describe_analytic
 from osdp.describe.measured import describe
 from osdp.machine.collective_model import COLLECTIVES, AlphaBeta, CollectiveModel, Topology
 from osdp.machine.device_info import DeviceInfo
@@ -34,6 +35,16 @@ def tiny():
     model = models.build("gpt2-tiny", seq_len=T)
     batch = synthetic_batch(model.config, B, T, generator=torch.Generator().manual_seed(0))
     return describe(model, batch, cache=False, progress=False, repeats=2, precisions=("fp32", "bf16"))
+
+
+@pytest.fixture(scope="module")
+def analytic_tiny():
+    """gpt2-tiny described from its fake-tensor trace: the same costs every run, for the tests whose claims are
+    about the model's logic, not this machine's timings (a measured description's times move with the load)."""
+    torch.manual_seed(0)
+    model = models.build("gpt2-tiny", seq_len=T)
+    batch = synthetic_batch(model.config, B, T, generator=torch.Generator().manual_seed(0))
+    return describe_analytic(model, batch, device(), batch_sizes=(B,), precisions=("fp32", "bf16"), progress=False)
 
 
 def device(n=2):
@@ -159,7 +170,7 @@ def test_the_solver_optimum_is_predicted_exactly(tiny):
     assert pred.peak_bytes == walked_peak(tiny, pred)
 
 
-def test_the_search_takes_plans_whose_schedule_fits_where_their_bound_does_not(tiny):
+def test_the_search_takes_plans_whose_schedule_fits_where_their_bound_does_not(analytic_tiny):
     """The solver's additive bound counts every unit at its fullest at once. At budgets of Pareto-optimal plans'
     schedule peaks, below their bounds, the search's plan fits on the schedule, is priced as ``predict``
     prices it, is never slower than the solver's plan at the budget alone, and is faster somewhere (or the
@@ -167,7 +178,7 @@ def test_the_search_takes_plans_whose_schedule_fits_where_their_bound_does_not(t
     from osdp.planner import RELAXED_BOUND, find_plan
     from osdp.search import pareto_frontier
 
-    dev = device()
+    tiny, dev = analytic_tiny, device()
     problem = build_problem(tiny, dev, B, calibration=CALIBRATION)
     gains = []
     for point in pareto_frontier(problem):
@@ -206,9 +217,9 @@ def test_parameter_gradient_and_optimizer_bytes_are_exact(tiny):
             assert parts["held_bytes"] == (4 * padded if mode == "zero2" else 0)
 
 
-def test_directions(tiny):
+def test_directions(analytic_tiny):
     """More sharding, checkpointing and splitting cost memory less and time more, as they should."""
-    dev = device(8)
+    tiny, dev = analytic_tiny, device(8)
 
     def plan(mode, split=1, ckpt=False, precision="fp32"):
         return Plan([UnitPlan(u.path, mode, split if u.split_shapes else 1, ckpt if not u.nested else False)
