@@ -12,7 +12,8 @@ already under it):
    stops and says how to make one;
 2. every plan (``default_plans``: DDP, ZeRO-2, FSDP, checkpointing, splits,
    mixed; ``per_block_plans``: every other block taken apart, priced from the
-   "block" and "nested" descriptions as the search prices it) is trained
+   "block" and "nested" descriptions as the search prices it; ``grouped_plans``:
+   blocks gathered two at a time as one FSDP2 unit) is trained
    side by side, one step of each in turn (``osdp.runtime.jobs.run_jobs``), so
    that a shared machine's changing load hits all alike;
 3. each plan's step time is the median over its steps of the slowest rank, and
@@ -267,7 +268,7 @@ def validate(
                         optimizer=optimizer, time_budget_s=time_budget_s, progress=say)
     records = []
     for name, plan in plans.items():
-        pricing = (description_of(plan, [coarse, nested]) if plan.meta.get("granularity") == "per-block"
+        pricing = (description_of(plan, [coarse, nested]) if plan.meta.get("granularity")  # per block, grouped
                    else descriptions[plan.mixed_precision])
         pred = predict(pricing, plan, machine.device_info, optimizer=optimizer, calibration=machine.calibration)
         records.append(_record(name, plan, pred, measured[name]))
@@ -287,12 +288,35 @@ def validate(
     }
 
 
+def grouped_plans(coarse: ModelDescription, batch_size: int, world_size: int) -> dict[str, Plan]:
+    """Two plans gathering consecutive identical blocks two at a time as one FSDP2 unit
+    (``osdp.describe.granularity.group_runs``), or none for a model without two such blocks."""
+    runs = granularity.group_runs(coarse, 2)
+    if not runs:
+        return {}
+    first_of = {p: first for first, members in runs.items() for p in members}
+
+    def plan(grouped: tuple, other: tuple) -> Plan:
+        p = Plan([UnitPlan(u.path, *grouped, group=first_of[u.path]) if u.path in first_of
+                  else UnitPlan(u.path, *other) for u in coarse.units],
+                 batch_size=batch_size, world_size=world_size, model_signature=coarse.signature)
+        p.meta["granularity"] = f"{coarse.granularity}{granularity.GROUPED}2"
+        return p
+
+    return {
+        "grouped-z3": plan(grouped=("zero3", 1, False), other=("zero2", 1, False)),
+        "grouped-z2-sac": plan(grouped=("zero2", 1, "selective"), other=("zero3", 1, False)),
+    }
+
+
 def plans_to_validate(description: ModelDescription, coarse: ModelDescription, nested: ModelDescription,
                       batch_size: int, world_size: int, device: torch.device,
                       plan_names: Sequence[str] | None) -> dict[str, Plan]:
-    """The default plans (``default_plans``, ``per_block_plans``), or those of them named in ``plan_names``."""
+    """The default plans (``default_plans``, ``per_block_plans``, ``grouped_plans``), or those of them named in
+    ``plan_names``."""
     plans = default_plans(description, batch_size, world_size, splits=can_split(device))
     plans.update(per_block_plans(coarse, nested, batch_size, world_size))
+    plans.update(grouped_plans(coarse, batch_size, world_size))
     if plan_names:
         unknown = sorted(set(plan_names) - set(plans))
         if unknown:
