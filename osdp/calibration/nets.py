@@ -4,6 +4,7 @@ size the measurement (``PROFILES``: full, or tiny for tests), and the jobs they 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -154,39 +155,30 @@ class CalibrationProfile:
 # 64x larger, which separates per-unit from per-byte costs, of FSDP and of split slices; with a large batch
 # the wide net computes ~100x more (the compute scale is measured on it), and its slices' gathers run while
 # there is compute to compete with.
-PROFILES = {
-    "full": CalibrationProfile(
-        "full",
-        (
-            NetSpec(2, 64, 4, MODES, overheads=True, checkpoint=True),
-            NetSpec(4, 64, 4, MODES, overheads=True, checkpoint=True),
-            NetSpec(2, 64, 4, MODES, overheads=True, split=False, blocks=3),
-            NetSpec(2, 512, 4, MODES, overheads=True),
-            NetSpec(2, 512, 64, ("zero3",), overheads=False, compute=True),
-            # 8 MiB units, 64 MiB in all: DDP reduces three buckets while backward goes on (longer than their
-            # all-reduce, as in a transformer), then the last
-            NetSpec(2, 1024, 64, ("replicate",), overheads=False, split=False, ddp_buckets=True),
-        ),
-        run_s=1.2, min_steps=5, warmup=2, collectives_s=2.0, refits=3, describe_repeats=5, compute_rounds=15,
-        meeting_net=MeetingNet(n_layer=2, n_embd=128, n_head=4, seq_len=64, batch=8), busy_spread=1.5,
-        about="about a minute",
+FULL = CalibrationProfile(
+    "full",
+    (
+        NetSpec(2, 64, 4, MODES, overheads=True, checkpoint=True),
+        NetSpec(4, 64, 4, MODES, overheads=True, checkpoint=True),
+        NetSpec(2, 64, 4, MODES, overheads=True, split=False, blocks=3),
+        NetSpec(2, 512, 4, MODES, overheads=True),
+        NetSpec(2, 512, 64, ("zero3",), overheads=False, compute=True),
+        # 8 MiB units, 64 MiB in all: DDP reduces three buckets while backward goes on (longer than their
+        # all-reduce, as in a transformer), then the last
+        NetSpec(2, 1024, 64, ("replicate",), overheads=False, split=False, ddp_buckets=True),
     ),
+    run_s=1.2, min_steps=5, warmup=2, collectives_s=2.0, refits=3, describe_repeats=5, compute_rounds=15,
+    meeting_net=MeetingNet(n_layer=2, n_embd=128, n_head=4, seq_len=64, batch=8), busy_spread=1.5,
+    about="about a minute",
+)
+
+PROFILES = {
+    "full": FULL,
     # what a job whose model fits DDP's first bucket needs (the first run of a small model: ``osdp train``'s
     # default): every term but DDP's hidden all-reduce, whose net is the slowest to train, over two rounds of
     # re-fitted collectives instead of three; ``osdp calibrate --full`` measures the rest
-    "quick": CalibrationProfile(
-        "quick",
-        (
-            NetSpec(2, 64, 4, MODES, overheads=True, checkpoint=True),
-            NetSpec(4, 64, 4, MODES, overheads=True, checkpoint=True),
-            NetSpec(2, 64, 4, MODES, overheads=True, split=False, blocks=3),
-            NetSpec(2, 512, 4, MODES, overheads=True),
-            NetSpec(2, 512, 64, ("zero3",), overheads=False, compute=True),
-        ),
-        run_s=1.0, min_steps=5, warmup=2, collectives_s=2.0, refits=2, describe_repeats=5, compute_rounds=15,
-        meeting_net=MeetingNet(n_layer=2, n_embd=128, n_head=4, seq_len=64, batch=8), busy_spread=1.5,
-        about="about 40 s",
-    ),
+    "quick": dataclasses.replace(FULL, name="quick", nets=tuple(n for n in FULL.nets if not n.ddp_buckets),
+                                 run_s=1.0, refits=2, about="about 40 s"),
     # for tests: every term measured, at toy sizes, in a few seconds; keyed apart from "full"
     "tiny": CalibrationProfile(
         "tiny",
