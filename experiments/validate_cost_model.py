@@ -4,16 +4,17 @@ One run, one command (about 15 minutes on a quiet 2-core machine):
 
     python experiments/validate_cost_model.py --out experiments/results/validate_cost_model-1.json
 
-1. ``osdp calibrate --force`` in its own processes, into a cache of this run's own (``OSDP_CACHE_DIR``):
+1. ``osdp calibrate --full --force`` in its own processes, into a cache of this run's own (``OSDP_CACHE_DIR``):
    the calibration ``osdp.wrap`` would measure on first use; then each model described as ``osdp.plan``
    describes it (``osdp validate --describe-only``), into the same cache, in processes of their own;
 2. for each model, ``osdp validate``: every default plan (DDP, ZeRO-2, FSDP, checkpointing, splits, mixed;
-   ten) and two plans taking every other block apart (``osdp.cli.validate.per_block_plans``), predicted exactly
-   as ``osdp.wrap`` predicts, from the cached calibration and descriptions (nothing measured in the
+   twelve, selective checkpointing among them), two plans taking every other block apart
+   (``osdp.cli.validate.per_block_plans``) and two gathering blocks two at a time (``grouped_plans``), predicted
+   exactly as ``osdp.wrap`` predicts, from the cached calibration and descriptions (nothing measured in the
    validating run enters a prediction; the run checks that the descriptions came from the cache), then
    trained for real;
-3. the default ``osdp train`` run (gpt2-tiny, OSDP at 6 MiB): its plan's predicted step against its measured
-   median.
+3. the default ``osdp train`` run (gpt2-tiny, OSDP at its default budget): its plan's predicted step against
+   its measured median.
 
 Three runs give the spread; a target met in one run of three is not met:
 
@@ -71,7 +72,7 @@ def _run(cmd: list[str], env: dict[str, str]) -> None:
 
 
 def calibrate(nproc: int, env: dict[str, str], out: Path) -> dict[str, Any]:
-    _run([sys.executable, "-m", "osdp.cli", "calibrate", "--nproc", str(nproc), "--force", "--json", str(out)], env)
+    _run([sys.executable, "-m", "osdp.cli", "calibrate", "--full", "--nproc", str(nproc), "--force", "--json", str(out)], env)
     return json.loads(out.read_text())
 
 
