@@ -58,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -268,121 +269,345 @@ def auto_budgets(low: int, high: int, count: int) -> list[int]:
 
 def work(spec: dict[str, Any]) -> dict[str, Any] | None:
     """Collective (every rank, under torchrun): the runs of ``spec``; rank 0 returns the result."""
-    import functools
+    from osdp.runtime.jobs import Job
+
+    collectives = spec_collectives(spec)
+    part = open_part(spec, join_group(spec, collectives))
+    if spec.get("link_probe"):  # only the link: how fast gloo's collectives are over it
+        return measure_link(spec, part, collectives)
+    if spec.get("calibrate"):  # this link's calibration, in its own run before the measured ones
+        return calibrate_group(spec, part)
+    planning = describe_for_planning(part)
+    runs, requests = strategy_runs(spec.get("strategies", []), part, planning)
+    runs[COMPUTE_ONLY] = Job(part.build, None, part.batch)  # the efficiency reference
+    budgets, lowest, ddp_needs = osdp_budgets(spec, runs, part, planning)
+    for budget in budgets:
+        job, request = osdp_run(budget, part, planning)
+        if job is not None:
+            runs[request["key"]] = job
+        requests.append(request)
+    repeats = Repeats(spec, runs, part, planning)
+    repeats.measure_all()
+    if part.rank != 0:
+        return None
+    records = [run_record(request, part, planning, repeats, collectives) for request in requests]
+    return part_result(part, planning, repeats, records, collectives, lowest_budget=lowest, ddp_needs=ddp_needs)
+
+
+@dataclass
+class Part:
+    """A part as one rank runs it: the model every run builds alike, this rank's micro-batch, the link, the
+    progress messages and the clock of the part's ``seconds``."""
+
+    model_name: str
+    overrides: dict[str, Any]  # the spec's seq_len, where it sets one
+    config: Any  # the model's config, overrides applied
+    batch_size: int
+    batch: tuple
+    device: Any  # torch.device
+    rank: int
+    world_size: int
+    link: dict[str, Any]
+    say: Callable[[str], None]
+    started: float
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one step on one rank."""
+        return self.batch_size * self.config.seq_len
+
+    def build(self):
+        import torch
+
+        from osdp import models
+
+        torch.manual_seed(0)  # every rank builds the same initial model
+        return models.build(self.model_name, **self.overrides)
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started
+
+
+def join_group(spec: dict[str, Any], collectives: dict[str, str]):
+    """Collective: join the torchrun process group, the spec's collectives set first; the device."""
     import warnings
 
-    import torch
-    import torch.distributed as dist
-    from baselines import build_baseline
-
-    import osdp
-    from osdp import models
-    from osdp.calibration.measured import calibrate
-    from osdp.cost.schedule import predict
-    from osdp.describe.units import structure_signature
-    from osdp.distributed import all_gather_objects, broadcast_object, init_from_env
     from osdp.distributed import collectives as comm
-    from osdp.log import Progress
-    from osdp.machine.identity import machine_info
-    from osdp.machine.measure import measure_device
-    from osdp.models.data import synthetic_batch
-    from osdp.planner import description_of, find_plan, least_budget, planning_descriptions
-    from osdp.runtime.jobs import Job, run_jobs
-    from osdp.schema.plan import Plan
-    from osdp.search import BudgetTooSmall
+    from osdp.distributed import init_from_env
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    collectives = spec_collectives(spec)
     comm.set_reduce_scatter(collectives["reduce_scatter"])  # before anything measures or wraps
     comm.set_all_gather(collectives["all_gather"])
-    device = init_from_env(spec.get("device", "auto"))
+    return init_from_env(spec.get("device", "auto"))
+
+
+def open_part(spec: dict[str, Any], device) -> Part:
+    """This rank's ``Part`` of ``spec``, its micro-batch drawn from a generator of its own (after ``join_group``:
+    the progress messages are rank 0's)."""
+    import torch
+    import torch.distributed as dist
+
+    from osdp import models
+    from osdp.log import Progress
+    from osdp.models.data import synthetic_batch
+
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model_name, b = spec["model"], int(spec["batch_size"])
     overrides = {"seq_len": spec["seq_len"]} if spec.get("seq_len") else {}
     config = models.get_config(model_name, **overrides)
-    seq_len = config.seq_len
-    tokens = b * seq_len
     link = dict(spec.get("link") or {"name": "loopback", "kind": "loopback"})
     say = Progress(f"run {model_name} {link.get('name')}")
     started = time.perf_counter()
-
-    def build():
-        torch.manual_seed(0)  # every rank builds the same initial model
-        return models.build(model_name, **overrides)
-
     g = torch.Generator().manual_seed(1000 + rank)
     batch = tuple(t.to(device) for t in synthetic_batch(config, b, generator=g))
+    return Part(model_name, overrides, config, b, batch, device, rank, world_size, link, say, started)
 
-    if spec.get("link_probe"):  # only the link: how fast gloo's collectives are over it
-        say(f"measuring collectives ({describe_collectives(collectives)}) and FLOP/s on the live group")
-        device_info = broadcast_object(measure_device(time_budget_s=float(spec.get("collective_time_s", 3.0))))
-        return {"device_info": device_info.to_dict(), **collectives} if rank == 0 else None
-    if spec.get("calibrate"):  # this link's calibration, in its own run before the measured ones
-        machine = calibrate(device, force=spec["calibrate"] == "force")
-        return {"calibration": machine.to_dict(), "summary": machine.summary()} if rank == 0 else None
-    # what osdp.wrap plans with: this job's calibration, measured by an earlier run (spec "calibrate")
-    machine = calibrate(device, measure=False)
-    device_info, calibration = machine.device_info, machine.calibration
-    say(machine.summary())
-    model = build().to(device)
-    say("describing the model as osdp.plan does (rank 0; cached in OSDP_CACHE_DIR), at each unit granularity")
-    descriptions = planning_descriptions(model, batch)  # the search chooses between them
-    description = descriptions[0]
-    blocks = block_list_path(model)
-    signature = structure_signature(model)
-    del model
 
-    settings = dict(batch_size=b, world_size=world_size, model_signature=signature)
-    optimizer = "adamw"
+def measure_link(spec: dict[str, Any], part: Part, collectives: dict[str, str]) -> dict[str, Any] | None:
+    """Collective: only the link, how fast gloo's collectives are over it (``probe_link``); rank 0 returns it."""
+    from osdp.distributed import broadcast_object
+    from osdp.machine.measure import measure_device
 
-    def described(plan: Plan):
+    part.say(f"measuring collectives ({describe_collectives(collectives)}) and FLOP/s on the live group")
+    device_info = broadcast_object(measure_device(time_budget_s=float(spec.get("collective_time_s", 3.0))))
+    return {"device_info": device_info.to_dict(), **collectives} if part.rank == 0 else None
+
+
+def calibrate_group(spec: dict[str, Any], part: Part) -> dict[str, Any] | None:
+    """Collective: this link's calibration, in its own run before the measured ones; rank 0 returns it."""
+    from osdp.calibration.measured import calibrate
+
+    machine = calibrate(part.device, force=spec["calibrate"] == "force")
+    return {"calibration": machine.to_dict(), "summary": machine.summary()} if part.rank == 0 else None
+
+
+@dataclass
+class Planning:
+    """What OSDP plans a part with: the calibration osdp.wrap would use and the model's descriptions at each unit
+    granularity (the search chooses between them)."""
+
+    machine: Any  # osdp.calibration.measured's MachineCalibration
+    descriptions: list
+    blocks: str  # path of the transformer block list (block_list_path)
+    signature: str  # the model's structure_signature
+    settings: dict[str, Any]  # a plan's batch size, world size and model signature
+    optimizer: str = "adamw"
+
+    @property
+    def device_info(self):
+        return self.machine.device_info
+
+    @property
+    def calibration(self):
+        return self.machine.calibration
+
+    @property
+    def description(self):
+        return self.descriptions[0]
+
+    def described(self, plan):
+        """The description ``plan`` was made from."""
+        from osdp.planner import description_of
+
         if "granularity" in plan.meta:  # searched, or a twin at the granularity the search would pick
-            return description_of(plan, descriptions)
-        return next(d for d in descriptions if set(d.paths) == set(plan.paths) | {""})
+            return description_of(plan, self.descriptions)
+        return next(d for d in self.descriptions if set(d.paths) == set(plan.paths) | {""})
 
-    def predicted(plan: Plan) -> dict[str, Any]:
-        p = predict(described(plan), plan, device_info, optimizer=optimizer, calibration=calibration)
+    def predicted(self, plan, tokens: int) -> dict[str, Any]:
+        from osdp.cost.schedule import predict
+
+        p = predict(self.described(plan), plan, self.device_info, optimizer=self.optimizer,
+                    calibration=self.calibration)
         return {"predicted_step_s": p.step_s, "predicted_peak_bytes": p.peak_bytes,
                 "predicted_tokens_per_s": tokens / p.step_s}
 
-    # ---- what to run: key -> Job (or "fairscale"); requests: one record each
+
+def describe_for_planning(part: Part) -> Planning:
+    """Collective: the calibration (measured by an earlier run, spec "calibrate") and descriptions osdp.plan
+    would plan with."""
+    from osdp.calibration.measured import calibrate
+    from osdp.describe.units import structure_signature
+    from osdp.planner import planning_descriptions
+
+    machine = calibrate(part.device, measure=False)
+    part.say(machine.summary())
+    model = part.build().to(part.device)
+    part.say("describing the model as osdp.plan does (rank 0; cached in OSDP_CACHE_DIR), at each unit granularity")
+    descriptions = planning_descriptions(model, part.batch)
+    blocks = block_list_path(model)
+    signature = structure_signature(model)
+    del model
+    settings = dict(batch_size=part.batch_size, world_size=part.world_size, model_signature=signature)
+    return Planning(machine, descriptions, blocks, signature, settings)
+
+
+def strategy_runs(strategies: list[str], part: Part,
+                  planning: Planning) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """What to run for ``strategies``: key -> Job (or "fairscale"), and one request per record."""
     runs: dict[str, Any] = {}
     requests: list[dict[str, Any]] = []
-    for s in spec.get("strategies", []):
-        if s in ALL_BASELINES or s in TWIN_BASELINES:
-            runs[s] = Job(build, None, batch, parallelize=functools.partial(build_baseline, s, device_type=device.type))
-            requests.append({"strategy": s, "key": s})
-        elif s in ABLATIONS:
-            plan = osdp.strategy_plan(build(), ABLATIONS[s], **settings)
-            runs[s] = Job(build, plan, batch)
-            requests.append({"strategy": s, "key": s, "plan": plan})
-        elif s in TWINS:
-            mode, ac = TWINS[s]
-            plan = twin_plan(descriptions, mode, ac, blocks, device_info, calibration, optimizer, settings)
-            runs[s] = Job(build, plan, batch)
-            requests.append({"strategy": s, "key": s, "plan": plan})
-        elif s == "fairscale":
-            if device.type != "cuda":
-                requests.append({"strategy": s, "key": None,
-                                 "status": "skipped: fairscale FSDP needs CUDA (it uses CUDA streams unconditionally)"})
-                continue
-            runs[s] = "fairscale"
-            requests.append({"strategy": s, "key": s})
-        else:
-            raise ValueError(f"unknown strategy {s!r}; use one of {', '.join(STRATEGIES)}")
-    runs[COMPUTE_ONLY] = Job(build, None, batch)
+    for s in strategies:
+        run, request = strategy_run(s, part, planning)
+        if run is not None:
+            runs[s] = run
+        requests.append(request)
+    return runs, requests
 
-    rounds = int(spec.get("rounds", 3))
-    per_run_s = float(spec.get("time_per_run_s", 1.5))
-    min_steps = int(spec.get("min_steps", MIN_STEPS))
-    jobs_at_once = int(spec.get("jobs_at_once") or 0)  # models alive at once in run_jobs (0: all)
-    # groups of runs alive and stepped together, one group after another (bench_modes' pairs: a run and its
-    # twin step in turn, so each pair of their steps saw the same host); the rest of the runs form one group
-    paired: list[list[str]] = [list(g) for g in spec.get("groups") or []]
-    measured: dict[str, dict[str, Any]] = {}
 
-    def note(key: str, step_s: float, steps: int, per_rank: list[dict[str, Any]], each: list[float]) -> None:
-        m = measured.setdefault(key, {"rounds": [], "steps": [], "each": [], "per_rank_peak": None})
+def strategy_run(s: str, part: Part, planning: Planning) -> tuple[Any, dict[str, Any]]:
+    """Strategy ``s``'s run (a Job, "fairscale", or None where it is skipped) and its request."""
+    import functools
+
+    from baselines import build_baseline
+
+    import osdp
+    from osdp.runtime.jobs import Job
+
+    if s in ALL_BASELINES or s in TWIN_BASELINES:
+        parallelize = functools.partial(build_baseline, s, device_type=part.device.type)
+        return Job(part.build, None, part.batch, parallelize=parallelize), {"strategy": s, "key": s}
+    if s in ABLATIONS:
+        plan = osdp.strategy_plan(part.build(), ABLATIONS[s], **planning.settings)
+    elif s in TWINS:
+        mode, ac = TWINS[s]
+        plan = twin_plan(planning.descriptions, mode, ac, planning.blocks, planning.device_info, planning.calibration,
+                         planning.optimizer, planning.settings)
+    elif s == "fairscale":
+        if part.device.type != "cuda":
+            return None, {"strategy": s, "key": None,
+                          "status": "skipped: fairscale FSDP needs CUDA (it uses CUDA streams unconditionally)"}
+        return "fairscale", {"strategy": s, "key": s}
+    else:
+        raise ValueError(f"unknown strategy {s!r}; use one of {', '.join(STRATEGIES)}")
+    return Job(part.build, plan, part.batch), {"strategy": s, "key": s, "plan": plan}
+
+
+def osdp_budgets(spec: dict[str, Any], runs: dict[str, Any], part: Part,
+                 planning: Planning) -> tuple[list[int], int, int | None]:
+    """Collective: the budgets OSDP runs at (the spec's, and with ``auto_budgets`` that many from the least any plan
+    needs, predicted, to torch-ddp's peak, measured in one short untimed pass); that least; torch-ddp's peak."""
+    from osdp.planner import least_budget
+    from osdp.runtime.jobs import run_jobs
+
+    budgets = [int(x) for x in spec.get("budgets") or []]
+    lowest = least_budget(planning.descriptions, planning.device_info, [part.batch_size], optimizer=planning.optimizer,
+                          calibration=planning.calibration)
+    if not spec.get("auto_budgets"):
+        return budgets, lowest, None
+    if "torch-ddp" not in runs:
+        raise ValueError("auto budgets go up to where torch-ddp fits: include torch-ddp in the strategies")
+    part.say("measuring torch-ddp's peak memory: the budgets go up to it")
+    out = run_jobs({"torch-ddp": runs["torch-ddp"]}, device=part.device, optimizer=planning.optimizer,
+                   time_budget_s=0.1, min_steps=1, rounds=1)
+    ddp_needs = out["torch-ddp"]["measured_peak_bytes"]
+    budgets = sorted(set(budgets) | set(auto_budgets(lowest, ddp_needs, int(spec["auto_budgets"]))))
+    return budgets, lowest, ddp_needs
+
+
+def osdp_run(budget: int, part: Part, planning: Planning) -> tuple[Any, dict[str, Any]]:
+    """Collective: OSDP's Job at ``budget`` (None where no plan fits) and its request; the plan is rank 0's search
+    (what osdp.wrap plans), broadcast to every rank."""
+    from osdp.distributed import broadcast_object
+    from osdp.planner import find_plan
+    from osdp.runtime.jobs import Job
+    from osdp.schema.plan import Plan
+    from osdp.search import BudgetTooSmall
+
+    request: dict[str, Any] = {"strategy": "osdp", "budget_bytes": budget}
+    outcome = None
+    if part.rank == 0:
+        try:
+            found = find_plan(planning.descriptions, planning.device_info, [part.batch_size], budget=budget,
+                              calibration=planning.calibration, optimizer=planning.optimizer,
+                              model_signature=planning.signature).plan
+            outcome = ("plan", found.to_json())
+        except BudgetTooSmall as e:
+            outcome = ("too small", e.min_peak_bytes)
+    kind, payload = broadcast_object(outcome)
+    if kind != "plan":
+        return None, {**request, "key": None, "status": "budget too small", "needs_bytes": payload}
+    plan = Plan.from_json(payload)
+    # its own run, even where another budget has the same plan
+    return Job(part.build, plan, part.batch), {**request, "key": f"osdp@{budget / 2**20:.2f}MiB", "plan": plan}
+
+
+class Repeats:
+    """The measured repeats of a part's runs (the module docstring's Measurement): per run and repeat, its step
+    time (the median over its steps), how many steps it timed and each one's time; every rank's peak in the
+    repeat with the highest."""
+
+    def __init__(self, spec: dict[str, Any], runs: dict[str, Any], part: Part, planning: Planning):
+        self.runs, self.part, self.optimizer = runs, part, planning.optimizer
+        self.unit_paths = planning.description.paths  # fairscale's FSDP instances
+        self.rounds = int(spec.get("rounds", 3))
+        self.per_run_s = float(spec.get("time_per_run_s", 1.5))
+        self.min_steps = int(spec.get("min_steps", MIN_STEPS))
+        self.jobs_at_once = int(spec.get("jobs_at_once") or 0)  # models alive at once in run_jobs (0: all)
+        # groups of runs alive and stepped together, one group after another (bench_modes' pairs: a run and its
+        # twin step in turn, so each pair of their steps saw the same host); the rest of the runs form one group
+        self.paired = self._with_the_rest([list(g) for g in spec.get("groups") or []])
+        self.measured: dict[str, dict[str, Any]] = {}
+
+    def _with_the_rest(self, paired: list[list[str]]) -> list[list[str]]:
+        if not paired:
+            return paired
+        grouped = {k for g in paired for k in g}
+        unknown = grouped - set(self.runs)
+        if unknown:
+            raise ValueError(f"groups name runs this spec does not have: {sorted(unknown)}")
+        rest = [k for k in self.runs if k not in grouped and self.runs[k] != "fairscale"]
+        return paired + ([rest] if rest else [])
+
+    def measure_all(self) -> None:
+        """Collective: every repeat of every run, the order rotated between repeats."""
+        keys = list(self.runs)
+        self.part.say(f"{len(keys)} runs (compute-only included), {self.rounds} repeats of at least "
+                      f"{self.min_steps} timed steps each")
+        for r in range(self.rounds):
+            shift = r % len(keys)
+            self.measure(keys[shift:] + keys[:shift], r)
+
+    def measure(self, keys: list[str], r: int) -> None:
+        """Collective: repeat ``r`` of ``keys`` with osdp.runtime.jobs.run_jobs (every model of a group alive, one
+        step of each in turn, so all see the same load; by default one group of all), fairscale (CUDA only) after."""
+        ours = [k for k in keys if self.runs[k] != "fairscale"]
+        for group in filter(None, self.groups(ours, r)):
+            self.measure_group(group)
+        for k in keys:
+            if self.runs[k] == "fairscale":
+                self.measure_fairscale(k)
+        self.part.say(f"repeat {r + 1}/{self.rounds} ({self.part.elapsed_s():.0f} s): " + ", ".join(
+            f"{k} {self.part.tokens / self.measured[k]['rounds'][-1]:,.0f}" for k in keys) + " tokens/s per rank")
+
+    def groups(self, ours: list[str], r: int) -> list[list[str]]:
+        """The groups of repeat ``r``: the paired ones alone, in the rotated order, their members' order alternating
+        between repeats; else ``jobs_at_once`` at a time; else all in one."""
+        if self.paired:
+            n = len(self.paired)
+            return [g if r % 2 == 0 else g[::-1] for g in (self.paired[(i + r) % n] for i in range(n))]
+        if self.jobs_at_once:
+            return [ours[i:i + self.jobs_at_once] for i in range(0, len(ours), self.jobs_at_once)]
+        return [ours]
+
+    def measure_group(self, group: list[str]) -> None:
+        from osdp.runtime.jobs import run_jobs
+
+        out = run_jobs({k: self.runs[k] for k in group}, device=self.part.device, optimizer=self.optimizer,
+                       time_budget_s=self.per_run_s, min_steps=self.min_steps, rounds=1)
+        for k in group:
+            self.note(k, out[k]["measured_step_s"], out[k]["steps"], out[k]["per_rank"], out[k]["step_s_each"])
+
+    def measure_fairscale(self, key: str) -> None:
+        from osdp.distributed import all_gather_objects
+
+        mine = run_fairscale(self.part.build, self.part.batch, unit_paths=self.unit_paths, device=self.part.device,
+                             time_budget_s=self.per_run_s, measure_memory=True, min_steps=self.min_steps)
+        ranks = all_gather_objects(mine)
+        each = [max(ts) for ts in zip(*(x["step_s"] for x in ranks))]  # a step takes as long as its slowest rank
+        self.note(key, statistics.median(each), len(mine["step_s"]), ranks, each)
+
+    def note(self, key: str, step_s: float, steps: int, per_rank: list[dict[str, Any]], each: list[float]) -> None:
+        m = self.measured.setdefault(key, {"rounds": [], "steps": [], "each": [], "per_rank_peak": None})
         m["rounds"].append(step_s)
         m["steps"].append(steps)
         m["each"].append(each)
@@ -390,106 +615,54 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
         if m["per_rank_peak"] is None or max(p or 0 for p, _ in peaks) > max(p or 0 for p, _ in m["per_rank_peak"]):
             m["per_rank_peak"] = peaks  # the repeat with the highest peak, all its ranks
 
-    def measure(keys: list[str], r: int) -> None:
-        """Collective: repeat ``r`` of ``keys`` with osdp.runtime.jobs.run_jobs (every model of a group alive, one step of
-        each in turn, so all see the same load; by default one group of all), fairscale (CUDA only) after it."""
-        ours = [k for k in keys if runs[k] != "fairscale"]
-        if paired:  # each group alone, in the rotated order, its own members' order alternating between repeats
-            groups = [g if r % 2 == 0 else g[::-1] for g in (paired[(i + r) % len(paired)] for i in range(len(paired)))]
-        elif jobs_at_once:
-            groups = [ours[i:i + jobs_at_once] for i in range(0, len(ours), jobs_at_once)]
-        else:
-            groups = [ours]
-        for group in filter(None, groups):
-            out = run_jobs({k: runs[k] for k in group}, device=device, optimizer=optimizer, time_budget_s=per_run_s,
-                           min_steps=min_steps, rounds=1)
-            for k in group:
-                note(k, out[k]["measured_step_s"], out[k]["steps"], out[k]["per_rank"], out[k]["step_s_each"])
-        for k in keys:
-            if runs[k] == "fairscale":
-                mine = run_fairscale(build, batch, unit_paths=description.paths, device=device, time_budget_s=per_run_s,
-                                     measure_memory=True, min_steps=min_steps)
-                ranks = all_gather_objects(mine)
-                each = [max(ts) for ts in zip(*(x["step_s"] for x in ranks))]
-                note(k, statistics.median(each), len(mine["step_s"]), ranks, each)
-        say(f"repeat {r + 1}/{rounds} ({time.perf_counter() - started:.0f} s): " + ", ".join(
-            f"{k} {tokens / measured[k]['rounds'][-1]:,.0f}" for k in keys) + " tokens/s per rank")
+    @property
+    def compute_rounds(self) -> list[float]:
+        return self.measured[COMPUTE_ONLY]["rounds"]
 
-    # ---- budgets: from the least any plan needs (predicted) to torch-ddp's measured peak (one short untimed pass)
-    budgets = [int(x) for x in spec.get("budgets") or []]
-    lowest = least_budget(descriptions, device_info, [b], optimizer=optimizer, calibration=calibration)
-    ddp_needs = None
-    if spec.get("auto_budgets"):
-        if "torch-ddp" not in runs:
-            raise ValueError("auto budgets go up to where torch-ddp fits: include torch-ddp in the strategies")
-        say("measuring torch-ddp's peak memory: the budgets go up to it")
-        out = run_jobs({"torch-ddp": runs["torch-ddp"]}, device=device, optimizer=optimizer, time_budget_s=0.1,
-                       min_steps=1, rounds=1)
-        ddp_needs = out["torch-ddp"]["measured_peak_bytes"]
-        budgets = sorted(set(budgets) | set(auto_budgets(lowest, ddp_needs, int(spec["auto_budgets"]))))
-    for budget in budgets:
-        request: dict[str, Any] = {"strategy": "osdp", "budget_bytes": budget}
-        if rank == 0:
-            try:
-                found = find_plan(descriptions, device_info, [b], budget=budget, calibration=calibration,
-                               optimizer=optimizer, model_signature=signature).plan
-                outcome = ("plan", found.to_json())
-            except BudgetTooSmall as e:
-                outcome = ("too small", e.min_peak_bytes)
-        else:
-            outcome = None
-        kind, payload = broadcast_object(outcome)
-        if kind == "plan":
-            plan = Plan.from_json(payload)
-            key = f"osdp@{budget / 2**20:.2f}MiB"
-            runs[key] = Job(build, plan, batch)  # its own run, even where another budget has the same plan
-            request.update(key=key, plan=plan)
-        else:
-            request.update(key=None, status="budget too small", needs_bytes=payload)
-        requests.append(request)
-    keys = list(runs)
-    if paired:
-        grouped = {k for g in paired for k in g}
-        unknown = grouped - set(keys)
-        if unknown:
-            raise ValueError(f"groups name runs this spec does not have: {sorted(unknown)}")
-        rest = [k for k in keys if k not in grouped and runs[k] != "fairscale"]
-        paired += [rest] if rest else []
-    say(f"{len(keys)} runs (compute-only included), {rounds} repeats of at least {min_steps} timed steps each")
-    for r in range(rounds):
-        shift = r % len(keys)  # rotate the order between repeats
-        measure(keys[shift:] + keys[:shift], r)
+    def summary(self, key: str | None) -> dict[str, Any] | None:
+        """Run ``key``'s ``measured`` record; None where it did not run."""
+        if key is None or key not in self.measured:
+            return None
+        return summarize_run(self.measured[key], self.compute_rounds, self.part.tokens)
 
-    if rank != 0:
-        return None
-    compute_rounds = measured[COMPUTE_ONLY]["rounds"]
-    records = []
-    for req in requests:
-        key = req.get("key")
-        rec: dict[str, Any] = {
-            "model": model_name, "world_size": world_size, "batch_size": b, "seq_len": seq_len,
-            "tokens_per_step_per_rank": tokens, "link": link.get("name"), "strategy": req["strategy"],
-            "budget_bytes": req.get("budget_bytes"), "status": req.get("status", "ran"), "run": key,
-            **collectives,
-        }
-        if "needs_bytes" in req:
-            rec["needs_bytes"] = req["needs_bytes"]
-        plan = req.get("plan")
-        if plan is not None:
-            rec.update(plan=plan.to_dict(), plan_hash=plan.hash, plan_summary=plan.summary(),
-                       replicated_fraction=param_fraction(described(plan), plan, "replicate"), **predicted(plan))
-        if key is not None and key in measured:
-            rec["measured"] = summarize_run(measured[key], compute_rounds, tokens)
-        records.append(rec)
+
+def run_record(request: dict[str, Any], part: Part, planning: Planning, repeats: Repeats,
+               collectives: dict[str, str]) -> dict[str, Any]:
+    """One record of the result: the part, the request's strategy and plan with OSDP's prediction, and its
+    measurements where it ran."""
+    key = request.get("key")
+    rec: dict[str, Any] = {
+        "model": part.model_name, "world_size": part.world_size, "batch_size": part.batch_size,
+        "seq_len": part.config.seq_len, "tokens_per_step_per_rank": part.tokens, "link": part.link.get("name"),
+        "strategy": request["strategy"], "budget_bytes": request.get("budget_bytes"),
+        "status": request.get("status", "ran"), "run": key, **collectives,
+    }
+    if "needs_bytes" in request:
+        rec["needs_bytes"] = request["needs_bytes"]
+    plan = request.get("plan")
+    if plan is not None:
+        rec.update(plan=plan.to_dict(), plan_hash=plan.hash, plan_summary=plan.summary(),
+                   replicated_fraction=param_fraction(planning.described(plan), plan, "replicate"),
+                   **planning.predicted(plan, part.tokens))
+    measured = repeats.summary(key)
+    if measured is not None:
+        rec["measured"] = measured
+    return rec
+
+
+def link_with_measurements(link: dict[str, Any], device_info) -> dict[str, Any]:
+    """``link`` with the bus bandwidths and FLOP per byte this part measured on it (of each level, on several
+    nodes)."""
     flops = device_info.flops.get("float32")
     busbw = device_info.collectives.bus_bandwidth("all_gather")
     link_busbw = device_info.collectives.largest_message_bus_bandwidth("all_gather")
-    link.update(measured_busbw_bytes_per_s={c: device_info.collectives.bus_bandwidth(c)
-                                            for c in ("all_gather", "reduce_scatter", "all_reduce")},
-                measured_flop_per_byte=flops / busbw if flops and busbw else None,
-                # the link's own: the largest message's, which the calibration aims (shaped_busbw)
-                measured_largest_busbw_bytes_per_s=link_busbw,
-                measured_largest_flop_per_byte=flops / link_busbw if flops and link_busbw else None)
+    link = {**link,
+            "measured_busbw_bytes_per_s": {c: device_info.collectives.bus_bandwidth(c)
+                                           for c in ("all_gather", "reduce_scatter", "all_reduce")},
+            "measured_flop_per_byte": flops / busbw if flops and busbw else None,
+            # the link's own: the largest message's, which the calibration aims (shaped_busbw)
+            "measured_largest_busbw_bytes_per_s": link_busbw,
+            "measured_largest_flop_per_byte": flops / link_busbw if flops and link_busbw else None}
     topology = device_info.topology
     if topology is not None:  # several nodes: each level's links, as the planner priced them
         for level in ("intra", "inter"):
@@ -498,29 +671,40 @@ def work(spec: dict[str, Any]) -> dict[str, Any] | None:
                                                           for c in ("all_gather", "reduce_scatter", "all_reduce")}
         inter_busbw = topology.inter.bus_bandwidth("all_gather")
         link["measured_inter_flop_per_byte"] = flops / inter_busbw if flops and inter_busbw else None
+    return link
+
+
+def part_result(part: Part, planning: Planning, repeats: Repeats, records: list[dict[str, Any]],
+                collectives: dict[str, str], *, lowest_budget: int, ddp_needs: int | None) -> dict[str, Any]:
+    """Rank 0's result of the part: its records, the model, the link as measured, the calibration and
+    descriptions planned with, the compute-only reference and the measurement's settings."""
+    from osdp.machine.identity import machine_info
+
+    device_info, descriptions = planning.device_info, planning.descriptions
+    compute_rounds = repeats.compute_rounds
     return {
         "records": records,
-        "model": model_name,
-        "config": dict(vars(config)),
-        "link": link,
+        "model": part.model_name,
+        "config": dict(vars(part.config)),
+        "link": link_with_measurements(part.link, device_info),
         **collectives,
         "nodes": device_info.nodes,
-        "ranks_per_node": world_size // device_info.nodes,
-        "lowest_budget_bytes": lowest,
+        "ranks_per_node": part.world_size // device_info.nodes,
+        "lowest_budget_bytes": lowest_budget,
         "ddp_needs_bytes": ddp_needs,
         "compute_only": {"step_s_rounds": compute_rounds, "step_s_median": statistics.median(compute_rounds),
-                         "tokens_per_s": tokens / statistics.median(compute_rounds)},
+                         "tokens_per_s": part.tokens / statistics.median(compute_rounds)},
         "device_info": device_info.to_dict(),
-        "calibration": machine.to_dict(),
-        "description": {"source": description.source,
+        "calibration": planning.machine.to_dict(),
+        "description": {"source": planning.description.source,
                         "profile_seconds": sum(d.profile_seconds for d in descriptions),
                         "granularities": [d.granularity for d in descriptions],
                         "from_cache": all(getattr(d, "from_cache", False) for d in descriptions)},
-        "rounds": rounds,
-        "min_steps": min_steps,
-        "time_per_run_s": per_run_s,
-        "machine": machine_info(device),
-        "seconds": time.perf_counter() - started,
+        "rounds": repeats.rounds,
+        "min_steps": repeats.min_steps,
+        "time_per_run_s": repeats.per_run_s,
+        "machine": machine_info(part.device),
+        "seconds": part.elapsed_s(),
     }
 
 
