@@ -380,3 +380,31 @@ def sweep_batch_sizes(
     best = max(feasible, key=lambda i: candidates[i].solution.samples_per_s)
     return Sweep(best=candidates[best].solution, candidates=candidates,
                  search_seconds=_time.perf_counter() - start, best_index=best)
+
+
+def fastest_samples_per_s(problem: Problem) -> float:
+    """Samples/s of the plan taking every unit's fastest option: no plan of ``problem`` is faster (its step time
+    is a sum of the units' times, and a floating-point sum is monotone in its terms)."""
+    fastest = np.argmin(np.where(problem.allowed, problem.time, np.inf), axis=1)
+    step_time = problem.step_time(fastest)
+    return problem.batch_size / step_time if step_time > 0 else float("inf")
+
+
+def best_of(problems: Sequence[Problem], budget: int, upper: Sequence[float]) -> tuple[int, Solution] | None:
+    """(index, solution) of what ``sweep_batch_sizes(problems, budget)`` takes: the most samples/s, the first
+    problem's of equally fast ones; None where nothing fits. ``upper[i]``: ``fastest_samples_per_s(problems[i])``.
+
+    Solves fewer problems: the most promising first, and none whose upper bound cannot beat the best found
+    (nor equal it from an earlier problem), so the answer is the sweep's exactly.
+    """
+    best: tuple[int, Solution] | None = None
+    for i in sorted(range(len(problems)), key=lambda i: (-upper[i], i)):
+        if best is not None and (upper[i], -i) < (best[1].samples_per_s, -best[0]):
+            continue
+        try:
+            solution = solve(problems[i], budget)
+        except BudgetTooSmall:
+            continue
+        if best is None or (solution.samples_per_s, -i) > (best[1].samples_per_s, -best[0]):
+            best = (i, solution)
+    return best

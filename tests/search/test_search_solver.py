@@ -213,6 +213,29 @@ def test_sweep_keeps_the_most_samples_per_second():
     assert best_under(points, 700).samples_per_s == pytest.approx(sweep.best.samples_per_s)
 
 
+
+def test_best_of_takes_what_the_sweep_takes_solving_fewer_problems():
+    """best_of skips problems whose fastest plan cannot beat the best found: the sweep's answer still, to the
+    choice, with ties between equally fast problems going to the first, as in the sweep."""
+    from osdp.search.solver import best_of, fastest_samples_per_s
+
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        units, options = int(rng.integers(2, 7)), int(rng.integers(2, 5))
+        problems = [random_problem(rng, units, options, max_mem=3000, max_tr=3000, batch_size=int(b))
+                    for b in rng.choice([1, 2, 4, 8], size=int(rng.integers(1, 6)))]
+        problems += problems[: int(rng.integers(0, 3))]  # the same problem twice: equally fast, the first wins
+        upper = [fastest_samples_per_s(p) for p in problems]
+        for budget in np.linspace(min(min_peak(p)[0] for p in problems) - 1, 12000, 6).astype(int):
+            try:
+                sweep = sweep_batch_sizes(problems, int(budget))
+            except BudgetTooSmall:
+                assert best_of(problems, int(budget), upper) is None
+                continue
+            index, solution = best_of(problems, int(budget), upper)
+            assert index == sweep.best_index and np.array_equal(solution.choice, sweep.best.choice)
+            assert solution.samples_per_s <= upper[index]
+
 def test_identical_units_share_work_and_keep_their_own_choices():
     rng = np.random.default_rng(8)
     block = random_problem(rng, 2, 6, max_mem=500, max_tr=800)
