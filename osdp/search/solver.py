@@ -229,6 +229,9 @@ class _Tables:
 
     def trace(self, rows: np.ndarray, types: np.ndarray, opts: list, at: np.ndarray, choice: np.ndarray) -> None:
         """Backtrack several levels at once through rows filled by ``run``; writes choice[:, i] (DP order)."""
+        if len(at) == 1:  # the solver's one plan: scalar steps, several times faster than the vectorised ones
+            at[0] = self.trace_one(rows, types, opts, int(at[0]), choice[0])
+            return
         for i in range(len(types) - 1, -1, -1):
             lv, tt, ix = opts[types[i]][2:]
             src = at[:, None] - lv[None, :]
@@ -238,6 +241,18 @@ class _Tables:
             o = np.argmax(hit, axis=1)
             choice[:, i] = ix[o]
             at -= lv[o]
+
+    @staticmethod
+    def trace_one(rows: np.ndarray, types: np.ndarray, opts: list, at: int, choice: np.ndarray) -> int:
+        """``trace`` for one level, comparing the same sums: writes choice[i] and returns the level left."""
+        for i in range(len(types) - 1, -1, -1):
+            lv, tt, _, _, ix = opts[types[i]]
+            prev, target = rows[i], rows[i + 1, at]
+            o = next((o for o, k in enumerate(lv) if k <= at and prev[at - k] + tt[o] == target), None)
+            assert o is not None, "DP table and its trace disagree"
+            choice[i] = ix[o]
+            at -= lv[o]
+        return at
 
     def capacity(self, budget: int, thresholds: np.ndarray) -> np.ndarray:
         return np.minimum((budget - self.floor - thresholds) // self.res, self.level_cap)

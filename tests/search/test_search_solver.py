@@ -236,6 +236,23 @@ def test_best_of_takes_what_the_sweep_takes_solving_fewer_problems():
             assert index == sweep.best_index and np.array_equal(solution.choice, sweep.best.choice)
             assert solution.samples_per_s <= upper[index]
 
+
+def test_one_plan_traced_alone_is_the_plan_traced_among_others():
+    """The solver traces its one plan with scalar steps, the frontier many at once: the same plans."""
+    from osdp.search.solver import DEFAULT_BUCKETS, _Tables
+
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        p = random_problem(rng, int(rng.integers(2, 12)), int(rng.integers(2, 6)), max_mem=3000, max_tr=3000)
+        p.time[:, 1:] = np.where(rng.random((p.num_units, p.num_options - 1)) < 0.3, p.time[:, :1], p.time[:, 1:])
+        tab = _Tables(p, None, int(rng.integers(1, 300)), DEFAULT_BUCKETS)
+        full = tab.unrestricted(tab.level_cap + 1)
+        levels = np.arange(tab.level_cap + 1)
+        together = tab.choose(full, full, levels)
+        alone = np.stack([tab.choose(full, full, [level])[0] for level in levels])
+        assert np.array_equal(together, alone)
+
+
 def test_identical_units_share_work_and_keep_their_own_choices():
     rng = np.random.default_rng(8)
     block = random_problem(rng, 2, 6, max_mem=500, max_tr=800)
