@@ -37,7 +37,7 @@ from osdp.machine.presets import device_preset
 from osdp.schema.description import ModelDescription
 from osdp.schema.plan import Plan
 from osdp.search import BudgetTooSmall, FrontierPoint, Problem, min_peak, pareto_frontier
-from osdp.search.solver import Solution, best_of, fastest_samples_per_s
+from osdp.search.solver import Solution, best_of
 from osdp.sizes import parse_size
 
 
@@ -189,10 +189,10 @@ class _Pricing:
         return self.prices[key]
 
     @staticmethod
-    def solved(problems: list[Problem], upper: list[float], bound: int) -> tuple[Problem, Solution] | None:
+    def solved(problems: list[Problem], bound: int, beat: float | None = None) -> tuple[Problem, Solution] | None:
         """The solver's fastest plan within the additive ``bound`` over every problem (``sweep_batch_sizes``'s),
-        unpriced; ``upper``: each problem's ``fastest_samples_per_s``."""
-        best = best_of(problems, bound, upper)
+        unpriced; None where none fits, or none beats ``beat`` samples/s where that is given."""
+        best = best_of(problems, bound, beat=beat)
         return None if best is None else (problems[best[0]], best[1])
 
     def fitting(self, solved: tuple[Problem, Solution] | None, describe: Describer) -> _Found | None:
@@ -210,17 +210,18 @@ class _Pricing:
         fastest = self.priced(problem, choice, describe)
         if fastest.prediction.peak_bytes <= self.budget:  # memory does not bind
             return fastest
-        least = min(min_peak(p)[0] for p in problems)
-        upper = [fastest_samples_per_s(p) for p in problems]
         step = math.floor(math.log(self.budget * RELAXED_BOUND) / math.log(RELAXED_STEP))
-        at_budget = self.solved(problems, upper, self.budget)  # the solver's own plan, between two grid bounds
-        while (bound := RELAXED_STEP ** step) >= least:
-            found = self.fitting(self.solved(problems, upper, int(bound)), describe)
+        at_budget: dict[float | None, tuple[Problem, Solution] | None] = {}  # by the samples/s it must beat
+        # down to the least bound any problem fits in: the first at which the solver finds no plan
+        while (solved := self.solved(problems, int(bound := RELAXED_STEP ** step))) is not None:
+            found = self.fitting(solved, describe)
             if found is not None or bound < self.budget:
-                # the solver's plan at the budget, priced only where it would be the faster (its step time is
-                # the one its pricing gives)
-                faster = at_budget is not None and (found is None or at_budget[1].samples_per_s > found.samples_per_s)
-                fitting = [f for f in (found, self.fitting(at_budget, describe) if faster else None) if f]
+                # the solver's own plan at the budget (between two grid bounds), where it would be the faster
+                # (its step time is the one its pricing gives): sought only among the problems that can be
+                beat = found.samples_per_s if found else None
+                if beat not in at_budget:
+                    at_budget[beat] = self.solved(problems, self.budget, beat)
+                fitting = [f for f in (found, self.fitting(at_budget[beat], describe)) if f]
                 if fitting:
                     return max(fitting, key=lambda f: f.samples_per_s)
             step -= 1

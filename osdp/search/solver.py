@@ -44,6 +44,7 @@ from typing import Sequence
 import numpy as np
 
 from osdp.search.problem import BudgetTooSmall, Problem
+from osdp.search.relaxation import relaxation
 
 DEFAULT_BUCKETS = 8192  # memory levels across the budget's discretionary range
 MAX_CELLS = 1 << 27  # units x levels: keeps an over-fine explicit resolution from exhausting memory
@@ -397,29 +398,35 @@ def sweep_batch_sizes(
                  search_seconds=_time.perf_counter() - start, best_index=best)
 
 
-def fastest_samples_per_s(problem: Problem) -> float:
-    """Samples/s of the plan taking every unit's fastest option: no plan of ``problem`` is faster (its step time
-    is a sum of the units' times, and a floating-point sum is monotone in its terms)."""
-    fastest = np.argmin(np.where(problem.allowed, problem.time, np.inf), axis=1)
-    step_time = problem.step_time(fastest)
-    return problem.batch_size / step_time if step_time > 0 else float("inf")
 
-
-def best_of(problems: Sequence[Problem], budget: int, upper: Sequence[float]) -> tuple[int, Solution] | None:
+def best_of(problems: Sequence[Problem], budget: int, *, beat: float | None = None) -> tuple[int, Solution] | None:
     """(index, solution) of what ``sweep_batch_sizes(problems, budget)`` takes: the most samples/s, the first
-    problem's of equally fast ones; None where nothing fits. ``upper[i]``: ``fastest_samples_per_s(problems[i])``.
+    problem's of equally fast ones; None where nothing fits, or (given ``beat``) nothing is faster than ``beat``.
 
-    Solves fewer problems: the most promising first, and none whose upper bound cannot beat the best found
-    (nor equal it from an earlier problem), so the answer is the sweep's exactly.
+    Solves fewer problems (``osdp.search.relaxation``): none whose bound on samples/s cannot beat the best found
+    (nor equal it from an earlier problem), and one whose fastest plan fits only where it wins, its samples/s
+    known without solving. The answer is the sweep's exactly.
     """
-    best: tuple[int, Solution] | None = None
-    for i in sorted(range(len(problems)), key=lambda i: (-upper[i], i)):
-        if best is not None and (upper[i], -i) < (best[1].samples_per_s, -best[0]):
+    bounds = [relaxation(p) for p in problems]
+    reach = [b.samples_per_s(budget) for b in bounds]
+    # (samples/s, -index) orders candidates as the sweep does; the sentinel admits only those beating ``beat``
+    best_key: tuple[float, float] = (-np.inf if beat is None else beat, np.inf)
+    best: tuple[int, Solution | None] | None = None
+    for i, b in enumerate(bounds):
+        if b.fastest_peak <= budget and (reach[i], -i) > best_key:
+            best_key, best = (reach[i], -i), (i, None)
+    rest = [i for i, b in enumerate(bounds) if b.fastest_peak > budget and reach[i] > -np.inf]
+    for i in sorted(rest, key=lambda i: (-reach[i], i)):  # the most promising first: the rest are skipped
+        if (reach[i], -i) < best_key:
             continue
         try:
             solution = solve(problems[i], budget)
         except BudgetTooSmall:
             continue
-        if best is None or (solution.samples_per_s, -i) > (best[1].samples_per_s, -best[0]):
-            best = (i, solution)
-    return best
+        if (solution.samples_per_s, -i) > best_key:
+            best_key, best = (solution.samples_per_s, -i), (i, solution)
+    if best is None or best[1] is not None:
+        return best
+    solution = solve(problems[best[0]], budget)  # the winner whose fastest plan fits: its plan
+    assert solution.samples_per_s == reach[best[0]], "the fastest plan fits, and the solver found a slower one"
+    return best[0], solution

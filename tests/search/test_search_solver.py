@@ -215,9 +215,9 @@ def test_sweep_keeps_the_most_samples_per_second():
 
 
 def test_best_of_takes_what_the_sweep_takes_solving_fewer_problems():
-    """best_of skips problems whose fastest plan cannot beat the best found: the sweep's answer still, to the
-    choice, with ties between equally fast problems going to the first, as in the sweep."""
-    from osdp.search.solver import best_of, fastest_samples_per_s
+    """best_of skips problems that cannot win: the sweep's answer still, to the choice, with ties between equally
+    fast problems going to the first, as in the sweep; and with ``beat``, only an answer faster than that."""
+    from osdp.search.solver import best_of
 
     rng = np.random.default_rng(3)
     for _ in range(60):
@@ -225,16 +225,43 @@ def test_best_of_takes_what_the_sweep_takes_solving_fewer_problems():
         problems = [random_problem(rng, units, options, max_mem=3000, max_tr=3000, batch_size=int(b))
                     for b in rng.choice([1, 2, 4, 8], size=int(rng.integers(1, 6)))]
         problems += problems[: int(rng.integers(0, 3))]  # the same problem twice: equally fast, the first wins
-        upper = [fastest_samples_per_s(p) for p in problems]
         for budget in np.linspace(min(min_peak(p)[0] for p in problems) - 1, 12000, 6).astype(int):
             try:
                 sweep = sweep_batch_sizes(problems, int(budget))
             except BudgetTooSmall:
-                assert best_of(problems, int(budget), upper) is None
+                assert best_of(problems, int(budget)) is None
                 continue
-            index, solution = best_of(problems, int(budget), upper)
+            index, solution = best_of(problems, int(budget))
             assert index == sweep.best_index and np.array_equal(solution.choice, sweep.best.choice)
-            assert solution.samples_per_s <= upper[index]
+            speed = sweep.best.samples_per_s
+            assert best_of(problems, int(budget), beat=speed) is None
+            index, solution = best_of(problems, int(budget), beat=np.nextafter(speed, 0))
+            assert index == sweep.best_index and np.array_equal(solution.choice, sweep.best.choice)
+
+
+def test_the_relaxation_bounds_every_plan_that_fits():
+    """No plan within a bound is faster than the relaxation says (so none fits where it says -inf), and where the
+    fastest plan fits the solver's plan is exactly as fast."""
+    from osdp.search.relaxation import relaxation
+
+    rng = np.random.default_rng(4)
+    tight = 0
+    for _ in range(150):
+        p = random_problem(rng, int(rng.integers(1, 6)), int(rng.integers(1, 6)), max_mem=3000, max_tr=3000,
+                           batch_size=int(rng.choice([1, 4])))
+        need = brute_force_min_peak(p)
+        for budget in np.linspace(need - 500, need + 8000, 8).astype(int):
+            reach = relaxation(p).samples_per_s(int(budget))
+            best = brute_force(p, int(budget))
+            if best is None:
+                with pytest.raises(BudgetTooSmall):
+                    solve(p, int(budget))
+                continue
+            assert reach >= p.batch_size / best[0]
+            tight += reach <= p.batch_size / best[0] * (1 + 1e-6)
+            if relaxation(p).fastest_peak <= budget:
+                assert solve(p, int(budget)).samples_per_s == reach
+    assert tight > 100  # mostly the optimum itself, not a loose bound
 
 
 def test_one_plan_traced_alone_is_the_plan_traced_among_others():
