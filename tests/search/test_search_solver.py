@@ -299,6 +299,14 @@ def test_identical_units_share_work_and_keep_their_own_choices():
     with pytest.raises(ValueError, match="same group"):
         solve(bad, budget)
 
+    # the types, as np.unique numbers them (the first unit of each, in the rows' lexicographic order)
+    from osdp.search.problem import _distinct_rows
+
+    rng = np.random.default_rng(9)
+    for key in (np.tile([3, -1, 2], 5), rng.integers(-3, 3, (40, 4)), rng.integers(-2, 2, (30, 60)) << 62):
+        _, rep, kind = np.unique(key, axis=0, return_index=True, return_inverse=True)
+        assert all(np.array_equal(a, b) for a, b in zip(_distinct_rows(key), (rep, kind.reshape(-1))))
+
 
 def test_problem_validation():
     with pytest.raises(TypeError, match="integer bytes"):
