@@ -217,7 +217,7 @@ class _Pricing:
             found = self.fitting(solved, describe)
             if found is not None or bound < self.budget:
                 # the solver's own plan at the budget (between two grid bounds), where it would be the faster
-                # (its step time is the one its pricing gives): sought only among the problems that can be
+                # (its step time is the one its pricing gives): only problems that can beat the grid's are solved
                 beat = found.samples_per_s if found else None
                 if beat not in at_budget:
                     at_budget[beat] = self.solved(problems, self.budget, beat)
