@@ -11,6 +11,7 @@ several problems (``solver.best_of``) solve only those that can win.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,7 +71,7 @@ def _relax(problem: Problem) -> Relaxation:
         least_mem += int(count[q]) * hull[0][0]
         least_mem_time += float(count[q]) * hull[0][1]
         segments += [((t0 - t1) / (m1 - m0), int(count[q]) * (m1 - m0), float(count[q]) * (t0 - t1))
-                     for (m0, t0), (m1, t1) in zip(hull, hull[1:])]
+                     for (m0, t0), (m1, t1) in itertools.pairwise(hull)]
     segments.sort(key=lambda s: -s[0])
     least_transient = int(np.where(problem.allowed, problem.transient, np.iinfo(np.int64).max).min(axis=1).max())
     return Relaxation(

@@ -13,7 +13,14 @@ from osdp.cost.problem import build_problem, plan_from_choice
 from osdp.cost.schedule import predict
 from osdp.describe.analytic import describe_analytic
 from osdp.machine.presets import device_preset
-from osdp.planner import RELAXED_BOUND, RELAXED_STEP, _fastest_choice, _Found, _Pricing, find_plan
+from osdp.planner import (
+    RELAXED_BOUND,
+    RELAXED_STEP,
+    _fastest_choice,
+    _Found,
+    _Pricing,
+    find_plan,
+)
 from osdp.search import BudgetTooSmall, min_peak, sweep_batch_sizes
 
 BATCHES = (1, 2, 4, 8)
