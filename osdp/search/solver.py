@@ -398,7 +398,6 @@ def sweep_batch_sizes(
                  search_seconds=_time.perf_counter() - start, best_index=best)
 
 
-
 def best_of(problems: Sequence[Problem], budget: int, *, beat: float | None = None) -> tuple[int, Solution] | None:
     """(index, solution) of what ``sweep_batch_sizes(problems, budget)`` takes: the most samples/s, the first
     problem's of equally fast ones; None where nothing fits, or (given ``beat``) nothing is faster than ``beat``.
