@@ -36,8 +36,8 @@ from osdp.machine.device_info import DeviceInfo
 from osdp.machine.presets import device_preset
 from osdp.schema.description import ModelDescription
 from osdp.schema.plan import GROUP_CHOICES, Plan
-from osdp.search import BudgetTooSmall, FrontierPoint, Problem, min_peak, pareto_frontier, sweep_batch_sizes
-from osdp.search.solver import Solution
+from osdp.search import BudgetTooSmall, FrontierPoint, Problem, min_peak, pareto_frontier
+from osdp.search.solver import Solution, best_of
 from osdp.sizes import parse_size
 
 
@@ -180,20 +180,25 @@ class _Pricing:
     calibration: Calibration | None
     budget: int
     least_bound_plans: list[_Found] = dataclasses.field(default_factory=list)  # where nothing else fits
+    # (id of the problem, choice) -> its plan priced: the solver gives one plan at several bounds, priced once.
+    # A problem belongs to one candidate, so it also says which description prices the plan.
+    prices: dict[tuple[int, bytes], _Found] = dataclasses.field(default_factory=dict)
 
-    def priced(self, problem: Problem, choice: Any, describe: Describer) -> _Found:
-        plan = plan_from_choice(problem, choice, mixed_precision=self.precision)
-        description = describe(plan)
-        return _Found(plan, description, predict(description, plan, self.device_info, optimizer=self.optimizer,
-                                                 calibration=self.calibration))
+    def priced(self, problem: Problem, choice: np.ndarray, describe: Describer) -> _Found:
+        key = (id(problem), np.asarray(choice, dtype=np.int64).tobytes())
+        if key not in self.prices:
+            plan = plan_from_choice(problem, choice, mixed_precision=self.precision)
+            description = describe(plan)
+            self.prices[key] = _Found(plan, description, predict(
+                description, plan, self.device_info, optimizer=self.optimizer, calibration=self.calibration))
+        return self.prices[key]
 
-    def solved(self, problems: list[Problem], bound: int) -> tuple[Problem, Solution] | None:
-        """The solver's fastest plan within the additive ``bound`` (over every problem), unpriced."""
-        try:
-            sweep = sweep_batch_sizes(problems, bound)
-        except BudgetTooSmall:
-            return None
-        return problems[sweep.best_index], sweep.best
+    @staticmethod
+    def solved(problems: list[Problem], bound: int, beat: float | None = None) -> tuple[Problem, Solution] | None:
+        """The solver's fastest plan within the additive ``bound`` over every problem (``sweep_batch_sizes``'s),
+        unpriced; None where none fits, or none beats ``beat`` samples/s where that is given."""
+        best = best_of(problems, bound, beat=beat)
+        return None if best is None else (problems[best[0]], best[1])
 
     def fitting(self, solved: tuple[Problem, Solution] | None, describe: Describer) -> _Found | None:
         """``solved``'s plan priced on the schedule, if its peak fits the budget."""
@@ -210,16 +215,18 @@ class _Pricing:
         fastest = self.priced(problem, choice, describe)
         if fastest.prediction.peak_bytes <= self.budget:  # memory does not bind
             return fastest
-        least = min(min_peak(p)[0] for p in problems)
         step = math.floor(math.log(self.budget * RELAXED_BOUND) / math.log(RELAXED_STEP))
-        at_budget = self.solved(problems, self.budget)  # the solver's own plan, between two grid bounds
-        while (bound := RELAXED_STEP ** step) >= least:
-            found = self.fitting(self.solved(problems, int(bound)), describe)
+        at_budget: dict[float | None, tuple[Problem, Solution] | None] = {}  # by the samples/s it must beat
+        # down to the least bound any problem fits in: the first at which the solver finds no plan
+        while (solved := self.solved(problems, int(bound := RELAXED_STEP ** step))) is not None:
+            found = self.fitting(solved, describe)
             if found is not None or bound < self.budget:
-                # the solver's plan at the budget, priced only where it would be the faster (its step time is
-                # the one its pricing gives)
-                faster = at_budget is not None and (found is None or at_budget[1].samples_per_s > found.samples_per_s)
-                fitting = [f for f in (found, self.fitting(at_budget, describe) if faster else None) if f]
+                # the solver's own plan at the budget (between two grid bounds), where it would be the faster
+                # (its step time is the one its pricing gives): only problems that can beat the grid's are solved
+                beat = found.samples_per_s if found else None
+                if beat not in at_budget:
+                    at_budget[beat] = self.solved(problems, self.budget, beat)
+                fitting = [f for f in (found, self.fitting(at_budget[beat], describe)) if f]
                 if fitting:
                     return max(fitting, key=lambda f: f.samples_per_s)
             step -= 1

@@ -79,6 +79,19 @@ class BudgetTooSmall(ValueError):
         return type(self), (self.budget, self.min_peak_bytes, self.batch_size)
 
 
+def _distinct_rows(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first row of each distinct row, in lexicographic order; which of them each row is): what
+    ``np.unique(key, axis=0, return_index=True, return_inverse=True)`` gives, a dozen times faster (one stable
+    lexsort where np.unique sorts the rows as structured records)."""
+    key = key.reshape(len(key), -1)
+    order = np.lexsort(key.T[::-1])  # by the first column, then the next...; equal rows keep their order
+    ordered = key[order]
+    starts = np.r_[True, (ordered[1:] != ordered[:-1]).any(axis=1)]
+    kind = np.empty(len(key), dtype=np.int64)
+    kind[order] = np.cumsum(starts) - 1
+    return order[starts], kind
+
+
 def _int_array(name: str, a: Any, shape: tuple[int, ...]) -> np.ndarray:
     a = np.asarray(a)
     if a.dtype.kind == "f":
@@ -117,6 +130,7 @@ class Problem:
     options: Sequence[Any] | None = None
     _types: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
     _min_peak: tuple[int, np.ndarray] | None = field(default=None, init=False, repr=False)  # solver.min_peak's
+    _relaxation: Any = field(default=None, init=False, repr=False)  # relaxation.relaxation's
 
     def __post_init__(self) -> None:
         self.time = np.asarray(self.time, dtype=np.float64)
@@ -170,8 +184,7 @@ class Problem:
             cells = [np.where(ok, self.time, 0.0).view(np.int64), np.where(ok, self.mem, 0), np.where(ok, self.transient, 0)]
             rows = np.concatenate([ok.astype(np.int64), *cells], axis=1)
             key = self.group if self.group is not None else rows
-            _, rep, kind = np.unique(key, axis=0, return_index=True, return_inverse=True)
-            kind = kind.reshape(-1)
+            rep, kind = _distinct_rows(key)
             differs = (rows[rep[kind]] != rows).any(axis=1)
             if differs.any():
                 bad = int(np.flatnonzero(differs)[0])

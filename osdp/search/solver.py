@@ -44,6 +44,7 @@ from typing import Sequence
 import numpy as np
 
 from osdp.search.problem import BudgetTooSmall, Problem
+from osdp.search.relaxation import relaxation
 
 DEFAULT_BUCKETS = 8192  # memory levels across the budget's discretionary range
 MAX_CELLS = 1 << 27  # units x levels: keeps an over-fine explicit resolution from exhausting memory
@@ -229,6 +230,9 @@ class _Tables:
 
     def trace(self, rows: np.ndarray, types: np.ndarray, opts: list, at: np.ndarray, choice: np.ndarray) -> None:
         """Backtrack several levels at once through rows filled by ``run``; writes choice[:, i] (DP order)."""
+        if len(at) == 1:  # the solver's one plan: scalar steps, several times faster than the vectorised ones
+            at[0] = self.trace_one(rows, types, opts, int(at[0]), choice[0])
+            return
         for i in range(len(types) - 1, -1, -1):
             lv, tt, ix = opts[types[i]][2:]
             src = at[:, None] - lv[None, :]
@@ -238,6 +242,18 @@ class _Tables:
             o = np.argmax(hit, axis=1)
             choice[:, i] = ix[o]
             at -= lv[o]
+
+    @staticmethod
+    def trace_one(rows: np.ndarray, types: np.ndarray, opts: list, at: int, choice: np.ndarray) -> int:
+        """``trace`` for one level, comparing the same sums: writes choice[i] and returns the level left."""
+        for i in range(len(types) - 1, -1, -1):
+            lv, tt, _, _, ix = opts[types[i]]
+            prev, target = rows[i], rows[i + 1, at]
+            o = next((o for o, k in enumerate(lv) if k <= at and prev[at - k] + tt[o] == target), None)
+            assert o is not None, "DP table and its trace disagree"
+            choice[i] = ix[o]
+            at -= lv[o]
+        return at
 
     def capacity(self, budget: int, thresholds: np.ndarray) -> np.ndarray:
         return np.minimum((budget - self.floor - thresholds) // self.res, self.level_cap)
@@ -380,3 +396,36 @@ def sweep_batch_sizes(
     best = max(feasible, key=lambda i: candidates[i].solution.samples_per_s)
     return Sweep(best=candidates[best].solution, candidates=candidates,
                  search_seconds=_time.perf_counter() - start, best_index=best)
+
+
+def best_of(problems: Sequence[Problem], budget: int, *, beat: float | None = None) -> tuple[int, Solution] | None:
+    """(index, solution) of what ``sweep_batch_sizes(problems, budget)`` takes: the most samples/s, the first
+    problem's of equally fast ones; None where nothing fits, or (given ``beat``) nothing is faster than ``beat``.
+
+    Solves fewer problems (``osdp.search.relaxation``): none whose bound on samples/s cannot beat the best found
+    (nor equal it from an earlier problem), and one whose fastest plan fits only where it wins, its samples/s
+    known without solving. The answer is the sweep's exactly.
+    """
+    bounds = [relaxation(p) for p in problems]
+    reach = [b.samples_per_s(budget) for b in bounds]
+    # (samples/s, -index) orders candidates as the sweep does; the sentinel admits only those beating ``beat``
+    best_key: tuple[float, float] = (-np.inf if beat is None else beat, np.inf)
+    best: tuple[int, Solution | None] | None = None
+    for i, b in enumerate(bounds):
+        if b.fastest_peak <= budget and (reach[i], -i) > best_key:
+            best_key, best = (reach[i], -i), (i, None)
+    rest = [i for i, b in enumerate(bounds) if b.fastest_peak > budget and reach[i] > -np.inf]
+    for i in sorted(rest, key=lambda i: (-reach[i], i)):  # the most promising first: the rest are skipped
+        if (reach[i], -i) < best_key:
+            continue
+        try:
+            solution = solve(problems[i], budget)
+        except BudgetTooSmall:
+            continue
+        if (solution.samples_per_s, -i) > best_key:
+            best_key, best = (solution.samples_per_s, -i), (i, solution)
+    if best is None or best[1] is not None:
+        return best
+    solution = solve(problems[best[0]], budget)  # the winner whose fastest plan fits: its plan
+    assert solution.samples_per_s == reach[best[0]], "the fastest plan fits, and the solver found a slower one"
+    return best[0], solution

@@ -533,3 +533,12 @@ def test_a_node_scoped_unit_pays_the_per_byte_runtime_cost_on_its_own_links(tiny
                     for c in (with_cost, without)]
             expected = with_cost.unit_s_per_byte[mode] * nbytes * (share if scope == "node" else 1.0)
             assert paid[0] - paid[1] == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_units_inside_a_unit_are_those_whose_path_continues_it_after_a_dot():
+    from osdp.cost.neighbours import _within
+
+    paths = ["h.1", "h.1.attn", "h.10.attn", "h.10", "h.1.mlp.fc", "h.1.mlp", "head", "h.10.mlp"]
+    within = _within(paths)
+    for unit in ["", "h", *paths]:
+        assert within.get(unit, []) == [p for p in paths if p.startswith(unit + ".")], unit

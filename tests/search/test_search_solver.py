@@ -213,6 +213,73 @@ def test_sweep_keeps_the_most_samples_per_second():
     assert best_under(points, 700).samples_per_s == pytest.approx(sweep.best.samples_per_s)
 
 
+
+def test_best_of_takes_what_the_sweep_takes_solving_fewer_problems():
+    """best_of skips problems that cannot win: the sweep's answer still, to the choice, with ties between equally
+    fast problems going to the first, as in the sweep; and with ``beat``, only an answer faster than that."""
+    from osdp.search.solver import best_of
+
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        units, options = int(rng.integers(2, 7)), int(rng.integers(2, 5))
+        problems = [random_problem(rng, units, options, max_mem=3000, max_tr=3000, batch_size=int(b))
+                    for b in rng.choice([1, 2, 4, 8], size=int(rng.integers(1, 6)))]
+        problems += problems[: int(rng.integers(0, 3))]  # the same problem twice: equally fast, the first wins
+        for budget in np.linspace(min(min_peak(p)[0] for p in problems) - 1, 12000, 6).astype(int):
+            try:
+                sweep = sweep_batch_sizes(problems, int(budget))
+            except BudgetTooSmall:
+                assert best_of(problems, int(budget)) is None
+                continue
+            index, solution = best_of(problems, int(budget))
+            assert index == sweep.best_index and np.array_equal(solution.choice, sweep.best.choice)
+            speed = sweep.best.samples_per_s
+            assert best_of(problems, int(budget), beat=speed) is None
+            index, solution = best_of(problems, int(budget), beat=np.nextafter(speed, 0))
+            assert index == sweep.best_index and np.array_equal(solution.choice, sweep.best.choice)
+
+
+def test_the_relaxation_bounds_every_plan_that_fits():
+    """No plan within a bound is faster than the relaxation says (so none fits where it says -inf), and where the
+    fastest plan fits the solver's plan is exactly as fast."""
+    from osdp.search.relaxation import relaxation
+
+    rng = np.random.default_rng(4)
+    tight = 0
+    for _ in range(150):
+        p = random_problem(rng, int(rng.integers(1, 6)), int(rng.integers(1, 6)), max_mem=3000, max_tr=3000,
+                           batch_size=int(rng.choice([1, 4])))
+        need = brute_force_min_peak(p)
+        for budget in np.linspace(need - 500, need + 8000, 8).astype(int):
+            reach = relaxation(p).samples_per_s(int(budget))
+            best = brute_force(p, int(budget))
+            if best is None:
+                with pytest.raises(BudgetTooSmall):
+                    solve(p, int(budget))
+                continue
+            assert reach >= p.batch_size / best[0]
+            tight += reach <= p.batch_size / best[0] * (1 + 1e-6)
+            if relaxation(p).fastest_peak <= budget:
+                assert solve(p, int(budget)).samples_per_s == reach
+    assert tight > 100  # mostly the optimum itself, not a loose bound
+
+
+def test_one_plan_traced_alone_is_the_plan_traced_among_others():
+    """The solver traces its one plan with scalar steps, the frontier many at once: the same plans."""
+    from osdp.search.solver import DEFAULT_BUCKETS, _Tables
+
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        p = random_problem(rng, int(rng.integers(2, 12)), int(rng.integers(2, 6)), max_mem=3000, max_tr=3000)
+        p.time[:, 1:] = np.where(rng.random((p.num_units, p.num_options - 1)) < 0.3, p.time[:, :1], p.time[:, 1:])
+        tab = _Tables(p, None, int(rng.integers(1, 300)), DEFAULT_BUCKETS)
+        full = tab.unrestricted(tab.level_cap + 1)
+        levels = np.arange(tab.level_cap + 1)
+        together = tab.choose(full, full, levels)
+        alone = np.stack([tab.choose(full, full, [level])[0] for level in levels])
+        assert np.array_equal(together, alone)
+
+
 def test_identical_units_share_work_and_keep_their_own_choices():
     rng = np.random.default_rng(8)
     block = random_problem(rng, 2, 6, max_mem=500, max_tr=800)
@@ -231,6 +298,14 @@ def test_identical_units_share_work_and_keep_their_own_choices():
     bad = Problem(p.time, p.mem, p.transient, p.allowed, group=np.zeros(2 * reps, int))
     with pytest.raises(ValueError, match="same group"):
         solve(bad, budget)
+
+    # the types, as np.unique numbers them (the first unit of each, in the rows' lexicographic order)
+    from osdp.search.problem import _distinct_rows
+
+    rng = np.random.default_rng(9)
+    for key in (np.tile([3, -1, 2], 5), rng.integers(-3, 3, (40, 4)), rng.integers(-2, 2, (30, 60)) << 62):
+        _, rep, kind = np.unique(key, axis=0, return_index=True, return_inverse=True)
+        assert all(np.array_equal(a, b) for a, b in zip(_distinct_rows(key), (rep, kind.reshape(-1))))
 
 
 def test_problem_validation():
