@@ -37,6 +37,7 @@ from osdp.machine.presets import device_preset
 from osdp.schema.description import ModelDescription
 from osdp.schema.plan import GROUP_CHOICES, Plan
 from osdp.search import BudgetTooSmall, FrontierPoint, Problem, min_peak, pareto_frontier
+from osdp.search.relaxation import relaxation
 from osdp.search.solver import Solution, best_of
 from osdp.sizes import parse_size
 
@@ -107,8 +108,15 @@ def find_plan(
     pricing = _Pricing(device_info, mixed_precision, optimizer, calibration, budget)
     candidates = _candidates(descriptions, device_info, batch_sizes,
                              dict(precision=mixed_precision, optimizer=optimizer, calibration=calibration))
+    grouped = _grouped_candidates(descriptions, device_info, batch_sizes,
+                                  dict(precision=mixed_precision, optimizer=optimizer, calibration=calibration))
     start = time.perf_counter()  # the search's time: solving and pricing plans, not building the problems
     found = [f for problems, describe in candidates if (f := pricing.fastest_fitting(problems, describe))]
+    # a grouped plan is taken only where faster than the plan chosen without groups: no other needs finding
+    beat = (found[choose_granularity([(f.description, f.samples_per_s) for f in found])].samples_per_s
+            if found else None)
+    found += [f for problems, describe in grouped if (f := pricing.fastest_fitting(problems, describe, beat))]
+    candidates += grouped
     seconds = time.perf_counter() - start
     if not found:  # names a budget at which a plan is found: the least schedule peak of those plans
         least = min(pricing.least_bound_plans, key=lambda f: f.prediction.peak_bytes)
@@ -152,11 +160,6 @@ def _candidates(descriptions: Sequence[ModelDescription], device_info: DeviceInf
         ([p for b in batch_sizes for p in build_problems(d, device_info, b, **settings)], lambda _, d=d: d)
         for d in descriptions if d.granularity != "nested"  # priced per block, with the "block" description
     ]
-    candidates += [  # k consecutive identical blocks as one unit, where a description has them
-        ([p for b in batch_sizes for p in build_problems(g, device_info, b, **settings)], lambda _, g=g: g)
-        for d in descriptions if d.granularity != "nested" for k in GROUP_CHOICES[1:]
-        if (g := granularity.grouped_by(d, k)) is not None
-    ]
     by_granularity = {d.granularity: d for d in descriptions}
     coarse, nested = by_granularity.get("block"), by_granularity.get("nested")
     if coarse is not None and nested is not None:
@@ -168,6 +171,17 @@ def _candidates(descriptions: Sequence[ModelDescription], device_info: DeviceInf
             ([build_block_problem(coarse, nested, device_info, b, **settings) for b in batch_sizes], per_block)
         )
     return candidates
+
+
+def _grouped_candidates(descriptions: Sequence[ModelDescription], device_info: DeviceInfo,
+                        batch_sizes: Sequence[int], settings: dict[str, Any]) -> list[tuple[list[Problem], Describer]]:
+    """Like ``_candidates``, with k consecutive identical blocks as one unit (k in GROUP_CHOICES), where a
+    description has them."""
+    return [
+        ([p for b in batch_sizes for p in build_problems(g, device_info, b, **settings)], lambda _, g=g: g)
+        for d in descriptions if d.granularity != "nested" for k in GROUP_CHOICES[1:]
+        if (g := granularity.grouped_by(d, k)) is not None
+    ]
 
 
 @dataclass
@@ -207,7 +221,10 @@ class _Pricing:
         found = self.priced(solved[0], solved[1].choice, describe)
         return found if found.prediction.peak_bytes <= self.budget else None
 
-    def fastest_fitting(self, problems: list[Problem], describe: Describer) -> _Found | None:
+    def fastest_fitting(self, problems: list[Problem], describe: Describer,
+                        beat: float | None = None) -> _Found | None:
+        """The candidate's plan (see ``find_plan``); None where none fits, or (given ``beat``) where none of the
+        plans it could be is faster than ``beat`` samples/s."""
         # The fastest plan of all, where its schedule peak fits: nothing is faster. A problem's step time is the
         # plan's predicted one (osdp.cost.schedule.predict), so only that one plan needs pricing on the schedule.
         unconstrained = [(p, _fastest_choice(p)) for p in problems]
@@ -216,6 +233,9 @@ class _Pricing:
         if fastest.prediction.peak_bytes <= self.budget:  # memory does not bind
             return fastest
         step = math.floor(math.log(self.budget * RELAXED_BOUND) / math.log(RELAXED_STEP))
+        # every plan below is the solver's within a bound of at most RELAXED_STEP ** step, or a least-bound one
+        if beat is not None and max(relaxation(p).samples_per_s(int(RELAXED_STEP ** step)) for p in problems) <= beat:
+            return None
         at_budget: dict[float | None, tuple[Problem, Solution] | None] = {}  # by the samples/s it must beat
         # down to the least bound any problem fits in: the first at which the solver finds no plan
         while (solved := self.solved(problems, int(bound := RELAXED_STEP ** step))) is not None:

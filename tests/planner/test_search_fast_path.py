@@ -26,9 +26,10 @@ from osdp.search import BudgetTooSmall, min_peak, sweep_batch_sizes
 BATCHES = (1, 2, 4, 8)
 
 
-def _walk_every_bound(self: _Pricing, problems, describe):
+def _walk_every_bound(self: _Pricing, problems, describe, beat=None):
     """``_Pricing.fastest_fitting`` as it was: the whole sweep (``sweep_batch_sizes``) at the budget and at every
-    grid bound from ``RELAXED_BOUND`` times the budget down until one fits, nothing cached, nothing skipped."""
+    grid bound from ``RELAXED_BOUND`` times the budget down until one fits, nothing cached, nothing skipped (no
+    candidate either: ``beat``, the speed a grouped candidate must beat, is not looked at)."""
     def priced(problem, choice):
         plan = plan_from_choice(problem, choice, mixed_precision=self.precision)
         description = describe(plan)
