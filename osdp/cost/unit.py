@@ -240,6 +240,9 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     flat = gathered if mode != "replicate" else 0  # all-gather output kept until the next unit gathers
     # when its backward ends FSDP copies the unsharded gradients (in the working set) into the reduce buffer
     post = costs.bwd_end_bytes.signed_bytes(b) + (blocks - 1) * block_grad - act + rs_input
+    if policy == "selective" and costs.sac_unsaved_bytes is not None:  # kept beside the backward's working set
+        unsaved = costs.sac_unsaved_bytes.signed_bytes(b)  # until the backward ends
+        temp_bwd, post = temp_bwd + unsaved, post + unsaved
     prefetched, rs_previous = ctx.neighbours.get(unit.path, (0, 0))
     own = gathered if (mode == "zero3" and not enclosing) else 0
     if enclosing:

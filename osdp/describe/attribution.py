@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -235,12 +235,21 @@ class KeptBySelective(TorchDispatchMode):
         super().__init__()
         self.segments = segments
         self.bytes: dict[str, int] = {}
+        self.outputs: dict[str, list[tuple[int, int]]] = {}  # per unit, (storage key, bytes) of what it keeps
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in SAVED_OPS and self.segments.phase == "fwd" and torch.is_grad_enabled():
             owner = self.segments.stack[-1] if self.segments.stack else ROOT
             outputs = out if isinstance(out, (tuple, list)) else (out,)
-            kept = sum(t.nelement() * t.element_size() for t in outputs if isinstance(t, torch.Tensor))
-            self.bytes[owner] = self.bytes.get(owner, 0) + kept
+            kept = [(_storage_key(t), t.nelement() * t.element_size()) for t in outputs if isinstance(t, torch.Tensor)]
+            self.bytes[owner] = self.bytes.get(owner, 0) + sum(n for _, n in kept)
+            self.outputs.setdefault(owner, []).extend(kept)
         return out
+
+    def unsaved_bytes(self, path: str, first_saver: Mapping[int, str]) -> int:
+        """Of what selective checkpointing keeps of unit ``path``, the bytes its own backward does not save
+        (``first_saver``: ``_Saved``'s, after the forward), such as its last matmul's output. The checkpoint's
+        cache holds them until the unit's backward ends, beyond the backward's working set: its recompute stops
+        before it reaches them."""
+        return sum(n for key, n in self.outputs.get(path, ()) if first_saver.get(key) != path)

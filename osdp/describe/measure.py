@@ -179,6 +179,7 @@ def memory_pass(
             root_total = saved.live.get(ROOT, 0)
             for u in checkpointable(units):  # what selective checkpointing keeps: the inputs and SAVED_OPS' outputs
                 memory[u.path]["sac"] = memory[u.path]["ckpt"] + kept_by_selective.bytes.get(u.path, 0)
+                memory[u.path]["sac_unsaved"] = kept_by_selective.unsaved_bytes(u.path, saved.first_saver)
 
         try:
             with segments, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), kept_by_selective:
@@ -382,6 +383,7 @@ def fit_costs(
             recompute_s=recompute.get("full", {}).get(p),
             sac_bytes=fit(memory, p, "sac") if p in selective and "selective" in recompute else None,
             sac_recompute_s=recompute.get("selective", {}).get(p),
+            sac_unsaved_bytes=fit(memory, p, "sac_unsaved") if p in selective and "selective" in recompute else None,
         )
         for p in paths
     }

@@ -80,6 +80,9 @@ class UnitWorkload:
     # None: not described (older descriptions; units that cannot be checkpointed), so not offered.
     sac_bytes: Affine | None = None
     sac_recompute_s: Affine | None = None
+    # Of sac_bytes, what the unit's own backward does not save (its last matmul's output): the checkpoint's
+    # cache holds it through the unit's backward, beside the backward's working set.
+    sac_unsaved_bytes: Affine | None = None
 
     def recompute_seconds(self, b: float, policy: str = "full") -> float:
         """What checkpointing under ``policy`` ("full" or "selective") adds to the unit's backward."""
