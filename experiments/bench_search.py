@@ -184,7 +184,7 @@ def planner(repeats: int, out: Path, machine: dict) -> None:
     import statistics
 
     from osdp.cli.plan import DEFAULT_BATCH_CANDIDATES, describe_for, device_for, model_source, parse_args
-    from osdp.planner import _candidates, _grouped_candidates, find_plan
+    from osdp.planner import _candidates, find_plan
     from osdp.sizes import parse_size
 
     rows = []
@@ -194,8 +194,7 @@ def planner(repeats: int, out: Path, machine: dict) -> None:
         device, budget = device_for(args), parse_size(args.device_mem)
         descriptions = describe_for(model_source(args), device, DEFAULT_BATCH_CANDIDATES, "fp32")
         settings = dict(precision="fp32", optimizer="adamw", calibration=None)
-        build_s, _ = timed(lambda: [make(descriptions, device, DEFAULT_BATCH_CANDIDATES, settings)
-                                    for make in (_candidates, _grouped_candidates)], 1)
+        build_s, _ = timed(lambda: _candidates(descriptions, device, DEFAULT_BATCH_CANDIDATES, settings), 1)
         results = [find_plan(descriptions, device, DEFAULT_BATCH_CANDIDATES, budget=budget) for _ in range(repeats)]
         search_s = statistics.median(r.search_seconds for r in results)
         plan = results[-1].plan

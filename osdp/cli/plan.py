@@ -54,6 +54,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, help=f"micro-batch per rank (default: search {DEFAULT_BATCH_CANDIDATES})")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
     p.add_argument("--mixed-precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--group-blocks", action="store_true",
+                   help="also search plans gathering consecutive identical blocks as one FSDP2 unit")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     p.add_argument("--json", type=Path, help="write the Plan JSON here (with search_seconds)")
     p.add_argument("--frontier", type=Path, help="draw the throughput-vs-memory frontier to this PNG")
@@ -135,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         result = find_plan(descriptions, device_info, candidates, budget=budget, mixed_precision=args.mixed_precision,
-                        optimizer=args.optimizer, model_signature=descriptions[0].signature)
+                           optimizer=args.optimizer, model_signature=descriptions[0].signature,
+                           group_blocks=args.group_blocks)
     except BudgetTooSmall as e:
         print(f"osdp plan: {e}", file=sys.stderr)
         return 1
@@ -185,8 +188,12 @@ def plan_report(args, device_info: DeviceInfo, plan, prediction, seq_len: int, d
     units = prediction.breakdown["units"]
     rows = []
     for u in plan.units:
-        c = units[u.path]
         mode = u.mode + ("@node" if u.shard_scope == "node" else "")  # sharded within the node, as UnitPlan.label
+        c = units.get(u.path)
+        if c is None:  # a group's later unit: the group is priced as one, under its first unit
+            rows.append([display_path(u.path), mode, u.split, u.checkpoint_policy, f"in {display_path(u.group)}",
+                         "", ""])
+            continue
         rows.append([display_path(u.path), mode, u.split, u.checkpoint_policy,
                      format_bytes(c["mem_bytes"]), format_bytes(c["transient_bytes"]), f"{c['time_s'] * 1e3:.2f}"])
     table = format_table(rows, ["unit", "mode", "split", "ckpt", "memory", "transient", "time ms"], "llrlrrr")

@@ -219,3 +219,18 @@ def test_plan_cli_plans_8_nodes_of_8(model, device, tmp_path, capsys):
 def test_plan_cli_layouts_that_cannot_be_say_what_would(args, expected, capsys):
     assert main(["--model", "gpt2-mini", *args]) == 2
     assert expected in capsys.readouterr().err
+
+
+def test_plan_cli_searches_groups_of_blocks_when_asked(tmp_path, capsys):
+    """--group-blocks: the search may gather identical blocks as one unit; the plan names every unit of a
+    group, and the report lists the group's later units under its first."""
+    out = tmp_path / "plan.json"
+    code = main(["--model", "llama-1b", "--nodes", "8", "--gpus-per-node", "8", "--device", "h100-nvlink-100gbe",
+                 "--device-mem", "12GiB", "--batch-size", "2", "--group-blocks", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0
+    plan = Plan.from_json(out.read_text())
+    assert plan.groups() and plan.predicted_peak_bytes <= 12 * 2**30  # each collective's latency paid once a group
+    for first, members in plan.groups().items():
+        assert all(f"in {first}" in line for line in text.splitlines()
+                   if line.split() and line.split()[0] in members[1:])

@@ -16,7 +16,7 @@ from osdp.cli.validate import build_parser, format_report, kendall_tau, summariz
 # per-block-b: blocks taken apart priced from two descriptions; not per-block-a, whose whole checkpointed
 # block recomputes in backward after a replicated MLP has freed its activations, which that unit's worse
 # phase still counts (the decomposition's known over-estimate, +25% on gpt2-tiny; docs/COST_MODEL.md)
-PLANS = ["ddp", "fsdp", "fsdp-ckpt", "mixed-z2-ckpt", "fsdp-sac", "mixed-sac", "split2", "per-block-b", "grouped-z3"]
+PLANS = ["ddp", "fsdp", "fsdp-ckpt", "mixed-z2-ckpt", "fsdp-sac", "mixed-sac", "split2", "per-block-b"]
 
 
 def _calibrate(rank, world_size):

@@ -27,8 +27,17 @@ def gpt2_mini():
             for g in ("sub-block", "block")], device
 
 
-def _search(descriptions, device, budget, calibration):
-    return find_plan(descriptions, device, (BATCH,), budget=budget, calibration=calibration)
+def _search(descriptions, device, budget, calibration, group_blocks=True):
+    return find_plan(descriptions, device, (BATCH,), budget=budget, calibration=calibration,
+                     group_blocks=group_blocks)
+
+
+def test_groups_are_searched_only_when_asked(gpt2_mini):
+    """Off by default: the pricing of a group does not agree with measurement on CPU yet (find_plan)."""
+    descriptions, device = gpt2_mini
+    budget = 4 * least_budget(descriptions, device, (BATCH,))
+    assert not _search(descriptions, device, budget, EXPENSIVE_UNITS, group_blocks=False).plan.groups()
+    assert _search(descriptions, device, budget, EXPENSIVE_UNITS).plan.groups()
 
 
 def test_the_search_groups_blocks_where_per_unit_costs_dominate(gpt2_mini):

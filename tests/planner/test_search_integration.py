@@ -133,12 +133,10 @@ def gpt2_mini_both_granularities():
     return [fine, coarse], device
 
 
-def test_the_search_takes_the_coarsest_granularity_within_the_tolerance_of_the_fastest(gpt2_mini_both_granularities,
-                                                                                      monkeypatch):
+def test_the_search_takes_the_coarsest_granularity_within_the_tolerance_of_the_fastest(gpt2_mini_both_granularities):
     from osdp.planner import GRANULARITY_TOLERANCE
 
-    # the unit sizes alone: groups of blocks, taken only where faster, are tests/planner/test_group_search.py's
-    monkeypatch.setattr("osdp.planner.GROUP_CHOICES", (1,))
+    # the unit sizes alone (find_plan searches groups of blocks only when asked: tests/planner/test_group_search.py)
     descriptions, device = gpt2_mini_both_granularities
     fine, coarse = descriptions
     assert len(coarse.units) < len(fine.units)
