@@ -175,11 +175,16 @@ def test_recompute_is_measured_and_stops_where_backward_needs_nothing_more():
     net = Net()
     # A recompute time is a difference of two backward times that each move 10-20% from step to step
     # here; 15 paired steps keep wide_end's (about 0.15 of its forward) far from the 0.5 bound.
-    d = describe(net, torch.randn(64, 256), cache=False, progress=False, repeats=15, optimizers=())
+    # The full recompute alone is timed here (the selective one would interleave more steps between pairs).
+    d = describe(net, torch.randn(64, 256), cache=False, progress=False, repeats=15, optimizers=(),
+                 checkpoint_policies=("full",))
     chain, wide_end = d.unit("chain").costs["fp32"], d.unit("wide_end").costs["fp32"]
     assert chain.recompute_s is not None and wide_end.recompute_s is not None
-    assert chain.recompute_seconds(64) > 0.5 * chain.fwd_s(64)
-    assert wide_end.recompute_seconds(64) < 0.5 * wide_end.fwd_s(64)
+    redone = {name: c.recompute_seconds(64) / c.fwd_s(64) for name, c in (("chain", chain), ("wide_end", wide_end))}
+    assert redone["chain"] > 0.5, redone
+    # the two units' shares of their forward, one against the other: a machine's noise moves both (a run of
+    # the whole suite measured wide_end's alone at 0.62 of its forward, over the 0.5 it was held to)
+    assert redone["wide_end"] < 0.5 * redone["chain"], redone
     root = d.unit("").costs["fp32"]
     assert root.recompute_s is None and root.recompute_seconds(64) == root.fwd_s(64)
     assert type(net.chain) is TanhChain and type(net.wide_end) is WideEnd  # checkpointing undone
