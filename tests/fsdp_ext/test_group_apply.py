@@ -8,14 +8,14 @@ naming the units, before anything changes.
 from __future__ import annotations
 
 import torch
-from cases import build_toy, toy_batches
+from cases import build_toy, plan_error_of, toy_batches
 from dist_harness import run_ranks
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from training_check import assert_matches_reference, full_state, reference, train_under_plans
 
 import osdp
-from osdp.schema.plan import Plan, PlanError, UnitPlan
+from osdp.schema.plan import Plan, UnitPlan
 
 
 def block_plan(model, grouped: bool, mode: str = "zero3", checkpoint=False) -> Plan:
@@ -93,14 +93,6 @@ def test_every_module_of_a_group_answers_fsdp2s_methods():
     assert max((ref[k] - state[k]).abs().max().item() for k in ref) <= 1e-5
 
 
-def _error_of(fn):
-    try:
-        fn()
-    except PlanError as e:
-        return str(e)
-    return None
-
-
 class Odd(torch.nn.Module):
     """Two identical blocks around a third of another width: groups that are not consecutive or not identical."""
 
@@ -125,13 +117,13 @@ def _refusals(rank, world_size):
         return Plan([UnitPlan(f"layers.{i}", group=group.get(f"layers.{i}")) for i in range(4)])
 
     errors = {
-        "not_identical": _error_of(lambda: osdp.wrap(model, plan=plan(("layers.0", "layers.1")))),
-        "not_consecutive": _error_of(lambda: osdp.wrap(model, plan=plan(("layers.0", "layers.3")))),
+        "not_identical": plan_error_of(lambda: osdp.wrap(model, plan=plan(("layers.0", "layers.1")))),
+        "not_consecutive": plan_error_of(lambda: osdp.wrap(model, plan=plan(("layers.0", "layers.3")))),
     }
     gpt = build_toy()
     nested = Plan([UnitPlan(u.path, group="blocks.0" if u.path in ("blocks.0", "blocks.1") else None)
                    for u in osdp.discover_units(gpt, granularity="nested")])  # sub-blocks nested in each block
-    errors["enclosing"] = _error_of(lambda: osdp.wrap(gpt, plan=nested))
+    errors["enclosing"] = plan_error_of(lambda: osdp.wrap(gpt, plan=nested))
     untouched = all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not any(
         isinstance(p, DTensor) for p in model.parameters())
     return errors, untouched

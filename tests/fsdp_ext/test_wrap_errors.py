@@ -2,20 +2,13 @@
 
 import pytest
 import torch
+from cases import plan_error_of
 from dist_harness import run_ranks
 from torch.distributed.tensor import DTensor
 from toy_models import GPT
 
 import osdp
-from osdp.schema.plan import Plan, PlanError, UnitPlan
-
-
-def _error_of(fn):
-    try:
-        fn()
-    except PlanError as e:
-        return str(e)
-    return None
+from osdp.schema.plan import Plan, UnitPlan
 
 
 def _bad_plans_on_every_rank(rank, world_size):
@@ -24,10 +17,10 @@ def _bad_plans_on_every_rank(rank, world_size):
     paths = [u.path for u in osdp.discover_units(model)]
     before = {k: v.clone() for k, v in model.state_dict().items()}
     errors = {
-        "unknown": _error_of(lambda: osdp.wrap(model, plan=Plan([UnitPlan("blocks.7.mlp")]))),
-        "world": _error_of(lambda: osdp.wrap(model, plan=Plan.for_strategy(paths, "fsdp", world_size=8))),
-        "mismatch": _error_of(lambda: osdp.wrap(model, strategy="fsdp" if rank == 0 else "ddp")),
-        "one_rank_bad": _error_of(
+        "unknown": plan_error_of(lambda: osdp.wrap(model, plan=Plan([UnitPlan("blocks.7.mlp")]))),
+        "world": plan_error_of(lambda: osdp.wrap(model, plan=Plan.for_strategy(paths, "fsdp", world_size=8))),
+        "mismatch": plan_error_of(lambda: osdp.wrap(model, strategy="fsdp" if rank == 0 else "ddp")),
+        "one_rank_bad": plan_error_of(
             lambda: osdp.wrap(model, plan=Plan([UnitPlan("blocks.0.mlp" if rank == 0 else "blocks.0.nope")]))
         ),
     }
@@ -35,7 +28,7 @@ def _bad_plans_on_every_rank(rank, world_size):
         torch.equal(before[k], v) for k, v in model.state_dict().items()
     )
     osdp.wrap(model, strategy="fsdp")  # still usable after the failures
-    errors["twice"] = _error_of(lambda: osdp.wrap(model, strategy="fsdp"))
+    errors["twice"] = plan_error_of(lambda: osdp.wrap(model, strategy="fsdp"))
     return errors, untouched
 
 

@@ -1,13 +1,24 @@
 """The models, batches and plans the equality tests train: a user-style toy GPT and the reference models,
 their batches, and plans that use every mode (checkpointing, splitting, per-block units)."""
 
+from __future__ import annotations
+
 import torch
 from toy_models import GPT
 from training_check import STEPS
 
 import osdp
-from osdp.schema.plan import Plan, UnitPlan
+from osdp.schema.plan import Plan, PlanError, UnitPlan
 from osdp.split import splittable_linears
+
+
+def plan_error_of(fn) -> str | None:
+    """The message of the PlanError ``fn()`` raises (the tests compare every rank's), or None."""
+    try:
+        fn()
+    except PlanError as e:
+        return str(e)
+    return None
 
 
 def build_toy():
