@@ -112,24 +112,25 @@ def find_plan(
         descriptions = [descriptions]
     budget = parse_size(budget)
     pricing = _Pricing(device_info, mixed_precision, optimizer, calibration, budget)
-    candidates = _candidates(descriptions, device_info, batch_sizes,
-                             dict(precision=mixed_precision, optimizer=optimizer, calibration=calibration))
-    grouped = _grouped_candidates(descriptions, device_info, batch_sizes,
-                                  dict(precision=mixed_precision, optimizer=optimizer, calibration=calibration)
-                                  ) if group_blocks else []
+    settings = dict(precision=mixed_precision, optimizer=optimizer, calibration=calibration)
+    candidates = _candidates(descriptions, device_info, batch_sizes, settings)
+    grouped = _grouped_candidates(descriptions, device_info, batch_sizes, settings) if group_blocks else []
     start = time.perf_counter()  # the search's time: solving and pricing plans, not building the problems
     found = [f for problems, describe in candidates if (f := pricing.fastest_fitting(problems, describe))]
-    # a grouped plan is taken only where faster than the plan chosen without groups: no other needs finding
-    beat = (found[choose_granularity([(f.description, f.samples_per_s) for f in found])].samples_per_s
-            if found else None)
-    found += [f for problems, describe in grouped if (f := pricing.fastest_fitting(problems, describe, beat))]
+    best = found[choose_granularity([(f.description, f.samples_per_s) for f in found])] if found else None
+    # a grouped plan replaces the plan chosen without groups only where predicted faster: no other needs finding
+    beat = best.samples_per_s if best else None
+    found_grouped = [f for problems, describe in grouped if (f := pricing.fastest_fitting(problems, describe, beat))]
+    fastest_grouped = max(found_grouped, key=lambda f: f.samples_per_s, default=None)
+    if fastest_grouped is not None and (best is None or fastest_grouped.samples_per_s > best.samples_per_s):
+        best = fastest_grouped
+    found += found_grouped
     candidates += grouped
     seconds = time.perf_counter() - start
-    if not found:  # names a budget at which a plan is found: the least schedule peak of those plans
+    if best is None:  # names a budget at which a plan is found: the least schedule peak of those plans
         least = min(pricing.least_bound_plans, key=lambda f: f.prediction.peak_bytes)
         raise BudgetTooSmall(budget, least.prediction.peak_bytes, least.plan.batch_size)
     speeds = [(f.description, f.samples_per_s) for f in found]
-    best = _with_groups_if_faster(found, choose_granularity)
     plan = dataclasses.replace(
         granularity.expand_groups(best.plan, best.description),
         world_size=device_info.world_size,
@@ -296,17 +297,6 @@ def choose_granularity(candidates: Sequence[tuple[ModelDescription, float]]) -> 
     fastest = max(speed for _, speed in candidates)
     close = [i for i, (_, speed) in enumerate(candidates) if speed >= (1 - GRANULARITY_TOLERANCE) * fastest]
     return min(close, key=lambda i: (len(candidates[i][0].units), -candidates[i][1]))
-
-
-def _with_groups_if_faster(found: Sequence[_Found], choose: Callable[[list], int]) -> _Found:
-    """The granularity ``choose`` takes among the plans without groups, or the fastest grouped plan where it is
-    predicted faster still: a group trades memory for fewer fixed costs, taken only for speed."""
-    apart = [f for f in found if not any(u.group for u in f.description.units)]
-    best = apart[choose([(f.description, f.samples_per_s) for f in apart])] if apart else None
-    grouped = max((f for f in found if all(f is not a for a in apart)), key=lambda f: f.samples_per_s, default=None)
-    if best is None or (grouped is not None and grouped.samples_per_s > best.samples_per_s):
-        return grouped
-    return best
 
 
 def description_of(plan: Plan, descriptions: Sequence[ModelDescription]) -> ModelDescription:
