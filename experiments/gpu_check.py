@@ -27,11 +27,16 @@ collectives are not executed), and every record says which.
    fake group) against the cost model's prediction from the model measured on
    this GPU (``osdp.describe.measured.describe``) and from the analytic description; Kendall
    tau. The CUDA presets' matmul FLOP/s against what this GPU measures.
-5. mfu: gpt2-small and gpt2-medium, bf16 autocast training on one GPU, eager and
+5. user_path: the path users take, ``osdp train --device cuda --nproc 1 --model gpt2-small
+   --mixed-precision bf16`` (NCCL, one rank: a real calibration and description on CUDA, a searched
+   plan applied): DDP first, then OSDP at budgets below DDP's measured peak; predicted against measured
+   step and peak (``torch.cuda.max_memory_allocated``), tokens/s and MFU.
+6. mfu: gpt2-small and gpt2-medium, bf16 autocast training on one GPU, eager and
    ``torch.compile``: tokens/s and MFU against the data-sheet bf16 peak.
 
-A part that fails records its error and the others still run; ``--time-limit``
-(seconds for the whole run) skips the compiled MFU runs when too little is left.
+A part that fails records its error and the others still run; the record is written after every part,
+so a run stopped from outside keeps what it finished. ``--time-limit`` (seconds for the whole run) skips
+a part, and the compiled MFU runs, when too little is left for them.
 """
 
 from __future__ import annotations
@@ -54,9 +59,6 @@ from typing import Any, Callable
 
 import torch
 
-from osdp.machine.identity import machine_info
-from osdp.machine.timing import StepTimer
-
 EXPERIMENTS = Path(__file__).resolve().parent
 ROOT = EXPERIMENTS.parent
 RESULTS = EXPERIMENTS / "results" / "gpu"
@@ -64,17 +66,20 @@ for path in (str(EXPERIMENTS), str(ROOT)):  # bench_split, gpu_paper_config; thi
     if path not in sys.path:
         sys.path.insert(0, path)
 
+from osdp.machine.identity import machine_info  # noqa: E402
+from osdp.machine.timing import StepTimer  # noqa: E402
 import bench_split  # noqa: E402
 import gpu_paper_config  # noqa: E402
 
 TARGETS = {
+    "user_step_error_max": 0.15,  # osdp train's predicted step against its measured one
     "split_hidden_of_hideable_min": 0.80,  # per k
     "memory_error_median_max": 0.05,
     "memory_error_worst_max": 0.10,
     "time_limit_s": 540,
 }
 FAKE_PG = gpu_paper_config.NOTE
-PARTS = ("tests", "overlap", "paper_config", "flops", "mfu")
+PARTS = ("tests", "user_path", "overlap", "paper_config", "flops", "mfu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +93,10 @@ class Sizes:
     mfu_warmup: int
     compile_backend: str
     compile_reserve_s: float  # seconds a compiled MFU run may need; skipped when less is left
+    user_model: str  # osdp train's model, micro-batch, steps and the budgets (fractions of DDP's measured peak)
+    user_batch: int
+    user_steps: int
+    user_budget_fractions: tuple[float, ...]
 
 
 GPU_SIZES = Sizes(
@@ -99,6 +108,10 @@ GPU_SIZES = Sizes(
     mfu_warmup=3,
     compile_backend="inductor",
     compile_reserve_s=100.0,
+    user_model="gpt2-small",
+    user_batch=8,
+    user_steps=14,
+    user_budget_fractions=(0.93, 0.88),
 )
 DRY_SIZES = Sizes(
     overlap=dict(in_features=256, out_features=1024, ks=(2, 4, 8), dtype=torch.float32, tokens=256, rounds=2,
@@ -110,6 +123,10 @@ DRY_SIZES = Sizes(
     mfu_warmup=1,
     compile_backend="eager",  # dynamo's tracing, guarded like the GPU's; inductor's C++ build takes minutes on CPU
     compile_reserve_s=10.0,
+    user_model="gpt2-tiny",
+    user_batch=4,
+    user_steps=4,
+    user_budget_fractions=(0.9,),
 )
 
 
@@ -152,6 +169,84 @@ def part_tests(dry_run: bool, timeout_s: float) -> dict[str, Any]:
                passed=sum(v["outcome"] == "passed" for v in results.values()),
                failed=[k for k, v in results.items() if v["outcome"] in ("failure", "error")],
                skipped=[k for k, v in results.items() if v["outcome"] == "skipped"])
+    return out
+
+
+# --------------------------------------------------------------------------- 5. the user's path
+
+
+def osdp_train(argv: list[str], timeout_s: float) -> dict[str, Any]:
+    """One ``osdp train`` job in a subprocess; its record (``--json``) with the command, time and output."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with tempfile.TemporaryDirectory() as tmp:
+        record_path = Path(tmp) / "train.json"
+        cmd = [sys.executable, "-m", "osdp.cli", "train", *argv, "--json", str(record_path)]
+        t0 = time.perf_counter()
+        try:
+            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+            returncode, output = r.returncode, r.stdout + r.stderr
+        except subprocess.TimeoutExpired as e:
+            returncode, output = None, f"timed out after {timeout_s:.0f} s\n" + str(e.stdout or "")[-3000:]
+        out: dict[str, Any] = {"command": "osdp train " + " ".join(argv), "returncode": returncode,
+                               "seconds": time.perf_counter() - t0, "output_tail": output[-3000:]}
+        if record_path.exists():
+            out["record"] = json.loads(record_path.read_text())
+    return out
+
+
+def part_user_path(sizes: Sizes, device: torch.device, remaining: Callable[[], float]) -> dict[str, Any]:
+    """``osdp train`` on one rank: DDP, then OSDP's searched plan at fractions of DDP's measured peak."""
+    from osdp import models
+    from osdp.machine.presets import datasheet_peak_flops
+
+    config = models.get_config(sizes.user_model)
+    peak_flops = (datasheet_peak_flops(device_name(device)) or {}).get("bfloat16")
+    common = ["--device", device.type, "--nproc", "1", "--model", sizes.user_model, "--batch-size",
+              str(sizes.user_batch), "--mixed-precision", "bf16", "--steps", str(sizes.user_steps), "--warmup", "2",
+              "--data", "synthetic", "--log-every", "100"]
+    out: dict[str, Any] = {"model": sizes.user_model, "batch_size": sizes.user_batch, "precision": "bf16",
+                           "ranks": "one rank, " + ("NCCL" if device.type == "cuda" else "gloo"),
+                           "mfu_reference": "data-sheet dense bf16 peak" if peak_flops else None, "runs": {}}
+
+    def summarise(name: str, result: dict[str, Any], budget: int | None) -> dict[str, Any]:
+        from osdp.schema.plan import Plan
+
+        record = result.pop("record", None)
+        result["budget_bytes"] = budget
+        if record:
+            rank0 = record["per_rank"][0]
+            plan = Plan.from_dict(record["plan"])
+            tokens_per_s = rank0["tokens_per_s"]
+            result.update(
+                plan=plan.summary(), plan_units={u.path: u.label for u in plan.units},
+                predicted_step_s=record["predicted_step_s"], measured_step_s=record["measured_step_s"],
+                predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=rank0["peak_bytes"],
+                tokens_per_s=tokens_per_s,
+                mfu=models.flops_per_token(config) * tokens_per_s / peak_flops if peak_flops else None,
+                losses=rank0["losses"])
+            if result["predicted_step_s"]:
+                result["step_error"] = result["predicted_step_s"] / result["measured_step_s"] - 1
+            if result["predicted_peak_bytes"] and result["measured_peak_bytes"]:
+                result["peak_error"] = result["predicted_peak_bytes"] / result["measured_peak_bytes"] - 1
+            if budget and result["measured_peak_bytes"]:
+                result["within_budget"] = result["measured_peak_bytes"] <= budget
+        out["runs"][name] = result
+        print(f"gpu_check: user_path {name}: " + ", ".join(
+            f"{k} {result[k]}" for k in ("returncode", "seconds", "predicted_step_s", "measured_step_s",
+                                         "predicted_peak_bytes", "measured_peak_bytes") if k in result), flush=True)
+        return result
+
+    ddp = summarise("ddp", osdp_train(common + ["--strategy", "ddp"], timeout_s=min(180.0, max(30.0, remaining() - 20))), None)
+    ddp_peak = ddp.get("measured_peak_bytes")
+    if not ddp_peak:
+        raise RuntimeError("osdp train --strategy ddp gave no peak: " + ddp["output_tail"][-1500:])
+    for fraction in sizes.user_budget_fractions:
+        if remaining() < 40:
+            out["runs"][f"osdp@{fraction:.2f}"] = {"skipped": f"{remaining():.0f} s left of the time limit"}
+            continue
+        budget = int(ddp_peak * fraction) // 2**20 * 2**20
+        summarise(f"osdp@{fraction:.2f}", osdp_train(common + ["--device-mem", f"{budget // 2**20}MiB"],
+                                                     timeout_s=min(180.0, max(30.0, remaining() - 20))), budget)
     return out
 
 
@@ -351,6 +446,11 @@ def targets_met(record: dict[str, Any]) -> dict[str, Any]:
     tests = record.get("tests") or {}
     if tests.get("ran"):
         t["tests_pass"] = tests.get("returncode") == 0 and not tests.get("failed")
+    user_runs = [r for r in ((record.get("user_path") or {}).get("runs") or {}).values() if "step_error" in r]
+    if user_runs:  # the searched plans (the DDP run has no prediction: osdp train --strategy does not price)
+        t["user_path_step_within_15pct"] = all(abs(r["step_error"]) <= TARGETS["user_step_error_max"]
+                                               for r in user_runs)
+        t["user_path_within_budget"] = all(r.get("within_budget", False) for r in user_runs)
     hideable = record.get("split_hidden_of_hideable") or {}
     if hideable and not record["dry_run"]:
         t["split_overlap"] = all(v >= TARGETS["split_hidden_of_hideable_min"] for v in hideable.values())
@@ -363,7 +463,23 @@ def targets_met(record: dict[str, Any]) -> dict[str, Any]:
     return t
 
 
-def run_all(args: argparse.Namespace) -> dict[str, Any]:
+def software(device: torch.device) -> dict[str, Any]:
+    """The CUDA toolkit, driver, torch build and GPU a result was measured with."""
+    out: dict[str, Any] = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
+                           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+                           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None}
+    for key, cmd in (("nvidia_smi", ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                                     "--format=csv,noheader"]), ("nvcc", ["nvcc", "--version"])):
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+            out[key] = (r.stdout.strip().splitlines() or [""])[-1] if key == "nvcc" else r.stdout.strip()
+        except (OSError, subprocess.SubprocessError) as e:
+            out[key] = f"not available ({type(e).__name__})"
+    return out
+
+
+def run_all(args: argparse.Namespace, save: Callable[[dict[str, Any]], None] = lambda record: None) -> dict[str, Any]:
+    """Every part in turn; ``save`` gets the record after each, so what finished is kept if the run is stopped."""
     start = time.perf_counter()
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
     if device.type == "cuda":
@@ -380,7 +496,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         "device": name, "dry_run": args.dry_run, "torch": torch.__version__, "cuda": torch.version.cuda,
         "machine": {**machine_info(device), "gpu_memory_bytes": torch.cuda.get_device_properties(device).total_memory
                     if device.type == "cuda" else None},
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"), "software": software(device),
         "notes": [
             "one GPU: multi-rank code runs on a one-rank group, or as rank 0 of 8 under the fake process group "
             f"({FAKE_PG})",
@@ -393,8 +509,13 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         "parts": {},
     }
 
-    def part(key: str, fn: Callable[[], Any]) -> Any:
+    def part(key: str, fn: Callable[[], Any], reserve_s: float = 20.0) -> Any:
         if key not in args.parts:
+            return None
+        if remaining() < reserve_s:
+            record["parts"][key] = {"seconds": 0.0, "skipped": f"{remaining():.0f} s left of the time limit, the "
+                                                               f"part needs about {reserve_s:.0f} s"}
+            print(f"gpu_check: {key} skipped ({remaining():.0f} s left)", flush=True)
             return None
         t0 = time.perf_counter()
         print(f"gpu_check: {key} ({remaining():.0f} s left)", flush=True)
@@ -411,15 +532,18 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            record["seconds"] = time.perf_counter() - start
+            save(record)
 
-    record["tests"] = part("tests", lambda: part_tests(args.dry_run, timeout_s=max(60.0, min(300.0, remaining()))))
+    record["tests"] = part("tests", lambda: part_tests(args.dry_run, timeout_s=max(60.0, min(150.0, remaining()))))
+    record["user_path"] = part("user_path", lambda: part_user_path(sizes, device, remaining), reserve_s=60.0)
     overlap = part("overlap", lambda: part_overlap(sizes, device))
     if overlap:
         record["split_overlap"] = overlap
         record["split_hidden_fraction"] = {k: v["hidden_fraction"] for k, v in overlap["per_k"].items()}
         record["split_hidden_of_hideable"] = {k: v["hidden_of_hideable"] for k, v in overlap["per_k"].items()}
         record["split_step_vs_linear"] = {k: v["step_vs_linear"] for k, v in overlap["per_k"].items()}
-    paper = part("paper_config", lambda: part_paper_config(sizes, device, args.out, stem))
+    paper = part("paper_config", lambda: part_paper_config(sizes, device, args.out, stem), reserve_s=60.0)
     if paper:
         record.update(memory_summary(paper))
         record["compute"] = compute_summary(record["paper_config"])
@@ -434,6 +558,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         record["training"] = mfu["models"]
     record["seconds"] = time.perf_counter() - start
     record["targets"] = targets_met(record)
+    save(record)
     return record
 
 
@@ -458,11 +583,18 @@ def markdown(record: dict[str, Any]) -> str:
     out = [f"# GPU proof: {record['device']}" + (" (dry run)" if record["dry_run"] else ""), "",
            f"torch {record['torch']}, CUDA {record['cuda']}, {record['date']}, {record['seconds']:.0f} s "
            "(`python experiments/gpu_check.py`).", ""]
+    sw = record.get("software") or {}
+    if sw:
+        out += [f"Software: torch {sw.get('torch')} (CUDA {sw.get('torch_cuda')}, cuDNN {sw.get('cudnn')}, NCCL "
+                f"{sw.get('nccl')}); GPU and driver: {sw.get('nvidia_smi')}; toolkit: {sw.get('nvcc')}.", ""]
     out += [f"- {n}" for n in record["notes"]] + [""]
     out += ["## Targets", "", _table(["check", "met"], [[k, "yes" if v else "**no**"] for k, v in record["targets"].items()]), ""]
     errors = {k: v["error"] for k, v in record["parts"].items() if "error" in v}
     if errors:
         out += ["Parts that failed: " + "; ".join(f"{k}: {v}" for k, v in errors.items()), ""]
+    skipped = {k: v["skipped"] for k, v in record["parts"].items() if "skipped" in v}
+    if skipped:
+        out += ["Parts skipped: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()), ""]
     tests = record.get("tests")
     if tests:
         out += ["## 1. GPU tests", "", f"`{tests['command']}`: "
@@ -470,6 +602,22 @@ def markdown(record: dict[str, Any]) -> str:
                    if tests["ran"] else f"collected {len(tests['collected'])} (dry run: not run)"), ""]
         out += [f"- {t}" + (f": {tests['results'][t]['outcome']}" if tests["ran"] else "") for t in tests["collected"]]
         out.append("")
+    user = record.get("user_path")
+    if user:
+        out += ["## The user's path: `osdp train`", "",
+                f"{user['model']}, micro-batch {user['batch_size']}, {user['precision']}, {user['ranks']}; "
+                f"MFU against the {user['mfu_reference'] or 'no data sheet: not computed'}.", "",
+                _table(["run", "plan", "budget MiB", "predicted ms", "measured ms", "step error", "predicted MiB",
+                        "measured MiB", "peak error", "tokens/s", "MFU"],
+                       [[name, r.get("plan", r.get("skipped") or f"failed ({r.get('returncode')})"),
+                         _mib(r.get("budget_bytes")),
+                         "-" if r.get("predicted_step_s") is None else f"{r['predicted_step_s'] * 1e3:.1f}",
+                         "-" if r.get("measured_step_s") is None else f"{r['measured_step_s'] * 1e3:.1f}",
+                         _pct(r.get("step_error")), _mib(r.get("predicted_peak_bytes")),
+                         _mib(r.get("measured_peak_bytes")), _pct(r.get("peak_error")),
+                         f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-", _pct(r.get("mfu"))]
+                        for name, r in user["runs"].items()]), ""]
+        out += [f"- `{r['command']}`" for r in user["runs"].values() if "command" in r] + [""]
     overlap = record.get("split_overlap")
     if overlap:
         out += ["## 2. Split op: overlap of the gathers (stand-in)", "",
@@ -537,11 +685,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds for the whole run; compiled MFU runs are skipped when too little is left")
     p.add_argument("--out", type=Path, default=RESULTS, help=f"output folder (default {RESULTS.relative_to(ROOT)})")
     args = p.parse_args(argv)
-    record = run_all(args)
-    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save(record: dict[str, Any]) -> None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = slug(record["device"], args.dry_run)
+        record["targets"] = targets_met(record)
+        (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+        (args.out / f"{stem}.md").write_text(markdown(record) + "\n")
+
+    record = run_all(args, save)
     stem = slug(record["device"], args.dry_run)
-    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-    (args.out / f"{stem}.md").write_text(markdown(record) + "\n")
     print(markdown(record))
     print(f"gpu_check: wrote {args.out / stem}.json and .md in {record['seconds']:.0f} s", flush=True)
     failed = [k for k, v in record["parts"].items() if "error" in v]

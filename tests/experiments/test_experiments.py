@@ -365,7 +365,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     record = json.loads((tmp_path / "cpu-dry-run.json").read_text())
     assert record["dry_run"] and record["device"] == "cpu" and record["torch"] == torch.__version__
-    assert set(record["parts"]) == {"tests", "overlap", "paper_config", "flops", "mfu"}
+    assert set(record["parts"]) == {"tests", "user_path", "overlap", "paper_config", "flops", "mfu"}
     assert not [p for p in record["parts"].values() if "error" in p]
     # 1. the CUDA tests are collected under the gpu marker (the dry run does not run them)
     collected = record["tests"]["collected"]
@@ -376,6 +376,14 @@ def test_gpu_check_dry_run(tmp_path):
                  "test_gpu.py::test_a_checkpoint_saved_on_cuda_loads_on_cpu"):
         assert any(c.endswith(test) for c in collected), test
     assert not record["tests"]["ran"] and len(collected) < 20  # the marker selects, not the whole suite
+    # the user's path: osdp train on one rank, DDP and then OSDP below DDP's measured peak, within its budget
+    runs = record["user_path"]["runs"]
+    assert set(runs) == {"ddp", "osdp@0.90"} and all(r["returncode"] == 0 for r in runs.values())
+    osdp_run = runs["osdp@0.90"]
+    assert osdp_run["budget_bytes"] < runs["ddp"]["measured_peak_bytes"]
+    assert 0 < osdp_run["measured_peak_bytes"] <= osdp_run["budget_bytes"] and osdp_run["within_budget"]
+    assert osdp_run["predicted_step_s"] > 0 and osdp_run["measured_step_s"] > 0
+    assert record["targets"]["user_path_within_budget"]
     # 2. the stand-in drives the C++ op: each k's output equals nn.Linear's
     assert set(record["split_hidden_fraction"]) == {"2", "4", "8"}
     for k, row in record["split_overlap"]["per_k"].items():
