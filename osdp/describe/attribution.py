@@ -128,20 +128,45 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+class _LiveBytes:
+    """Saved bytes alive, per unit and in all: what the storages' finalizers count down. It holds nothing
+    else, so a finalizer left on a storage that outlives the pass (a buffer, a cached mask) keeps only it alive,
+    not the model."""
+
+    def __init__(self) -> None:
+        self.per_unit: dict[str, int] = {}
+        self.total = 0
+
+    def add(self, owner: str, nbytes: int) -> None:
+        self.per_unit[owner] = self.per_unit.get(owner, 0) + nbytes
+        self.total += nbytes
+
+    def freed(self, owner: str, nbytes: int) -> None:
+        self.add(owner, -nbytes)
+
+
 class _Saved:
     """Saved-tensor attribution: each storage counted once, for the first unit that saves it.
 
     Follows how many saved bytes of each unit are alive (``live``), so that a
     memory peak can be split into the running unit's own saved bytes and the
-    rest.
+    rest. ``close()`` detaches the finalizers of storages still alive.
     """
 
     def __init__(self, segments: Segments, param_keys: set[int], chain: Callable[[torch.Tensor], Any] | None):
         self.segments, self.param_keys, self.chain = segments, param_keys, chain
         self.first_saver: dict[int, str] = {}
         self.nbytes: dict[int, int] = {}
-        self.live: dict[str, int] = {}
-        self.total_live = 0
+        self._live = _LiveBytes()
+        self._finalizers: list[weakref.finalize] = []
+
+    @property
+    def live(self) -> dict[str, int]:
+        return self._live.per_unit
+
+    @property
+    def total_live(self) -> int:
+        return self._live.total
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.chain is not None:
@@ -153,14 +178,15 @@ class _Saved:
                 nbytes = t.untyped_storage().nbytes()
                 self.first_saver[key] = owner
                 self.nbytes[key] = nbytes
-                self.live[owner] = self.live.get(owner, 0) + nbytes
-                self.total_live += nbytes
-                weakref.finalize(t.untyped_storage(), self._freed, owner, nbytes)
+                self._live.add(owner, nbytes)
+                self._finalizers.append(weakref.finalize(t.untyped_storage(), self._live.freed, owner, nbytes))
         return t
 
-    def _freed(self, owner: str, nbytes: int) -> None:
-        self.live[owner] -= nbytes
-        self.total_live -= nbytes
+    def close(self) -> None:
+        """Stop following the storages: a finalizer is held globally until its storage dies."""
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
 
     def per_unit(self, paths: Iterable[str]) -> dict[str, dict[str, int]]:
         """act and ckpt bytes per unit (see UnitWorkload). Call it between forward and backward.

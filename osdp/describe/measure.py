@@ -187,6 +187,7 @@ def memory_pass(
         finally:
             for h in grad_hooks:
                 h.remove()
+            saved.close()
     model.zero_grad(set_to_none=True)
     _working_sets(memory, segments_seen, root_total)
     return memory, list(segments.finished)

@@ -285,3 +285,40 @@ def test_batches_resize_and_affine_fits():
     assert Affine.fit([2, 4], [10, 18]) == Affine(2.0, 4.0)
     assert Affine.fit([4], [8]) == Affine(0.0, 2.0)
     assert Affine(-3.0, 1.0).bytes(1) == 0 and Affine(-3.0, 1.0).signed_bytes(1) == -2
+
+
+class _MaskedAttention(nn.Module):
+    """Written the way models in the wild are: a causal mask kept as a buffer, which forward saves."""
+
+    def __init__(self, dim: int = 16, seq: int = 8):
+        super().__init__()
+        self.qk = nn.Linear(dim, 2 * dim)
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq, dtype=torch.bool)))
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, dim=-1)
+        scores = (q @ k.transpose(-1, -2)).masked_fill(~self.mask, float("-inf"))
+        return scores.softmax(-1) @ x
+
+
+@pytest.mark.parametrize("which", ["gpt2-tiny", "masked-buffer"])
+def test_describing_a_model_keeps_nothing_of_it_alive(which):
+    """After describe returns, the user's model is theirs alone: deleting it frees it (and its parameters), also
+    when forward saved a tensor that outlives the pass (a buffer): a finalizer left on it held the model."""
+    import gc
+    import weakref
+
+    def described() -> tuple[weakref.ref, weakref.ref]:
+        if which == "gpt2-tiny":
+            model = models.build("gpt2-tiny")
+            batch = synthetic_batch(models.get_config("gpt2-tiny"), 2, generator=torch.Generator().manual_seed(0))
+        else:
+            model = nn.Sequential(_MaskedAttention(), _MaskedAttention())
+            batch = (torch.randn(2, 8, 16),)
+        describe(model, batch, batch_sizes=[1, 2], time_budget_s=0.5, cache=False, progress=False,
+                 loss_fn=None if which == "gpt2-tiny" else lambda out: out.square().mean())
+        return weakref.ref(model), weakref.ref(next(model.parameters()))
+
+    model_ref, param_ref = described()
+    gc.collect()
+    assert model_ref() is None and param_ref() is None
