@@ -191,6 +191,7 @@ def run_plan_fake(name: str, plan, args, device: torch.device, seq_len: int) -> 
         "name": name, "plan_hash": plan.hash, "summary": plan.summary(), "batch_size": plan.batch_size,
         "step_s_median": statistics.median(times), "step_s": times,
         "peak_bytes": stats.peak_bytes, "peak_reserved_bytes": stats.peak_reserved_bytes,
+        "baseline_bytes": stats.baseline_bytes,  # allocated when the step began: parameters, states, the batch
         "peak_breakdown": dict(stats.peak_breakdown),
     }
     del model, opt, meter
