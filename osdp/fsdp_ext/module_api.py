@@ -26,7 +26,6 @@ under any plan:
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch.nn as nn
@@ -44,16 +43,18 @@ class UnitExtras:
     split_linears: list[nn.Module] = field(default_factory=list)  # its own SplitLinears
 
 
-_EXTRAS: "weakref.WeakKeyDictionary[nn.Module, UnitExtras]" = weakref.WeakKeyDictionary()
+# Kept on the module itself, as FSDP2 keeps its state: a unit's extras reach the unit (its SplitLinears'
+# parameter group holds it), so in a weak-keyed table outside the module they would keep it alive for ever.
+_EXTRAS_ATTR = "_osdp_unit_extras"
 
 
 def extras_of(module: nn.Module) -> UnitExtras | None:
-    return _EXTRAS.get(module)
+    return module.__dict__.get(_EXTRAS_ATTR)
 
 
 def _reached(module: nn.Module, recurse: bool) -> list[UnitExtras]:
     modules = module.modules() if recurse else [module]
-    return [e for m in modules if (e := _EXTRAS.get(m)) is not None]
+    return [e for m in modules if (e := extras_of(m)) is not None]
 
 
 def _replicated(module: nn.Module, recurse: bool) -> dict[ReplicaReducer, list[nn.Parameter]]:
@@ -113,7 +114,7 @@ def extend_unit(module: nn.Module, extras: UnitExtras) -> None:
     """Make the ``fully_shard``-ed ``module`` answer for what ``extras`` holds (see the module docstring)."""
     if not isinstance(module, FSDPModule):
         raise TypeError(f"{type(module).__name__} is not fully_shard-ed")
-    _EXTRAS[module] = extras
+    module.__dict__[_EXTRAS_ATTR] = extras
     cls = type(module)
     if issubclass(cls, UnitModule):
         return

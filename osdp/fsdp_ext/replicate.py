@@ -33,7 +33,9 @@ bf16 needs a bf16 copy of the parameters either way, which FSDP2's
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -71,6 +73,20 @@ class _Param:
     divide_by: float | None = None  # set_gradient_divide_factor (None: the world size)
     used_since_reduced: bool = False  # a gradient arrived since its last reduction (locally)
     fired: bool = field(default=False)  # in this backward
+
+
+def _gradient_hook(reducer: "ReplicaReducer") -> Callable[[nn.Parameter], None]:
+    """The hook a parameter keeps, referring to the reducer weakly (the model holds the reducer). Autograd
+    keeps a parameter's hooks where the garbage collector cannot see them, so parameter -> hook -> reducer ->
+    parameter would be a cycle never freed: a model wrapped and then dropped would stay in memory."""
+    ref = weakref.ref(reducer)
+
+    def hook(param: nn.Parameter) -> None:
+        r = ref()
+        if r is not None:
+            r._on_gradient(param)
+
+    return hook
 
 
 class ReplicaReducer:
@@ -169,7 +185,7 @@ class ReplicaReducer:
                 self._hooks.pop(p).remove()
         for p in self._state:
             if p not in self._hooks:
-                self._hooks[p] = p.register_post_accumulate_grad_hook(self._on_gradient)
+                self._hooks[p] = p.register_post_accumulate_grad_hook(_gradient_hook(self))
         self._requires_grad = self._requires_grad_now()
 
     def _bucket(self, params: list[nn.Parameter]) -> _Bucket:
