@@ -281,7 +281,7 @@ def memory_summary(record: dict[str, Any]) -> dict[str, Any]:
             "summary": r["summary"], "batch_size": r["batch_size"], "budget_bytes": r["budget_bytes"],
             "predicted_peak_bytes": r["predicted_peak_bytes"], "measured_peak_bytes": r["peak_bytes"],
             "measured_reserved_bytes": r.get("peak_reserved_bytes"), "error": error,
-            "measured_baseline_bytes": r.get("baseline_bytes"),
+            "measured_baseline_bytes": r.get("baseline_bytes"), "leftover_bytes": r.get("leftover_bytes"),
             "over_budget": bool(r["budget_bytes"]) and r["peak_bytes"] > r["budget_bytes"],
             "measured_compute_s": r["step_s_median"], "predicted_compute_s": r.get("predicted_compute_s"),
             "predicted_compute_analytic_s": r["predicted_compute_analytic_s"],

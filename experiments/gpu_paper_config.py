@@ -170,6 +170,9 @@ def run_plan_fake(name: str, plan, args, device: torch.device, seq_len: int) -> 
     from osdp.optim import make_optimizer
     from osdp.runtime.step import train_step
 
+    # what earlier plans left allocated (nothing, unless something keeps a dropped model alive): it counts in
+    # this plan's measured peak
+    leftover = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     torch.manual_seed(0)
     with torch.device(device):
         model = models.build(args.model, seq_len=seq_len)
@@ -192,6 +195,7 @@ def run_plan_fake(name: str, plan, args, device: torch.device, seq_len: int) -> 
         "step_s_median": statistics.median(times), "step_s": times,
         "peak_bytes": stats.peak_bytes, "peak_reserved_bytes": stats.peak_reserved_bytes,
         "baseline_bytes": stats.baseline_bytes,  # allocated when the step began: parameters, states, the batch
+        "leftover_bytes": leftover,
         "peak_breakdown": dict(stats.peak_breakdown),
     }
     del model, opt, meter
