@@ -63,7 +63,7 @@ BASELINES = ("torch-ddp", "fsdp2", "fsdp2-zero2", "torch-ddp+ac", "fsdp2+ac", "f
 MULTI_NODE_BASELINES = ("torch-ddp", "fsdp2", "fsdp2-hsdp", "torch-ddp+ac", "fsdp2+ac", "fsdp2-hsdp+ac")
 ALL_BASELINES = tuple(dict.fromkeys(BASELINES + MULTI_NODE_BASELINES))
 # not baselines a user runs, but the native twins of osdp's selectively checkpointed plans in bench_modes.py:
-# per-op selective checkpointing of every block with osdp's own policy (every matmul and attention output kept)
+# per-op selective checkpointing of every block with osdp's own policy (osdp.describe.recompute.selective_context)
 TWIN_BASELINES = ("fsdp2+sac-osdp", "torch-ddp+sac-osdp")
 
 

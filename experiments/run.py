@@ -76,7 +76,7 @@ ABLATIONS = {"osdp-uniform-ddp": "ddp", "osdp-uniform-zero2": "zero2", "osdp-uni
 TWINS = {
     f"osdp-{mode}{'+ac' if ac else ''}": (mode, ac) for mode in ("replicate", "zero3", "zero2") for ac in (False, True)
 }
-# and selectively checkpointed (osdp's policy: every matmul and attention output kept), beside the native
+# and selectively checkpointed (osdp's policy, osdp.describe.recompute.selective_context), beside the native
 # twins that apply the same per-op policy (baselines.TWIN_BASELINES)
 TWINS.update({f"osdp-{mode}+sac": (mode, "selective") for mode in ("replicate", "zero3")})
 EXTRA_STRATEGIES = ("fairscale",)

@@ -103,7 +103,7 @@ def default_plans(
         "ddp-ckpt": plan(lambda u: ("replicate", 1, block(u))),
         "mixed-rep-z3": plan(lambda u: ("replicate", 1, False) if u.signature == first else ("zero3", 1, False)),
         "mixed-z2-ckpt": plan(lambda u: ("zero2", 1, True) if u.signature == first else ("zero3", 1, False)),
-        # selective checkpointing (matmul and attention outputs kept, the rest recomputed) on every block, and
+        # selective checkpointing (attention and every other matmul output kept, the rest recomputed) on every block, and
         # on one kind of block beside the other kind checkpointed in full
         "fsdp-sac": plan(lambda u: ("zero3", 1, "selective" if block(u) else False)),
         "mixed-sac": plan(lambda u: ("replicate", 1, "selective") if u.signature == first

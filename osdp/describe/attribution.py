@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from osdp.describe.recompute import SAVED_OPS
+from osdp.describe.recompute import MATMULS, SAVED_OPS, kept_by_selective
 from osdp.describe.units import Unit, checkpointable, param_homes
 from osdp.machine.memory import iter_tensors
 from osdp.schema.plan import ROOT
@@ -47,6 +47,7 @@ class Segments:
         self.phase = "fwd"
         self.inputs: dict[str, list[tuple[int, int, Any]]] = {}  # unit -> (storage key, bytes, weakref) of its inputs
         self.finished: list[str] = []  # units in the order their forward ended (FSDP2's post-forward order)
+        self.calls: dict[str, int] = {}  # unit -> forwards begun so far
         self._handles: list[Any] = []
 
     def close(self, owner: str) -> None:
@@ -83,6 +84,7 @@ class Segments:
         def hook(_module, args, kwargs):
             self.close(self.stack[-1] if self.stack else ROOT)
             self.stack.append(path)
+            self.calls[path] = self.calls.get(path, 0) + 1
             self.inputs[path] = [
                 (_storage_key(t), t.untyped_storage().nbytes(), weakref.ref(t.untyped_storage()))
                 for t in iter_tensors((args, kwargs))
@@ -253,20 +255,27 @@ def _working_sets(
 
 
 class KeptBySelective(TorchDispatchMode):
-    """Per unit, the bytes selective checkpointing keeps beyond the unit's inputs: the outputs of the ops in
-    ``recompute.SAVED_OPS`` its own forward runs (in no unit nested in it), as the checkpoint's cache holds them.
-    Works on real and on fake tensors."""
+    """Per unit, the bytes selective checkpointing keeps beyond the unit's inputs: the outputs of the ops
+    ``recompute.kept_by_selective`` keeps that its own forward runs (in no unit nested in it; matmuls counted
+    per call, as the policy counts them), as the checkpoint's cache holds them. Works on real and on fake
+    tensors."""
 
     def __init__(self, segments: Segments):
         super().__init__()
         self.segments = segments
         self.bytes: dict[str, int] = {}
         self.outputs: dict[str, list[tuple[int, int]]] = {}  # per unit, (storage key, bytes) of what it keeps
+        self._matmuls: dict[tuple[str, int], int] = {}  # (unit, call) -> matmuls so far
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in SAVED_OPS and self.segments.phase == "fwd" and torch.is_grad_enabled():
             owner = self.segments.stack[-1] if self.segments.stack else ROOT
+            call = (owner, self.segments.calls.get(owner, 0))
+            if func in MATMULS:
+                self._matmuls[call] = self._matmuls.get(call, 0) + 1
+            if not kept_by_selective(func, self._matmuls.get(call, 0)):
+                return out
             outputs = out if isinstance(out, (tuple, list)) else (out,)
             kept = [(_storage_key(t), t.nelement() * t.element_size()) for t in outputs if isinstance(t, torch.Tensor)]
             self.bytes[owner] = self.bytes.get(owner, 0) + sum(n for _, n in kept)

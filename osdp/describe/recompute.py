@@ -3,10 +3,15 @@
 Two policies (``CHECKPOINT_POLICIES``, besides "none"):
 
 * ``full``: the unit's forward runs under non-reentrant ``torch.utils.checkpoint``; backward redoes all of it.
-* ``selective``: the same, with a per-op policy (``torch.utils.checkpoint.create_selective_checkpoint_contexts``,
-  as torchtitan's default per-op checkpointing): the outputs of the expensive ops (``SAVED_OPS``: matmuls,
-  attention, convolutions) are kept, everything else (norms, activations, dropout, pointwise) is recomputed.
-  It keeps more than ``full`` (the matmuls' outputs) and redoes much less (no matmul is done twice).
+* ``selective``: the same, with torchtitan's default per-op policy
+  (``torch.utils.checkpoint.create_selective_checkpoint_contexts``): the outputs of the expensive ops
+  (``SAVED_OPS``: attention, convolutions, batched matmuls, and every other matmul of the unit's forward,
+  ``MATMULS`` counted in order) are kept, everything else (the other matmuls, norms, activations, dropout,
+  pointwise) is recomputed. It keeps more than ``full`` and redoes much less. Skipping every second matmul
+  drops what keeping them all would waste: in a unit of two (an attention's or an MLP's), the second's
+  output is the unit's output, which no backward formula needs, so the recompute never reaches it; in a
+  transformer block of four, the attention's projection is done again. With this policy OSDP's selective
+  plans are the plans experts run (FSDP2 or DDP with torchtitan's selective checkpointing of every block).
 
 The module's hooks (FSDP2's gathers and reshards) stay outside the checkpoint, as torchtitan's
 ``checkpoint_wrapper`` inside ``fully_shard``. The module's class is swapped for a subclass whose ``forward``
@@ -39,13 +44,30 @@ SAVED_OPS = frozenset(
 )
 
 
-def _keep_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+# A Linear's matmul on the dispatcher: of these, selective checkpointing keeps every other one's output.
+MATMULS = frozenset({_aten.mm.default, _aten.addmm.default})
+
+
+def kept_by_selective(op, matmuls_so_far: int) -> bool:
+    """Whether selective checkpointing keeps the output of ``op``, the checkpointed forward's
+    ``matmuls_so_far``-th matmul if it is one (this one counted): the expensive ops', but every second
+    matmul's."""
+    return op in SAVED_OPS and not (op in MATMULS and matmuls_so_far % 2 == 0)
 
 
 def selective_context():
-    """The ``context_fn`` of a selectively checkpointed forward (a fresh pair of contexts per call)."""
-    return create_selective_checkpoint_contexts(_keep_expensive)
+    """The ``context_fn`` of a selectively checkpointed forward: a fresh pair of contexts per call, counting the
+    matmuls of the forward and of its recompute apart, so that both keep the same ones."""
+    matmuls = {False: 0, True: 0}  # ctx.is_recompute -> matmuls so far
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in MATMULS:
+            matmuls[ctx.is_recompute] += 1
+        if kept_by_selective(op, matmuls[ctx.is_recompute]):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 _CHECKPOINTED: dict[tuple[type, str], type] = {}  # (class, policy) -> its checkpointed subclass
@@ -53,8 +75,8 @@ _ORIGINAL: dict[type, tuple[type, str]] = {}  # and back: (class, policy)
 
 
 def checkpoint_unit(module: nn.Module, policy: str = "full") -> None:
-    """From now on ``module``'s forward is recomputed in backward (``policy`` "full"), or all of it but its
-    matmuls' and attention's outputs ("selective"), instead of saving its activations."""
+    """From now on ``module``'s forward is recomputed in backward (``policy`` "full"), or all of it but the
+    outputs of its attention and every other matmul ("selective"), instead of saving its activations."""
     if policy not in CHECKPOINT_POLICIES[1:]:
         raise ValueError(f"checkpoint policy {policy!r} does not exist; use one of {CHECKPOINT_POLICIES[1:]}")
     cls = type(module)

@@ -75,7 +75,7 @@ class UnitWorkload:
     # stops once the last tensor backward needs is rebuilt, so it is cheaper than the forward);
     # None (analytic descriptions, units that cannot be checkpointed): the forward time.
     recompute_s: Affine | None = None
-    # Selective checkpointing (osdp.describe.recompute: matmul and attention outputs kept, the rest
+    # Selective checkpointing (osdp.describe.recompute: attention and every other matmul output kept, the rest
     # recomputed): what the unit keeps then (its inputs and those outputs), and what it adds to the backward.
     # None: not described (older descriptions; units that cannot be checkpointed), so not offered.
     sac_bytes: Affine | None = None

@@ -205,3 +205,32 @@ def test_osdp_in_whole_blocks_makes_the_collectives_of_per_block_fully_shard():
     blocks = 2
     assert out["fsdp"] == out["fsdp2"] == {"all_gather": 2 * blocks + 1, "reduce_scatter": blocks + 1}, out
     assert out["zero2"] == out["fsdp2-zero2"] == {"all_gather": blocks + 1, "reduce_scatter": blocks + 1}, out
+
+
+def test_osdp_selective_policy_keeps_what_torchtitans_keeps():
+    """OSDP's selective checkpointing decides as the fsdp2+sac and torch-ddp+sac baselines (torchtitan's default
+    policy) on a transformer block's ops: their plans are in OSDP's space."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from osdp.describe.recompute import selective_context
+
+    aten = torch.ops.aten
+    block = [aten.native_layer_norm.default, aten.addmm.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+             aten.addmm.default, aten.add.Tensor, aten.native_layer_norm.default, aten.addmm.default, aten.gelu.default,
+             aten.addmm.default, aten.add.Tensor]
+
+    class Ctx:
+        def __init__(self, is_recompute):
+            self.is_recompute = is_recompute
+
+    def decisions(context_fn) -> list[CheckpointPolicy]:
+        # the recompute asks the policy again on torch versions whose recompute mode keeps it (newer ones replay
+        # the forward's decisions)
+        modes = [mode for mode in context_fn() if hasattr(mode, "policy_fn")]
+        return [mode.policy_fn(Ctx(i == 1), op) for i, mode in enumerate(modes) for op in block]
+
+    ours, torchtitans = decisions(selective_context), decisions(baselines._selective_per_op)
+    assert ours == torchtitans
+    kept = [op for op, d in zip(block, ours[:len(block)]) if d == CheckpointPolicy.MUST_SAVE]
+    assert kept == [aten.addmm.default, aten._scaled_dot_product_flash_attention_for_cpu.default, aten.addmm.default]
