@@ -230,7 +230,12 @@ def test_plan_cli_searches_groups_of_blocks_when_asked(tmp_path, capsys):
     text = capsys.readouterr().out
     assert code == 0
     plan = Plan.from_json(out.read_text())
-    assert plan.groups() and plan.predicted_peak_bytes <= 12 * 2**30  # each collective's latency paid once a group
+    # groups of 2 and 4 were priced beside single blocks; which wins is a near-tie here (within 0.2% since
+    # selective checkpointing keeps what torchtitan keeps), so the test does not depend on it
+    by_granularity = plan.meta["samples_per_s_by_granularity"]
+    assert {"block", "block, groups of 2", "block, groups of 4"} <= set(by_granularity)
+    assert plan.predicted_peak_bytes <= 12 * 2**30
+    assert bool(plan.groups()) == ("groups of" in plan.meta["granularity"])
     for first, members in plan.groups().items():
         assert all(f"in {first}" in line for line in text.splitlines()
                    if line.split() and line.split()[0] in members[1:])
