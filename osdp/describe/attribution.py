@@ -264,7 +264,9 @@ class KeptBySelective(TorchDispatchMode):
         super().__init__()
         self.segments = segments
         self.bytes: dict[str, int] = {}
-        self.outputs: dict[str, list[tuple[int, int]]] = {}  # per unit, (storage key, bytes) of what it keeps
+        # per unit, what it keeps: (its storage while alive, storage key, bytes). A key alone could name another
+        # storage later: a kept output no backward saves dies in forward, and its address is reused
+        self.outputs: dict[str, list[tuple[weakref.ref, int, int]]] = {}
         self._matmuls: dict[tuple[str, int], int] = {}  # (unit, call) -> matmuls so far
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -277,8 +279,9 @@ class KeptBySelective(TorchDispatchMode):
             if not kept_by_selective(func, self._matmuls.get(call, 0)):
                 return out
             outputs = out if isinstance(out, (tuple, list)) else (out,)
-            kept = [(_storage_key(t), t.nelement() * t.element_size()) for t in outputs if isinstance(t, torch.Tensor)]
-            self.bytes[owner] = self.bytes.get(owner, 0) + sum(n for _, n in kept)
+            kept = [(weakref.ref(t.untyped_storage()), _storage_key(t), t.nelement() * t.element_size())
+                    for t in outputs if isinstance(t, torch.Tensor)]
+            self.bytes[owner] = self.bytes.get(owner, 0) + sum(n for _, _, n in kept)
             self.outputs.setdefault(owner, []).extend(kept)
         return out
 
@@ -286,5 +289,6 @@ class KeptBySelective(TorchDispatchMode):
         """Of what selective checkpointing keeps of unit ``path``, the bytes its own backward does not save
         (``first_saver``: ``_Saved``'s, after the forward), such as its last matmul's output. The checkpoint's
         cache holds them until the unit's backward ends, beyond the backward's working set: its recompute stops
-        before it reaches them."""
-        return sum(n for key, n in self.outputs.get(path, ()) if first_saver.get(key) != path)
+        before it reaches them. One dead by now was saved by no backward (what is saved lives until backward)."""
+        return sum(n for storage, key, n in self.outputs.get(path, ())
+                   if storage() is None or first_saver.get(key) != path)

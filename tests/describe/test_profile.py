@@ -192,6 +192,27 @@ def test_recompute_is_measured_and_stops_where_backward_needs_nothing_more():
     assert ModelDescription.from_json(d.to_json()).unit("chain").costs["fp32"].recompute_s == chain.recompute_s
 
 
+@pytest.mark.parametrize("source", ["analytic", "measured"])
+def test_what_selective_checkpointing_keeps_unsaved_is_the_same_in_every_identical_block(source):
+    """Llama's query projection is kept by the selective policy (its first matmul) but saved by no backward
+    (rotary embedding multiplies it by constants), so it dies in forward: B*T*C bytes held by the checkpoint's
+    cache alone, in every block alike. Told apart by storage address only, a later tensor at the freed address
+    made some blocks count 0, which blocks depended on the process's history (analytic plans differed between
+    identical runs)."""
+    torch.manual_seed(0)
+    model = models.build("llama-tiny", seq_len=T, n_layer=6)
+    batch = synthetic_batch(models.get_config("llama-tiny", seq_len=T), B, T, generator=torch.Generator().manual_seed(0))
+    if source == "analytic":
+        d = describe_analytic(model, batch, "h100-nvlink", world_size=8, progress=False, granularity="sub-block")
+    else:
+        d = describe(model, batch, granularity="sub-block", **FAST)
+    C = model.config.n_embd
+    unsaved = {u.path: u.costs["fp32"].sac_unsaved_bytes.bytes(B) for u in d.units if u.path.startswith("blocks.")}
+    assert {p for p in unsaved if p.endswith(".attn")} == {f"blocks.{i}.attn" for i in range(6)}
+    for path, nbytes in unsaved.items():  # attention: the query; MLP: the down projection's output
+        assert nbytes == B * T * C * 4, (path, unsaved)
+
+
 def test_analytic_matches_measured_memory_byte_for_byte(tiny):
     analytic = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink", world_size=8, progress=False)
     assert analytic.paths == tiny.paths and analytic.forward_order == tiny.forward_order
