@@ -144,12 +144,12 @@ def describe_analytic(
                     memory[b], order = memory_pass(runnable, runnable_units, resize_batch(fake_input, b), loss_fn, meter)
                 flops[b] = meter.flops
                 seconds[b] = {k: f / rate for k, f in meter.flops.items()}
-            # Compute is priced by FLOPs here, and what selective checkpointing recomputes has almost none (its
-            # pointwise ops), but for a matmul it does not keep that backward needs again (in a whole transformer
-            # block, the attention's projection: about a twelfth of the block's forward). Priced as free here;
-            # the measured description times it.
-            free = {"selective": {b: {u.path: 0.0 for u in checkpointable(runnable_units)} for b in sizes}}
-            costs[prec] = fit_costs(runnable_units, sizes, memory, seconds, flops, recompute_seconds=free)
+            # compute is priced by FLOPs: a recompute redoes those of the ops it does not keep up to the unit's
+            # last saved tensor (KeptBySelective)
+            redone = {policy: {b: {u.path: memory[b][u.path][f"{policy}_recompute_flops"] / rate
+                                   for u in checkpointable(runnable_units)} for b in sizes}
+                      for policy in ("full", "selective")}
+            costs[prec] = fit_costs(runnable_units, sizes, memory, seconds, flops, recompute_seconds=redone)
         profiles = unit_profiles(fake_model, units, costs)
     description = ModelDescription(
         model=name,

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from osdp.describe.recompute import MATMULS, SAVED_OPS, kept_by_selective
 from osdp.describe.units import Unit, checkpointable, param_homes
@@ -257,8 +258,12 @@ def _working_sets(
 class KeptBySelective(TorchDispatchMode):
     """Per unit, the bytes selective checkpointing keeps beyond the unit's inputs: the outputs of the ops
     ``recompute.kept_by_selective`` keeps that its own forward runs (in no unit nested in it; matmuls counted
-    per call, as the policy counts them), as the checkpoint's cache holds them. Works on real and on fake
-    tensors."""
+    per call, as the policy counts them), as the checkpoint's cache holds them. Also the FLOPs each policy's
+    recompute redoes (``recompute_flops[policy][unit]``): the ops with FLOPs (``torch.utils.flop_counter``'s)
+    it does not keep that run before the unit's forward saves its last tensor, as a recompute stops there (the
+    checkpoint's early stop: an op's inputs are saved before the op runs, so a unit's last Linear, whose output
+    no later op of the unit saves, is never redone). ``saved()`` is to be called on every tensor the forward
+    saves. Works on real and on fake tensors."""
 
     def __init__(self, segments: Segments):
         super().__init__()
@@ -268,21 +273,46 @@ class KeptBySelective(TorchDispatchMode):
         # storage later: a kept output no backward saves dies in forward, and its address is reused
         self.outputs: dict[str, list[tuple[weakref.ref, int, int]]] = {}
         self._matmuls: dict[tuple[str, int], int] = {}  # (unit, call) -> matmuls so far
+        self.recompute_flops: dict[str, dict[str, int]] = {"full": {}, "selective": {}}
+        # per policy and unit, the FLOPs not kept since the unit's forward last saved a tensor
+        self._not_redone_yet: dict[str, dict[str, int]] = {"full": {}, "selective": {}}
+
+    def _owner(self) -> str:
+        return self.segments.stack[-1] if self.segments.stack else ROOT
+
+    def saved(self) -> None:
+        """The running unit's forward saved a tensor: what it did not keep so far is redone by its recompute."""
+        if self.segments.phase == "fwd":
+            owner = self._owner()
+            for policy, pending in self._not_redone_yet.items():
+                redone = self.recompute_flops[policy]
+                redone[owner] = redone.get(owner, 0) + pending.pop(owner, 0)
+
+    def _not_kept(self, policy: str, owner: str, flops: int) -> None:
+        self._not_redone_yet[policy][owner] = self._not_redone_yet[policy].get(owner, 0) + flops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in SAVED_OPS and self.segments.phase == "fwd" and torch.is_grad_enabled():
-            owner = self.segments.stack[-1] if self.segments.stack else ROOT
-            call = (owner, self.segments.calls.get(owner, 0))
-            if func in MATMULS:
-                self._matmuls[call] = self._matmuls.get(call, 0) + 1
-            if not kept_by_selective(func, self._matmuls.get(call, 0)):
-                return out
-            outputs = out if isinstance(out, (tuple, list)) else (out,)
-            kept = [(weakref.ref(t.untyped_storage()), _storage_key(t), t.nelement() * t.element_size())
-                    for t in outputs if isinstance(t, torch.Tensor)]
-            self.bytes[owner] = self.bytes.get(owner, 0) + sum(n for _, _, n in kept)
-            self.outputs.setdefault(owner, []).extend(kept)
+        if self.segments.phase != "fwd" or not torch.is_grad_enabled():
+            return out
+        owner = self._owner()
+        counted = flop_registry.get(func._overloadpacket)
+        flops = counted(*args, **(kwargs or {}), out_val=out) if counted is not None else 0
+        self._not_kept("full", owner, flops)
+        if func not in SAVED_OPS:
+            self._not_kept("selective", owner, flops)
+            return out
+        call = (owner, self.segments.calls.get(owner, 0))
+        if func in MATMULS:
+            self._matmuls[call] = self._matmuls.get(call, 0) + 1
+        if not kept_by_selective(func, self._matmuls.get(call, 0)):
+            self._not_kept("selective", owner, flops)
+            return out
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        kept = [(weakref.ref(t.untyped_storage()), _storage_key(t), t.nelement() * t.element_size())
+                for t in outputs if isinstance(t, torch.Tensor)]
+        self.bytes[owner] = self.bytes.get(owner, 0) + sum(n for _, _, n in kept)
+        self.outputs.setdefault(owner, []).extend(kept)
         return out
 
     def unsaved_bytes(self, path: str, first_saver: Mapping[int, str]) -> int:

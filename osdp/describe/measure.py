@@ -163,15 +163,19 @@ def memory_pass(
                 also(owner, phase)
 
         segments = Segments(model, units, on_close)
-        saved = _Saved(segments, param_keys, chain=lambda t: tracker.mark(t, "activations"))
+        kept_by_selective = KeptBySelective(segments)
+
+        def on_saved(t: torch.Tensor) -> None:
+            tracker.mark(t, "activations")
+            kept_by_selective.saved()
+
+        saved = _Saved(segments, param_keys, chain=on_saved)
         enclosing = {u.path for u in units if u.nested or u.path == ROOT}
         grad_hooks = [
             p.register_post_accumulate_grad_hook(lambda p, home=home: pending.setdefault(home, []).append(p))
             for p in model.parameters()
             if p.requires_grad and (home := segments.homes[id(p)]) not in enclosing
         ]
-
-        kept_by_selective = KeptBySelective(segments)
 
         def after_forward() -> None:
             nonlocal root_total
@@ -180,6 +184,8 @@ def memory_pass(
             for u in checkpointable(units):  # what selective checkpointing keeps: the inputs and SAVED_OPS' outputs
                 memory[u.path]["sac"] = memory[u.path]["ckpt"] + kept_by_selective.bytes.get(u.path, 0)
                 memory[u.path]["sac_unsaved"] = kept_by_selective.unsaved_bytes(u.path, saved.first_saver)
+                for policy, redone in kept_by_selective.recompute_flops.items():
+                    memory[u.path][f"{policy}_recompute_flops"] = redone.get(u.path, 0)
 
         try:
             with segments, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), kept_by_selective:

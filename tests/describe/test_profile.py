@@ -236,6 +236,22 @@ def analytic_rate(preset):
     return device_preset(preset, 8).flops_for("float32")
 
 
+def test_analytic_prices_what_a_selective_recompute_redoes():
+    """Torchtitan's policy keeps a block's 1st and 3rd matmul (qkv, MLP up); its recompute redoes the attention's
+    projection (2nd), needed again to rebuild the residual the MLP's norm saves, and stops before the MLP's
+    projection (4th), whose output no later op of the block saves. As sub-blocks (two matmuls each) the
+    recompute redoes no matmul. Priced at the preset's FLOP/s, as every analytic time."""
+    C = models.get_config("gpt2-tiny").n_embd
+    rate = analytic_rate("h100-nvlink")
+    for granularity, redone_flops in (("block", 2 * B * T * C * C), ("sub-block", 0)):
+        d = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink", world_size=8, progress=False,
+                              granularity=granularity)
+        units = [u for u in d.units if u.path.startswith("blocks.") and u.param_bytes > 4 * C * C]
+        assert units
+        for u in units:
+            assert u.costs["fp32"].sac_recompute_s(B) == pytest.approx(redone_flops / rate), (granularity, u.path)
+
+
 def test_analytic_describes_a_meta_model_without_memory():
     with torch.device("meta"):
         model = models.build("gpt2-small", n_layer=2)
