@@ -237,19 +237,27 @@ def analytic_rate(preset):
 
 
 def test_analytic_prices_what_a_selective_recompute_redoes():
-    """Torchtitan's policy keeps a block's 1st and 3rd matmul (qkv, MLP up); its recompute redoes the attention's
-    projection (2nd), needed again to rebuild the residual the MLP's norm saves, and stops before the MLP's
-    projection (4th), whose output no later op of the block saves. As sub-blocks (two matmuls each) the
-    recompute redoes no matmul. Priced at the preset's FLOP/s, as every analytic time."""
+    """A recompute stops once the unit's last saved tensor is rebuilt, before its last Linear (whose output no
+    later op of the unit saves). Full: the other matmuls are redone. Selective (torchtitan's policy keeps a
+    block's 1st and 3rd matmul, qkv and the MLP's up projection): the attention's projection, needed again to
+    rebuild the residual the MLP's norm saves; as sub-blocks (two matmuls each) no matmul. Priced at the
+    preset's FLOP/s, as every analytic time."""
     C = models.get_config("gpt2-tiny").n_embd
     rate = analytic_rate("h100-nvlink")
-    for granularity, redone_flops in (("block", 2 * B * T * C * C), ("sub-block", 0)):
+    matmul = 2 * B * T * C * C  # the FLOPs of a C x C Linear over the batch: qkv is 3 of them, the MLP's 4 each
+    # (unit kind, its matmuls' FLOPs) -> FLOPs redone: fully (all but a last Linear), selectively
+    expected = {"block": (3 + 1 + 4) * matmul, "block/selective": matmul, "attn": 3 * matmul, "mlp": 4 * matmul,
+                "attn/selective": 0, "mlp/selective": 0}
+    for granularity in ("block", "sub-block"):
         d = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink", world_size=8, progress=False,
                               granularity=granularity)
         units = [u for u in d.units if u.path.startswith("blocks.") and u.param_bytes > 4 * C * C]
-        assert units
+        assert len(units) == 2 * (1 if granularity == "block" else 2)
         for u in units:
-            assert u.costs["fp32"].sac_recompute_s(B) == pytest.approx(redone_flops / rate), (granularity, u.path)
+            kind = "block" if granularity == "block" else u.path.rsplit(".", 1)[1]
+            costs = u.costs["fp32"]
+            assert costs.recompute_seconds(B, "full") == pytest.approx(expected[kind] / rate), u.path
+            assert costs.sac_recompute_s(B) == pytest.approx(expected[f"{kind}/selective"] / rate), u.path
 
 
 def test_analytic_describes_a_meta_model_without_memory():
