@@ -149,7 +149,8 @@ class _LiveBytes:
 
 
 class _Saved:
-    """Saved-tensor attribution: each storage counted once, for the first unit that saves it.
+    """Saved-tensor attribution: each storage counted once, for the first unit that saves it, if it lives
+    until backward.
 
     Follows how many saved bytes of each unit are alive (``live``), so that a
     memory peak can be split into the running unit's own saved bytes and the
@@ -160,6 +161,9 @@ class _Saved:
         self.segments, self.param_keys, self.chain = segments, param_keys, chain
         self.first_saver: dict[int, str] = {}
         self.nbytes: dict[int, int] = {}
+        # the storage behind each key while it lives: a saved tensor can die in forward (its graph dropped, as a
+        # discarded output's), and a later one take its address
+        self._storages: dict[int, weakref.ref] = {}
         self._live = _LiveBytes()
         self._finalizers: list[weakref.finalize] = []
 
@@ -176,14 +180,16 @@ class _Saved:
             self.chain(t)
         if self.segments.phase == "fwd" and t.layout == torch.strided:
             key = _storage_key(t)
-            if key not in self.param_keys and key not in self.first_saver:
+            known = self._storages.get(key)
+            if key not in self.param_keys and (known is None or known() is None):
                 owner = self.segments.stack[-1] if self.segments.stack else ROOT
                 nbytes = t.untyped_storage().nbytes()
                 self.first_saver[key] = owner
                 self.nbytes[key] = nbytes
+                self._storages[key] = weakref.ref(t.untyped_storage())
                 self._live.add(owner, nbytes)
                 self._finalizers.append(weakref.finalize(t.untyped_storage(), self._live.freed, owner, nbytes))
-        return t
+        return t.detach()  # t itself, an op's output, would hold its own grad_fn: a cycle no gc reclaims
 
     def close(self) -> None:
         """Stop following the storages: a finalizer is held globally until its storage dies."""
@@ -206,7 +212,8 @@ class _Saved:
         """
         out = {p: {"act": 0, "ckpt": 0} for p in paths}
         for key, owner in self.first_saver.items():
-            out[owner]["act"] += self.nbytes[key]
+            if self._storages[key]() is not None:  # what died in forward is kept by no backward
+                out[owner]["act"] += self.nbytes[key]
         lenders = {u.path for u in checkpointable(self.segments.units)}  # the root and enclosing units never are
         borrowed: set[int] = set()
         for path, inputs in self.segments.inputs.items():  # in forward order

@@ -360,7 +360,9 @@ class LiveBytesTracker:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._note(t, _ACT)
-        return t
+        # detached: t itself, when it is the op's output, would hold its own grad_fn, a cycle that keeps a graph
+        # never run backward (a discarded output's) alive for good, and counted as activations
+        return t.detach()
 
     def _on_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         if any(optimizer is r for r in self._roots):

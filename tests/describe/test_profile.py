@@ -64,6 +64,38 @@ def test_activation_bytes_of_an_mlp_match_the_saved_tensors(tiny):
     assert tiny.unit("").costs["fp32"].sac_bytes is None  # the root is never checkpointed
 
 
+class DiscardsAWideBranch(nn.Module):
+    """Computes a wide tanh it throws away (its graph, and the tanh output that graph saved, die in forward),
+    then saves a narrow tensor (mul saves both its inputs), which may take the dead one's storage address."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.wide = nn.Parameter(torch.randn(width, 8 * width) / width**0.5)
+        self.narrow = nn.Parameter(torch.randn(width, width) / width**0.5)
+
+    def forward(self, x):
+        for _ in range(4):  # several chances for an address to be taken again
+            torch.tanh(x @ self.wide)
+            h = x @ self.narrow
+            x = h * h
+        return x
+
+
+@pytest.mark.parametrize("source", ["analytic", "measured"])
+def test_a_saved_tensor_that_dies_in_forward_is_not_counted_and_takes_nothing_from_later_ones(source):
+    """Four rounds each save x (the mm's input) and h twice over (one storage): the activations are those
+    8 tensors of B x 64, nothing of the discarded wide tanh's (8x as wide) that died in forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(DiscardsAWideBranch(), nn.Linear(64, 1))
+    x = torch.randn(B * T, 64)
+    loss_fn = lambda out: out.sum()  # noqa: E731
+    if source == "analytic":
+        d = describe_analytic(model, x, "h100-nvlink", world_size=8, loss_fn=loss_fn, progress=False)
+    else:
+        d = describe(model, x, loss_fn=loss_fn, **FAST)
+    assert d.unit("0").costs["fp32"].act_bytes.bytes(B * T) == 8 * B * T * 64 * 4
+
+
 def test_selective_recompute_is_measured_and_cheaper_than_full_where_matmuls_dominate(tiny):
     """Per checkpointable unit a selective recompute time is measured (on gpt2-tiny's small ops the per-op
     policy's dispatch costs more than the matmuls it saves: measured, not assumed); on wide Linears, where the
@@ -347,10 +379,11 @@ class _MaskedAttention(nn.Module):
         return scores.softmax(-1) @ x
 
 
-@pytest.mark.parametrize("which", ["gpt2-tiny", "masked-buffer"])
+@pytest.mark.parametrize("which", ["gpt2-tiny", "masked-buffer", "discarded-branch"])
 def test_describing_a_model_keeps_nothing_of_it_alive(which):
     """After describe returns, the user's model is theirs alone: deleting it frees it (and its parameters), also
-    when forward saved a tensor that outlives the pass (a buffer): a finalizer left on it held the model."""
+    when forward saved a tensor that outlives the pass (a buffer): a finalizer left on it held the model; and
+    when forward builds a graph it throws away: a saved output packed as itself held its own graph for good."""
     import gc
     import weakref
 
@@ -358,9 +391,12 @@ def test_describing_a_model_keeps_nothing_of_it_alive(which):
         if which == "gpt2-tiny":
             model = models.build("gpt2-tiny")
             batch = synthetic_batch(models.get_config("gpt2-tiny"), 2, generator=torch.Generator().manual_seed(0))
-        else:
+        elif which == "masked-buffer":
             model = nn.Sequential(_MaskedAttention(), _MaskedAttention())
             batch = (torch.randn(2, 8, 16),)
+        else:
+            model = nn.Sequential(DiscardsAWideBranch(), nn.Linear(64, 1))
+            batch = (torch.randn(2, 64),)
         describe(model, batch, batch_sizes=[1, 2], time_budget_s=0.5, cache=False, progress=False,
                  loss_fn=None if which == "gpt2-tiny" else lambda out: out.square().mean())
         return weakref.ref(model), weakref.ref(next(model.parameters()))

@@ -134,6 +134,28 @@ def test_activations_are_what_backward_saves():
     assert tracker.peak_breakdown()["gradients"] == _param_bytes(model)
 
 
+def test_a_graph_forward_throws_away_is_freed_and_not_counted():
+    """A forward that computes an output it drops (its graph never runs backward): telling saved tensors
+    apart must not keep that output alive (a saved output handed back as itself held its own graph, for good):
+    the same bytes as without the classification, and nothing left once the step is over."""
+    torch.manual_seed(0)
+    wide = nn.Parameter(torch.randn(64, 512))
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def step():
+        torch.tanh(x @ wide)  # tanh saves its output; dropped at once
+        (x * x).sum().backward()
+
+    measured = {}
+    for saved_tensors in (False, True):
+        with LiveBytesTracker(wide, x, saved_tensors=saved_tensors) as tracker:
+            step()
+            x.grad = None
+        measured[saved_tensors] = (tracker.peak_bytes, tracker.current_bytes)
+    assert measured[True] == measured[False]
+    assert measured[True][1] == wide.numel() * 4 + x.numel() * 4  # the roots alone: the dropped output is gone
+
+
 class _BigBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
