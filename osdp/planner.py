@@ -258,8 +258,9 @@ class _Pricing:
                 if fitting:
                     return max(fitting, key=lambda f: f.samples_per_s)
             step -= 1
-        # nothing on the grid: the plans of the least bound, if they fit (and what the error names)
-        least_bound = [self.priced(p, min_peak(p)[1], describe) for p in problems]
+        # nothing on the grid: the plans of the least bound, if they fit (and what the error names); the lean
+        # ones keep the least transient where it costs no memory, which the schedule's peak may need
+        least_bound = [self.priced(p, min_peak(p, lean)[1], describe) for p in problems for lean in (False, True)]
         self.least_bound_plans.extend(least_bound)
         return max((f for f in least_bound if f.prediction.peak_bytes <= self.budget),
                    key=lambda f: f.samples_per_s, default=None)

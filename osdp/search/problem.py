@@ -129,7 +129,7 @@ class Problem:
     units: Sequence[str] | None = None
     options: Sequence[Any] | None = None
     _types: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
-    _min_peak: tuple[int, np.ndarray] | None = field(default=None, init=False, repr=False)  # solver.min_peak's
+    _min_peak: tuple[int, np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)  # solver.min_peak's
     _relaxation: Any = field(default=None, init=False, repr=False)  # relaxation.relaxation's
 
     def __post_init__(self) -> None:

@@ -90,20 +90,23 @@ class Sweep:
     best_index: int = 0  # the problem (and candidate) ``best`` solves
 
 
-def min_peak(problem: Problem) -> tuple[int, np.ndarray]:
+def min_peak(problem: Problem, lean: bool = False) -> tuple[int, np.ndarray]:
     """(smallest peak of any choice, a choice attaining it), exactly.
 
     ``min over T of T + base + sum_u min{mem[u, o] : transient[u, o] <= T}``,
     evaluated for every T at once by sweeping each unit's running minimum of
     memory over its options in transient order. Computed once per problem (every solve asks).
+    Each unit takes its least memory under T, the fastest such option; ``lean``: the least transient such
+    option (then the fastest). Both attain the bound; on the step's schedule, where the transients of units
+    next to each other add up (a prefetch), the lean one may need less.
     """
     if problem._min_peak is None:
         problem._min_peak = _min_peak(problem)
-    need, choice = problem._min_peak
-    return need, choice.copy()
+    need, fastest, leanest = problem._min_peak
+    return need, (leanest if lean else fastest).copy()
 
 
-def _min_peak(problem: Problem) -> tuple[int, np.ndarray]:
+def _min_peak(problem: Problem) -> tuple[int, np.ndarray, np.ndarray]:
     rep, kind = problem.unit_types()
     ok, mem, tr, t = problem.allowed[rep], problem.mem[rep], problem.transient[rep], problem.time[rep]
     count = np.bincount(kind, minlength=len(rep))
@@ -120,11 +123,14 @@ def _min_peak(problem: Problem) -> tuple[int, np.ndarray]:
     peaks = at[last] + total[last]
     best = int(np.argmin(peaks))
     threshold = int(at[last][best])
-    # Per type: cheapest memory under the threshold, the fastest among equals.
+    # Per type: cheapest memory under the threshold, the fastest among equals; or the least transient among
+    # equals, then the fastest
     admissible = ok & (tr <= threshold)
     cheapest = admissible & (mem == np.where(admissible, mem, _BIG).min(axis=1, keepdims=True))
-    pick = np.argmin(np.where(cheapest, t, np.inf), axis=1)
-    return problem.base + int(peaks[best]), pick[kind]
+    fastest = np.argmin(np.where(cheapest, t, np.inf), axis=1)
+    lean = cheapest & (tr == np.where(cheapest, tr, _BIG).min(axis=1, keepdims=True))
+    leanest = np.argmin(np.where(lean, t, np.inf), axis=1)
+    return problem.base + int(peaks[best]), fastest[kind], leanest[kind]
 
 
 def _auto_resolution(offsets: np.ndarray, room: int, buckets: int) -> int:

@@ -63,7 +63,7 @@ def _walk_every_bound(self: _Pricing, problems, describe, beat=None):
                 self.relaxed_wins.append(max(candidates, key=lambda f: f.samples_per_s) is found)
                 return max(candidates, key=lambda f: f.samples_per_s)
         step -= 1
-    least_bound = [priced(p, min_peak(p)[1]) for p in problems]
+    least_bound = [priced(p, min_peak(p, lean)[1]) for p in problems for lean in (False, True)]
     self.least_bound_plans.extend(least_bound)
     return max((f for f in least_bound if f.prediction.peak_bytes <= self.budget),
                key=lambda f: f.samples_per_s, default=None)
