@@ -81,9 +81,14 @@ class Segments:
             h.remove()
         self._handles.clear()
 
+    @property
+    def running(self) -> str:
+        """The innermost unit whose forward is running (the root outside every unit)."""
+        return self.stack[-1] if self.stack else ROOT
+
     def _pre(self, path: str):
         def hook(_module, args, kwargs):
-            self.close(self.stack[-1] if self.stack else ROOT)
+            self.close(self.running)
             self.stack.append(path)
             self.calls[path] = self.calls.get(path, 0) + 1
             self.inputs[path] = [
@@ -182,7 +187,7 @@ class _Saved:
             key = _storage_key(t)
             known = self._storages.get(key)
             if key not in self.param_keys and (known is None or known() is None):
-                owner = self.segments.stack[-1] if self.segments.stack else ROOT
+                owner = self.segments.running
                 nbytes = t.untyped_storage().nbytes()
                 self.first_saver[key] = owner
                 self.nbytes[key] = nbytes
@@ -284,13 +289,10 @@ class KeptBySelective(TorchDispatchMode):
         # per policy and unit, the FLOPs not kept since the unit's forward last saved a tensor
         self._not_redone_yet: dict[str, dict[str, int]] = {"full": {}, "selective": {}}
 
-    def _owner(self) -> str:
-        return self.segments.stack[-1] if self.segments.stack else ROOT
-
     def saved(self) -> None:
         """The running unit's forward saved a tensor: what it did not keep so far is redone by its recompute."""
         if self.segments.phase == "fwd":
-            owner = self._owner()
+            owner = self.segments.running
             for policy, pending in self._not_redone_yet.items():
                 redone = self.recompute_flops[policy]
                 redone[owner] = redone.get(owner, 0) + pending.pop(owner, 0)
@@ -302,7 +304,7 @@ class KeptBySelective(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.segments.phase != "fwd" or not torch.is_grad_enabled():
             return out
-        owner = self._owner()
+        owner = self.segments.running
         counted = flop_registry.get(func._overloadpacket)
         flops = counted(*args, **(kwargs or {}), out_val=out) if counted is not None else 0
         self._not_kept("full", owner, flops)
