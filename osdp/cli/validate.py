@@ -15,7 +15,8 @@ already under it):
    "block" and "nested" descriptions as the search prices it; ``grouped_plans``:
    blocks gathered two at a time as one FSDP2 unit) is trained
    side by side, one step of each in turn (``osdp.runtime.jobs.run_jobs``), so
-   that a shared machine's changing load hits all alike;
+   that a shared machine's changing load hits all alike (``--at-once``: so many
+   at a time);
 3. each plan's step time is the median over its steps of the slowest rank, and
    its peak memory per rank comes from one tracked step
    (``osdp.machine.memory.PeakMemory``: live tensor bytes on CPU,
@@ -223,6 +224,7 @@ def validate(
     time_budget_s: float = 4.0,
     calibration: MachineCalibration | None = None,
     describe_only: bool = False,
+    at_once: int | None = None,
 ) -> dict[str, Any]:
     """Collective: predicted against measured for a set of plans of a reference model (see the module docstring).
 
@@ -230,7 +232,8 @@ def validate(
     a CalibrationError says how to make one if there is none. ``describe_only``:
     describe the model into the describe cache and stop, so that a later
     validating run finds it there (then nothing it predicts with is measured in
-    that run).
+    that run). ``at_once``: models alive at a time (``run_jobs``; default all), the plans
+    measured in groups of so many.
     """
     from osdp.models.data import synthetic_batch
 
@@ -265,7 +268,7 @@ def validate(
         description = dataclasses.replace(description, precisions=tuple(precisions))
     plans = plans_to_validate(description, coarse, nested, batch_size, world_size, device, plan_names)
     measured = run_jobs({name: Job(build, plan, batch) for name, plan in plans.items()}, device=device,
-                        optimizer=optimizer, time_budget_s=time_budget_s, progress=say)
+                        optimizer=optimizer, time_budget_s=time_budget_s, progress=say, at_once=at_once)
     records = []
     for name, plan in plans.items():
         pricing = (description_of(plan, [coarse, nested]) if plan.meta.get("granularity")  # per block, grouped
@@ -345,6 +348,12 @@ def _record(name: str, plan: Plan, pred: Prediction, m: dict[str, Any]) -> dict[
     }
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of plans >= 1")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="osdp validate", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gpt2-tiny", help=f"reference model ({', '.join(models.names())})")
@@ -355,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", action="store_true", help="also validate mixed-precision (bf16) plans")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     p.add_argument("--time-budget", type=float, default=4.0, help="seconds of timed steps per plan (default 4)")
+    p.add_argument("--at-once", type=_positive, default=None,
+                   help="plans alive at a time, each group trained side by side (default: all; fewer for a large "
+                        "model, whose many copies in one process slow some plans' steps)")
     p.add_argument("--calibration", type=Path,
                    help="a calibration JSON (osdp calibrate --json) made for this job; default: the cached one")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -376,6 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.model, device=device, batch_size=args.batch_size, seq_len=args.seq_len, plan_names=args.plans,
             precisions=("fp32", "bf16") if args.bf16 else ("fp32",), optimizer=args.optimizer,
             time_budget_s=args.time_budget, calibration=calibration, describe_only=args.describe_only,
+            at_once=args.at_once,
         )
         if dist.get_rank() == 0 and args.describe_only:
             for precision, d in result["description"].items():
