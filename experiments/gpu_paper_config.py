@@ -217,7 +217,7 @@ def experiment(args: argparse.Namespace) -> dict[str, Any]:
     from osdp.machine.identity import machine_info
     from osdp.sizes import parse_size
 
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    models.quiet_view_warning()
     warnings.filterwarnings("ignore", message=r"Full backward hook is firing")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

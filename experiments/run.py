@@ -330,12 +330,11 @@ class Part:
 
 def join_group(spec: dict[str, Any], collectives: dict[str, str]):
     """Collective: join the torchrun process group, the spec's collectives set first; the device."""
-    import warnings
-
+    from osdp import models
     from osdp.distributed import collectives as comm
     from osdp.distributed import init_from_env
 
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    models.quiet_view_warning()
     comm.set_reduce_scatter(collectives["reduce_scatter"])  # before anything measures or wraps
     comm.set_all_gather(collectives["all_gather"])
     return init_from_env(spec.get("device", "auto"))
@@ -581,19 +580,18 @@ class Repeats:
 
     def groups(self, ours: list[str], r: int) -> list[list[str]]:
         """The groups of repeat ``r``: the paired ones alone, in the rotated order, their members' order alternating
-        between repeats; else ``jobs_at_once`` at a time; else all in one."""
+        between repeats; else all in one (``measure_group`` keeps ``jobs_at_once`` of them alive at a time)."""
         if self.paired:
             n = len(self.paired)
             return [g if r % 2 == 0 else g[::-1] for g in (self.paired[(i + r) % n] for i in range(n))]
-        if self.jobs_at_once:
-            return [ours[i:i + self.jobs_at_once] for i in range(0, len(ours), self.jobs_at_once)]
         return [ours]
 
     def measure_group(self, group: list[str]) -> None:
         from osdp.runtime.jobs import run_jobs
 
         out = run_jobs({k: self.runs[k] for k in group}, device=self.part.device, optimizer=self.optimizer,
-                       time_budget_s=self.per_run_s, min_steps=self.min_steps, rounds=1)
+                       time_budget_s=self.per_run_s, min_steps=self.min_steps, rounds=1,
+                       at_once=self.jobs_at_once or None)
         for k in group:
             self.note(k, out[k]["measured_step_s"], out[k]["steps"], out[k]["per_rank"], out[k]["step_s_each"])
 

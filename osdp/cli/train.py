@@ -34,7 +34,6 @@ import signal
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -159,8 +158,7 @@ def resume(args: argparse.Namespace, model, optimizer, plan: Plan, world_size: i
 
 def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Collective: train ``args.model`` on this job's ranks (the group is joined); the run's record."""
-    # Our reference models never modify a unit's output in place, which is what this warns about.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    models.quiet_view_warning()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     warn_shared_store(rank)
     config = models.get_config(args.model)

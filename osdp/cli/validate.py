@@ -16,7 +16,7 @@ already under it):
    blocks gathered two at a time as one FSDP2 unit) is trained
    side by side, one step of each in turn (``osdp.runtime.jobs.run_jobs``), so
    that a shared machine's changing load hits all alike (``--at-once``: so many
-   at a time);
+   at a time, ``--passes`` times over);
 3. each plan's step time is the median over its steps of the slowest rank, and
    its peak memory per rank comes from one tracked step
    (``osdp.machine.memory.PeakMemory``: live tensor bytes on CPU,
@@ -225,6 +225,7 @@ def validate(
     calibration: MachineCalibration | None = None,
     describe_only: bool = False,
     at_once: int | None = None,
+    passes: int = 1,
 ) -> dict[str, Any]:
     """Collective: predicted against measured for a set of plans of a reference model (see the module docstring).
 
@@ -233,7 +234,7 @@ def validate(
     describe the model into the describe cache and stop, so that a later
     validating run finds it there (then nothing it predicts with is measured in
     that run). ``at_once``: models alive at a time (``run_jobs``; default all), the plans
-    measured in groups of so many.
+    measured in groups of so many, ``passes`` times over.
     """
     from osdp.models.data import synthetic_batch
 
@@ -268,7 +269,7 @@ def validate(
         description = dataclasses.replace(description, precisions=tuple(precisions))
     plans = plans_to_validate(description, coarse, nested, batch_size, world_size, device, plan_names)
     measured = run_jobs({name: Job(build, plan, batch) for name, plan in plans.items()}, device=device,
-                        optimizer=optimizer, time_budget_s=time_budget_s, progress=say, at_once=at_once)
+                        optimizer=optimizer, time_budget_s=time_budget_s, progress=say, at_once=at_once, passes=passes)
     records = []
     for name, plan in plans.items():
         pricing = (description_of(plan, [coarse, nested]) if plan.meta.get("granularity")  # per block, grouped
@@ -350,7 +351,7 @@ def _record(name: str, plan: Plan, pred: Prediction, m: dict[str, Any]) -> dict[
 
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of plans >= 1")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
     return int(text)
 
 
@@ -367,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--at-once", type=_positive, default=None,
                    help="plans alive at a time, each group trained side by side (default: all; fewer for a large "
                         "model, whose many copies in one process slow some plans' steps)")
+    p.add_argument("--passes", type=_positive, default=1,
+                   help="with --at-once: run the groups so many times over, each plan's steps pooled (default 1)")
     p.add_argument("--calibration", type=Path,
                    help="a calibration JSON (osdp calibrate --json) made for this job; default: the cached one")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -381,6 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body(device: torch.device) -> None:
+        models.quiet_view_warning()
         calibration = None
         if args.calibration is not None:
             calibration = read_calibration(args.calibration, CalibrationKey.current(device))
@@ -388,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.model, device=device, batch_size=args.batch_size, seq_len=args.seq_len, plan_names=args.plans,
             precisions=("fp32", "bf16") if args.bf16 else ("fp32",), optimizer=args.optimizer,
             time_budget_s=args.time_budget, calibration=calibration, describe_only=args.describe_only,
-            at_once=args.at_once,
+            at_once=args.at_once, passes=args.passes,
         )
         if dist.get_rank() == 0 and args.describe_only:
             for precision, d in result["description"].items():

@@ -42,6 +42,7 @@ without its long-context RoPE scaling).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 from torch import nn
@@ -104,6 +105,12 @@ _PRESETS: dict[str, tuple[type[ModelConfig], dict]] = {
 }
 
 _MODEL_FOR = {GPTConfig: GPT, BertConfig: Bert, LlamaConfig: Llama}
+
+
+def quiet_view_warning() -> None:
+    """Silence FSDP2's warning that a wrapped module returned a view: it warns of an in-place op on that view,
+    which the reference models never apply to a unit's output (the CLIs train them; a user's model keeps it)."""
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
 def names() -> list[str]:

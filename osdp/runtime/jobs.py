@@ -132,6 +132,7 @@ def run_jobs(
     loss_fn: Callable | None = None,
     measure_peak: bool = True,
     at_once: int | None = None,
+    passes: int = 1,
 ) -> dict[str, dict[str, Any]]:
     """Collective: train every job side by side, one step of each in turn; times and peak memory.
 
@@ -142,23 +143,57 @@ def run_jobs(
     steps ran one after another, so they pair), and (``measure_peak``) the largest peak over ranks of
     one tracked step (CPU tracking slows a step, so it is not timed). ``progress(message, fraction)`` hears
     what is done, with the fraction of the whole. ``at_once``: at most this many models alive at a time: the jobs
-    run in consecutive groups of that many, each group side by side.
+    run in consecutive groups of that many, each group side by side, ``passes`` times over (each model built
+    afresh, the time budget shared out), so that a machine whose speed drifts over minutes slows every group
+    alike; the steps of all passes pooled, the peak from the first.
     """
     if at_once is not None and at_once < 1:
         raise ValueError(f"at_once={at_once}: at least one model must be alive at a time (None: all at once)")
-    if at_once and len(jobs) > at_once:
-        names = list(jobs)
-        groups = [names[i:i + at_once] for i in range(0, len(names), at_once)]
-        out = {}
-        for g, group in enumerate(groups):
-            def part(message: str, fraction: float, g: int = g) -> None:
-                progress(f"group {g + 1}/{len(groups)}: {message}", (g + fraction) / len(groups))
+    if passes < 1:
+        raise ValueError(f"passes={passes}: the jobs must run at least once")
+    names = list(jobs)
+    at_once = at_once or len(names)
+    groups = [names[i:i + at_once] for i in range(0, len(names), at_once)] * passes
+    parts: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for g, group in enumerate(groups):
+        def part(message: str, fraction: float, g: int = g) -> None:
+            progress(message if len(groups) == 1 else f"group {g + 1}/{len(groups)}: {message}",
+                     (g + fraction) / len(groups))
 
-            out.update(run_jobs({n: jobs[n] for n in group}, device=device, optimizer=optimizer,
-                                time_budget_s=time_budget_s, warmup=warmup, min_steps=min_steps,
-                                max_steps=max_steps, rounds=rounds, each_round=each_round,
-                                progress=part if progress else None, loss_fn=loss_fn, measure_peak=measure_peak))
-        return out
+        out = _side_by_side({n: jobs[n] for n in group}, device=device, optimizer=optimizer,
+                            time_budget_s=time_budget_s / passes, warmup=warmup, min_steps=min_steps,
+                            max_steps=max_steps, rounds=rounds, each_round=each_round,
+                            progress=part if progress else None, loss_fn=loss_fn,
+                            measure_peak=measure_peak and g < len(groups) // passes)
+        for name, measured in out.items():
+            parts[name].append(measured)
+    return {name: _pooled(measured) for name, measured in parts.items()}
+
+
+def _pooled(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """One job's measurements over its passes: medians over the steps of all, the peak of the first."""
+    steps = [t for p in passes for t in p["step_s_each"]]
+    fwd_bwd = [t for p in passes for t in p["fwd_bwd_s_each"]]
+    return {**passes[0], "measured_step_s": statistics.median(steps), "measured_fwd_bwd_s": statistics.median(fwd_bwd),
+            "step_s_each": steps, "fwd_bwd_s_each": fwd_bwd, "steps": len(steps)}
+
+
+def _side_by_side(
+    jobs: dict[str, Job],
+    *,
+    device: torch.device,
+    optimizer: str,
+    time_budget_s: float,
+    warmup: int,
+    min_steps: int,
+    max_steps: int,
+    rounds: int,
+    each_round: Callable[[], None] | None,
+    progress: Callable[[str, float], None] | None,
+    loss_fn: Callable | None,
+    measure_peak: bool,
+) -> dict[str, dict[str, Any]]:
+    """Collective: one group of ``run_jobs``, all alive at once: per job its slowest rank's time of each step."""
     trainers = {}
     for i, (name, job) in enumerate(jobs.items()):
         if progress:
@@ -180,13 +215,12 @@ def run_jobs(
         tracked = measure_peak and trainer.job.parallel
         peak = trainer.peak() if tracked else {"peak_bytes": None, "peak_breakdown": None}
         ranks = all_gather_objects({"times": times[name], **peak})
+        # the step of a synchronised job takes as long as its slowest rank's
+        step_s, fwd_bwd_s = ([max(t[i] for t in ts) for ts in zip(*(r["times"] for r in ranks))] for i in (0, 1))
         out[name] = {
-            # the step of a synchronised job takes as long as its slowest rank's
-            "measured_step_s": statistics.median(max(t[0] for t in ts) for ts in zip(*(r["times"] for r in ranks))),
-            "measured_fwd_bwd_s": statistics.median(max(t[1] for t in ts) for ts in zip(*(r["times"] for r in ranks))),
-            "step_s_each": [max(t[0] for t in ts) for ts in zip(*(r["times"] for r in ranks))],  # in step order
+            "step_s_each": step_s,  # in step order
+            "fwd_bwd_s_each": fwd_bwd_s,
             "measured_peak_bytes": max((r["peak_bytes"] or 0) for r in ranks),
-            "steps": steps,
             "per_rank": [{k: v for k, v in r.items() if k != "times"} for r in ranks],
         }
     del trainers
