@@ -185,13 +185,12 @@ def run(args: argparse.Namespace) -> None:
 
 
 def spread(paths: list[Path], without: tuple[str, ...] = ()) -> str:
-    """Per model and target: the value in every run, and whether it was met in all of them; ``without``: leave
-    out the plans whose names start so (the summaries recomputed from the rest)."""
+    """Per model and target: the value in every run, and whether it was met in all of them (the summaries
+    recomputed from the records, as this code summarizes); ``without``: leave out the plans whose names start so."""
     runs = [json.loads(p.read_text()) for p in paths]
-    if without:
-        for res in (res for r in runs for res in r["results"].values()):
-            res["records"] = [x for x in res["records"] if not x["plan"].startswith(without)]
-            res["summary"] = summarize(res["records"])
+    for res in (res for r in runs for res in r["results"].values()):
+        res["records"] = [x for x in res["records"] if not (without and x["plan"].startswith(without))]
+        res["summary"] = summarize(res["records"])
     title = f"# Spread over {len(runs)} validation runs" + (f", without the plans {', '.join(without)}*" if without else "")
     lines = [title, "",
              "Runs: " + "; ".join(f"{p.name} ({r['seconds']:.0f} s, calibration compute "
