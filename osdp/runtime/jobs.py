@@ -152,7 +152,7 @@ def run_jobs(
     if passes < 1:
         raise ValueError(f"passes={passes}: the jobs must run at least once")
     names = list(jobs)
-    at_once = at_once or len(names)
+    at_once = at_once or max(1, len(names))  # all at once (none: no group to run)
     groups = [names[i:i + at_once] for i in range(0, len(names), at_once)] * passes
     parts: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for g, group in enumerate(groups):

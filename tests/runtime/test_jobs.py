@@ -59,6 +59,7 @@ def test_at_once_below_one_is_refused_with_what_would_work():
         run_jobs({}, device=torch.device("cpu"), at_once=0)
     with pytest.raises(ValueError, match="at least once"):
         run_jobs({}, device=torch.device("cpu"), passes=0)
+    assert run_jobs({}, device=torch.device("cpu")) == {}  # no jobs: nothing measured, nothing collective
 
 
 def test_validate_refuses_an_at_once_that_is_not_a_positive_count(capsys):
