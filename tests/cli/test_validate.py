@@ -19,18 +19,31 @@ from osdp.cli.validate import build_parser, format_report, kendall_tau, summariz
 PLANS = ["ddp", "fsdp", "fsdp-ckpt", "mixed-z2-ckpt", "fsdp-sac", "mixed-sac", "split2", "per-block-b"]
 
 
+# The calibration a small model's first run measures (``osdp train``'s default: the "quick" profile), not the
+# tests' "tiny" one: the tiny profile's toy jobs leave its fitted terms poorly determined (twelve rows for ten
+# per-unit, per-step and per-byte costs, four for the three split terms: with eight tiny calibrations of this
+# machine split2's relative error ranged -19% to +23%), and the test failed about one run in ten on the
+# calibration's noise rather than on the cost model.
+PROFILE = "quick"
+# gpt2-tiny as the validation experiment sizes it (experiments/validate_cost_model.py): at micro-batch 4 x 32
+# DDP's step (6 ms) is mostly fixed costs, and a millisecond's error on it reads as 15%
+BATCH, SEQ = 8, 64
+
+
 def _calibrate(rank, world_size):
     from osdp.calibration.measured import calibrate
 
     # measured now, not taken from the session's cache: a calibration carries the load it was made under
-    return calibrate(torch.device("cpu"), force=True).to_dict()
+    return calibrate(torch.device("cpu"), force=True, profile=PROFILE).to_dict()
 
 
 def _validate_tiny(rank, world_size):
+    from osdp.calibration.nets import PROFILE_ENV
     from osdp.cli.validate import validate
 
-    return validate("gpt2-tiny", device=torch.device("cpu"), batch_size=4, seq_len=32, plan_names=PLANS,
-                    time_budget_s=1.0)
+    os.environ[PROFILE_ENV] = PROFILE  # this rank's process only: the calibration the earlier run cached
+    return validate("gpt2-tiny", device=torch.device("cpu"), batch_size=BATCH, seq_len=SEQ, plan_names=PLANS,
+                    time_budget_s=1.5)
 
 
 def _validate_in(rank, world_size, cache_dir):
@@ -44,51 +57,23 @@ def _validate_in(rank, world_size, cache_dir):
 
 # What the cost model is for is ranking plans: the search takes the fastest by its prices. So the test judges
 # each plan's prediction relative to the run's: predicted over measured step, divided by the median of that
-# ratio over the plans. A calibration made in another process cannot know how fast this one will run: in eight
-# runs of this test that median ratio ranged 0.92-1.22, and in the quietest (load 1.7) the canary below (the
-# DDP and FSDP plans timed before and after calibrating) changed 1.38x between the two processes, moving every
-# prediction alike (errors +5% to +26%, within 11% of their median). So the absolute errors are
-# reported and judged against a sanity bound only; the absolute targets are the validation runs' in
-# experiments/validate_cost_model.py, their results committed.
+# ratio over the plans. A calibration made in another process cannot know how fast this one will run (the
+# median ratio ranged 1.09-1.21 over eight runs of this test), but a change of speed moves every prediction
+# alike. So the absolute errors are reported and judged against a sanity bound only; the absolute targets are
+# the validation runs' in experiments/validate_cost_model.py, their results committed.
 # Other work competing for the cores moves plans differently (gloo's collectives wait whenever a peer is
 # descheduled): above this load average (the two ranks take two) relative errors are judged against the
 # sanity bound too, and the test says so.
 QUIET_LOAD = (os.cpu_count() or 2) + 0.5
 SANITY = 1.0  # a broken model (a forgotten term, a wrong factor of N) is off by more
-# the canary plans' speed may change this much between calibrating and validating for the targets to be judged:
-# beyond it the machine did not hold still (seen in a full suite run: 1.37x, DDP then off by 18% relative)
-STEADY = 1.15
-
-
-def _canary(rank, world_size):
-    """Median step times of two fixed jobs on gpt2-tiny (DDP and FSDP plans), the same micro-batch."""
-    from osdp import models, strategy_plan
-    from osdp.models.data import synthetic_batch
-    from osdp.runtime.jobs import Job, run_jobs
-
-    def build():
-        torch.manual_seed(0)
-        return models.build("gpt2-tiny", seq_len=32)
-
-    config = models.get_config("gpt2-tiny", seq_len=32)
-    batch = synthetic_batch(config, 4, generator=torch.Generator().manual_seed(rank))
-    jobs = {s: Job(build, strategy_plan(build(), s), batch) for s in ("ddp", "fsdp")}
-    return {s: r["measured_step_s"] for s, r in run_jobs(jobs, device=torch.device("cpu"), time_budget_s=0.5).items()}
-
-
-def _calibrate_between_canaries(rank, world_size):
-    before = _canary(rank, world_size)
-    return _calibrate(rank, world_size), [before, _canary(rank, world_size)]
 
 
 def test_predictions_out_of_sample_match_a_real_two_rank_run():
     load = [os.getloadavg()[0]]
     # its own processes, before the validating run
-    calibration, canaries = run_ranks(_calibrate_between_canaries, 2, timeout=240)[0]
+    calibration = run_ranks(_calibrate, 2, timeout=240)[0]
     result = run_ranks(_validate_tiny, 2, timeout=240)[0]
     load.append(os.getloadavg()[0])
-    measured = {r["plan"]: r["measured_step_s"] for r in result["records"]}
-    speed_change = max(max(c[p], measured[p]) / min(c[p], measured[p]) for c in canaries for p in c)
     # nothing measured in the validating run entered a prediction: it used the earlier run's calibration
     assert result["calibration"] == calibration
     records = {r["plan"]: r for r in result["records"]}
@@ -105,17 +90,15 @@ def test_predictions_out_of_sample_match_a_real_two_rank_run():
     median_ratio = statistics.median(1 + e for e in errors.values())
     relative = {name: (1 + e) / median_ratio - 1 for name, e in errors.items()}
     said = (f"step time errors: {', '.join(f'{n} {e:+.0%}' for n, e in errors.items())}; relative to the run's "
-            f"median ({median_ratio:.2f}): {', '.join(f'{n} {e:+.0%}' for n, e in relative.items())}; the canary "
-            f"plans' step times changed up to {speed_change:.2f}x since calibrating")
-    if max(load) <= QUIET_LOAD and speed_change <= STEADY:
+            f"median ({median_ratio:.2f}): {', '.join(f'{n} {e:+.0%}' for n, e in relative.items())}")
+    if max(load) <= QUIET_LOAD:
         # the targets, on the plans' relative prices: all within 20%, the median 10%
         assert max(map(abs, relative.values())) <= 0.20, said
         assert statistics.median(map(abs, relative.values())) <= 0.10, said
     else:
         assert max(map(abs, relative.values())) <= SANITY, said
-        warnings.warn(f"load average {max(load):.1f} on {os.cpu_count()} cores, canary speed changed "
-                      f"{speed_change:.2f}x: relative step times judged within {SANITY:.0%} only, not the 10%/20% "
-                      f"targets ({said})")
+        warnings.warn(f"load average {max(load):.1f} on {os.cpu_count()} cores: relative step times judged within "
+                      f"{SANITY:.0%} only, not the 10%/20% targets ({said})")
     # orders of magnitude apart in memory: sharded + checkpointed is far below DDP, and predicted so
     assert records["fsdp-ckpt"]["predicted_peak_bytes"] < records["fsdp"]["predicted_peak_bytes"]
     assert records["fsdp-ckpt"]["measured_peak_bytes"] < records["fsdp"]["measured_peak_bytes"]
