@@ -10,7 +10,11 @@
   (``FakeTensorMode``): every shape and byte is real, no storage is
   allocated. It matches the measured description byte for byte where the
   kernels are the same (CPU); fused device kernels (flash attention on CUDA)
-  may save less.
+  may save less. One pass less: the measured description also measures the
+  checkpointed units' recomputed working sets, which add to the plain pass's
+  only where a unit's recompute holds more than its plain backward (an LSTM,
+  PyTorch's MultiheadAttention; not the GPT blocks), and which would double the analytic
+  description of a large model (gpt2-xl: 87 s to 193 s on a 2-core VM).
 * time: FLOPs per unit and phase (``torch.utils.flop_counter``, attributed to
   units like the measured times) divided by the device's achievable FLOP/s
   (``DeviceInfo.flops``, a preset or ``osdp.machine.measure.measure_flops``). Ops
@@ -140,8 +144,9 @@ def describe_analytic(
                 show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)})")
                 counter = FlopCounterMode(display=False)
                 meter = _Flops(counter)
-                with counter:
-                    memory[b], order = memory_pass(runnable, runnable_units, resize_batch(fake_input, b), loss_fn, meter)
+                with counter:  # without the checkpointed pass, which would double the describe of a large model
+                    memory[b], order = memory_pass(runnable, runnable_units, resize_batch(fake_input, b), loss_fn, meter,
+                                                   recomputed=False)
                 flops[b] = meter.flops
                 seconds[b] = {k: f / rate for k, f in meter.flops.items()}
             # compute is priced by FLOPs: a recompute redoes those of the ops it does not keep up to the unit's

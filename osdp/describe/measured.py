@@ -58,7 +58,7 @@ from osdp.machine.timing import StepTimer
 from osdp.schema.description import PRECISIONS, ModelDescription, UnitWorkload
 from osdp.store import cache_dir, write_atomically
 
-PROFILE_VERSION = 8  # bump when what is measured changes: old cache entries are ignored
+PROFILE_VERSION = 9  # bump when what is measured changes: old cache entries are ignored
 
 
 

@@ -31,6 +31,10 @@ PLANNING_LOSS = {
     "seq2seq": lambda out: out.square().mean(),
     "cnn": lambda out: out[0].square().mean() + out[1].square().mean(),
     "t5": lambda out: out.loss,
+    "recurrent": lambda out: out,
+    "shared_layer": lambda out: out,
+    "vit": lambda out: out.square().mean(),
+    "dict_io": lambda out: out["loss"],
 }
 
 

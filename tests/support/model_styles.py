@@ -90,6 +90,91 @@ class SmallCNN(nn.Module):
         return self.classifier(f), self.aux(f)
 
 
+class RecurrentLM(nn.Module):
+    """A recurrent language model: nn.LSTM and nn.GRU (their weights used by one fused op that saves its own
+    outputs), a decoder tied to the embedding; returns the loss."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, h)
+        self.rnn = nn.LSTM(h, h, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(h, h, batch_first=True)
+        self.dec = nn.Linear(h, VOCAB)
+        self.dec.weight = self.emb.weight
+
+    def forward(self, tokens, targets):
+        out, _ = self.rnn(self.emb(tokens))
+        out, _ = self.gru(out)
+        return F.cross_entropy(self.dec(out).flatten(0, 1), targets.flatten())
+
+
+class SharedLayerEncoder(nn.Module):
+    """ALBERT's cross-layer sharing: one encoder layer applied three times per forward, after a factorised
+    embedding; returns the loss."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.proj = nn.Linear(16, h)
+        self.layer = nn.TransformerEncoderLayer(h, 4, 64, dropout=0.0, batch_first=True, norm_first=True)
+        self.head = nn.Linear(h, VOCAB)
+
+    def forward(self, tokens, targets):
+        x = self.proj(self.emb(tokens))
+        for _ in range(3):
+            x = self.layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+class ViTBlock(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(h), nn.MultiheadAttention(h, 4, batch_first=True)
+        self.norm2 = nn.LayerNorm(h)
+        self.mlp = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+
+    def forward(self, x):
+        y = self.norm1(x)
+        x = x + self.attn(y, y, y, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyViT(nn.Module):
+    """A vision transformer as tutorials write it: a class token and position embedding as the root's own
+    parameters, a frozen convolutional patch embedding, MultiheadAttention blocks in an nn.Sequential."""
+
+    def __init__(self, h=32, classes=10):
+        super().__init__()
+        self.patch = nn.Conv2d(3, h, 4, 4)
+        self.cls = nn.Parameter(torch.zeros(1, 1, h))
+        self.pos = nn.Parameter(torch.randn(1, 17, h) * 0.02)
+        self.blocks = nn.Sequential(ViTBlock(h), ViTBlock(h))
+        self.norm = nn.LayerNorm(h)
+        self.head = nn.Linear(h, classes)
+        self.patch.requires_grad_(False)
+
+    def forward(self, images):
+        x = self.patch(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) + self.pos
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+class DictInOut(nn.Module):
+    """Takes a dict and returns one; a Linear shared by two parents (the encoder's first, the decoder's last)."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, h)
+        shared = nn.Linear(h, h)
+        self.enc = nn.Sequential(shared, nn.Tanh(), nn.Linear(h, h))
+        self.dec = nn.Sequential(nn.Linear(h, h), nn.Tanh(), shared)
+        self.out = nn.Linear(h, VOCAB)
+
+    def forward(self, batch):
+        logits = self.out(self.dec(self.enc(self.emb(batch["ids"]))))
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())}
+
+
 def t5():
     """Hugging Face T5 as its users build it (small sizes): a relative position bias computed in the first
     layer and passed to the others, embeddings shared by encoder and decoder and tied to the head."""
@@ -124,6 +209,11 @@ STYLES = {
     "seq2seq": (Seq2Seq, _tokens, _seq2seq_loss, lambda b: b),
     "cnn": (SmallCNN, _images, _cnn_loss, lambda b: b[:1]),
     "t5": (t5, _tokens, lambda out, batch, step: out.loss, lambda b: {"input_ids": b[0], "labels": b[1]}),
+    "recurrent": (RecurrentLM, _tokens, lambda out, batch, step: out, lambda b: b),
+    "shared_layer": (SharedLayerEncoder, _tokens, lambda out, batch, step: out, lambda b: b),
+    "vit": (TinyViT, _images, lambda out, batch, step: F.cross_entropy(out, batch[1]), lambda b: b[:1]),
+    "dict_io": (DictInOut, _tokens, lambda out, batch, step: out["loss"],
+                lambda b: ({"ids": b[0], "labels": b[1]},)),
 }
 
 
