@@ -44,9 +44,11 @@ class _SplitLinearFunction(torch.autograd.Function):
         y = impl.forward(x2d, w_local, group, module.piece_sizes, module.out_features, pairwise_gather)
         if bias is not None:
             y.add_(bias)
-        ctx.save_for_backward(x2d, w_local)
+        # what nn.Linear saves: the input only where the weight's gradient needs it (a frozen weight's, as LoRA
+        # leaves its base Linears, does not), so that a split unit keeps what the describe measured unsplit
+        ctx.save_for_backward(x2d if ctx.needs_input_grad[1] else None, w_local)
         ctx.impl, ctx.group, ctx.module, ctx.reduce_dtype = impl, group, module, reduce_dtype
-        ctx.x_shape, ctx.bias_dtype = x.shape, None if bias is None else bias.dtype
+        ctx.x_shape, ctx.x_dtype, ctx.bias_dtype = x.shape, x2d.dtype, None if bias is None else bias.dtype
         return y.view(*x.shape[:-1], module.out_features)
 
     @staticmethod
@@ -55,6 +57,8 @@ class _SplitLinearFunction(torch.autograd.Function):
         module = ctx.module
         need_x, need_w, need_b, _, _ = ctx.needs_input_grad
         grad_y = grad_y.reshape(-1, module.out_features).contiguous()
+        if x2d is None:  # not saved: the loops read only its shape, dtype and device then
+            x2d = torch.zeros((), dtype=ctx.x_dtype, device=grad_y.device).expand(grad_y.shape[0], module.in_features)
         # NCCL's traffic on gloo (osdp.distributed.collectives)
         pairwise_reduce = comm.reduce_scatter_impl() == "pairwise"
         pairwise_gather = comm.all_gather_impl() == "pairwise"

@@ -34,6 +34,7 @@ PLANNING_LOSS = {
     "recurrent": lambda out: out,
     "shared_layer": lambda out: out,
     "vit": lambda out: out.square().mean(),
+    "lora": lambda out: out,
     "dict_io": lambda out: out["loss"],
 }
 

@@ -111,6 +111,51 @@ def test_forward_backward_match_linear_and_peak_is_two_slices(world_size, backen
             assert r["forward"]["peak_gathered_bytes"] * r["k"] == slices_live * r["full_bytes"], r["case"]
 
 
+def _saved_bytes(fn, module) -> int:
+    """Bytes of the tensors autograd saves while ``fn`` runs, not counting ``module``'s parameters (kept anyway)."""
+    params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr() for p in module.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(saved), out
+
+
+def _frozen_weight(rank, world_size, backends):
+    """A frozen weight (LoRA's base Linears): the input gradient equals nn.Linear's, no weight gradient is made,
+    and the op saves what nn.Linear saves (not the input, which only the weight's gradient needs)."""
+    mesh = _mesh(world_size)
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 96).requires_grad_(False)
+    x = torch.randn(4, 5, 16)
+    g = torch.randn(4, 5, 96)
+    ref_x = x.clone().requires_grad_()
+    ref_saved, y_ref = _saved_bytes(lambda: linear(ref_x), linear)
+    y_ref.backward(g)
+    out = []
+    for name in backends:
+        split.set_backend(name)
+        module = SplitLinear.from_linear(copy.deepcopy(linear), 4, mesh)
+        mine = x.clone().requires_grad_()
+        saved, y = _saved_bytes(lambda: module(mine), module)
+        y.backward(g)
+        torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.grad, ref_x.grad, atol=1e-5, rtol=1e-5)
+        out.append((name, module.weight.grad is None, saved, ref_saved))
+    split.set_backend("auto")
+    return out
+
+
+def test_a_frozen_weight_gives_the_input_gradient_and_saves_what_linear_saves(backends):
+    for name, no_weight_grad, saved, ref_saved in run_ranks(_frozen_weight, 2, backends, timeout=120)[0]:
+        assert no_weight_grad, name
+        assert saved == ref_saved, (name, saved, ref_saved)
+
 def _peaks_every_step(rank, world_size, backends, steps):
     """A split Linear's forward and backward, ``steps`` times per loop: the peak live bytes of each."""
     from osdp.machine.memory import PeakMemory

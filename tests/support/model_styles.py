@@ -175,6 +175,40 @@ class DictInOut(nn.Module):
         return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())}
 
 
+class LoRALinear(nn.Module):
+    """A frozen Linear plus a trainable low-rank update, as LoRA adapters are written."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.A = nn.Parameter(torch.randn(rank, base.in_features) * 0.1)
+        self.B = nn.Parameter(torch.randn(base.out_features, rank) * 0.1)
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.A.t()) @ self.B.t()
+
+
+class LoRAGPT(nn.Module):
+    """LambdaGPT's blocks fine-tuned with LoRA: embedding, norms and MLP frozen, the attention's projections
+    adapted, the head trained; returns the loss."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, h).requires_grad_(False)
+        self.blocks = nn.ModuleList([LambdaMLPBlock(h) for _ in range(2)])
+        for b in self.blocks:
+            for frozen in (b.ln_1, b.ln_2, b.mlp):
+                frozen.requires_grad_(False)
+            b.attn, b.proj = LoRALinear(b.attn), LoRALinear(b.proj)
+        self.head = nn.Linear(h, VOCAB)
+
+    def forward(self, tokens, targets):
+        x = self.wte(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
 def t5():
     """Hugging Face T5 as its users build it (small sizes): a relative position bias computed in the first
     layer and passed to the others, embeddings shared by encoder and decoder and tied to the head."""
@@ -212,6 +246,7 @@ STYLES = {
     "recurrent": (RecurrentLM, _tokens, lambda out, batch, step: out, lambda b: b),
     "shared_layer": (SharedLayerEncoder, _tokens, lambda out, batch, step: out, lambda b: b),
     "vit": (TinyViT, _images, lambda out, batch, step: F.cross_entropy(out, batch[1]), lambda b: b[:1]),
+    "lora": (LoRAGPT, _tokens, lambda out, batch, step: out, lambda b: b),
     "dict_io": (DictInOut, _tokens, lambda out, batch, step: out["loss"],
                 lambda b: ({"ids": b[0], "labels": b[1]},)),
 }
