@@ -113,24 +113,33 @@ def describe(
     checkpointing whose recompute is timed (a unit not described for one is not offered it). The model's
     parameters, gradients, buffers and RNG state are left as they were.
     """
-    with _buffers_kept(model):
+    with _state_kept(model):
         return _describe(model, example_input, loss_fn=loss_fn, batch_sizes=batch_sizes, precisions=precisions,
                          units=units, granularity=granularity, optimizers=optimizers, repeats=repeats,
                          time_budget_s=time_budget_s, cache=cache, progress=progress, name=name,
                          checkpoint_policies=tuple(checkpoint_policies))
 
 
+_PLAIN = (int, float, bool, str, type(None))
+
+
 @contextlib.contextmanager
-def _buffers_kept(model: nn.Module):
-    """Buffers as they were after the block: a training forward updates some (BatchNorm's running statistics,
-    step counters), and a describe on rank 0 alone must leave them as the other ranks' and an unwrapped run's."""
+def _state_kept(model: nn.Module):
+    """Buffers and the modules' plain attributes as they were after the block: a training forward updates some
+    (BatchNorm's running statistics, a step counter in a buffer or in ``self.step``, which a model may read to
+    choose its branch), and a describe on rank 0 alone must leave them as the other ranks' and an unwrapped
+    run's, or the ranks would run different forwards."""
     saved = {b: b.detach().clone() for b in model.buffers()}
+    attributes = [(m, k, v) for m in model.modules() for k, v in vars(m).items() if isinstance(v, _PLAIN)]
     try:
         yield
     finally:
         with torch.no_grad():
             for b, value in saved.items():
                 b.copy_(value)
+        for m, k, v in attributes:
+            if m.__dict__.get(k, v) is not v:
+                m.__dict__[k] = v
 
 
 def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, granularity, optimizers, repeats,

@@ -358,6 +358,56 @@ def test_a_forward_that_uses_no_parameter_is_refused_before_the_search():
         resolve_units(Detached(), torch.randn(2, 4), None, None)
 
 
+class Alternating(nn.Module):
+    """Research code that keeps a step counter as a plain attribute and picks its expert by it."""
+
+    def __init__(self, h=16, vocab=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, h)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(h, 32), nn.ReLU(), nn.Linear(32, h)) for _ in range(2)])
+        self.head = nn.Linear(h, vocab)
+        self.steps = 0
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        x = x + self.experts[self.steps % 2](x)
+        if self.training:
+            self.steps += 1
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def _alternating_batches():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)) for _ in range(4)]
+
+
+def _alternating_searched(rank, world_size):
+    from training_check import train
+
+    torch.manual_seed(0)
+    model = Alternating()
+    mine = tuple(t.chunk(world_size)[rank] for t in _alternating_batches()[0])
+    osdp.wrap(model, device_mem="1GiB", example_input=mine, loss_fn=lambda loss: loss)  # rank 0 describes it
+    steps_after_wrap = model.steps
+    losses = train(model, _alternating_batches(), rank, world_size)
+    return steps_after_wrap, losses, full_state(model) if rank == 0 else None
+
+
+def test_a_forward_that_branches_on_a_python_counter_trains_as_one_process_after_the_search():
+    """The search runs the user's forward on rank 0 alone (the describe); a counter it advanced there and not on
+    rank 1 sent the ranks down different experts (rank 0 aborted in a collective)."""
+    from training_check import train
+
+    torch.manual_seed(0)
+    reference = Alternating()
+    ref_losses = train(reference, _alternating_batches())
+    ranks = run_ranks(_alternating_searched, 2, timeout=240)
+    assert [steps for steps, _, _ in ranks] == [0, 0]  # as the user left it
+    losses = [sum(r[1][s] for r in ranks) / 2 for s in range(len(ref_losses))]
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= ATOL, (losses, ref_losses)
+    state = ranks[0][2]
+    assert max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()) <= ATOL
+
 def _dropped(rank, world_size, plan_jsons):
     """Per plan: build, wrap, train two steps, drop the model and optimizer; then whether the model, any of its
     parameters or any tensor made since is still alive."""
