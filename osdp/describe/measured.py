@@ -111,7 +111,8 @@ def describe(
     default to ``osdp.discover_units`` at ``granularity`` with call counts, so
     a module that runs twice per forward is merged into its parent. ``checkpoint_policies``: the
     checkpointing whose recompute is timed (a unit not described for one is not offered it). The model's
-    parameters, gradients, buffers and RNG state are left as they were.
+    parameters, gradients, buffers, modules' plain attributes (a step counter) and RNG state are left as
+    they were.
     """
     with _state_kept(model):
         return _describe(model, example_input, loss_fn=loss_fn, batch_sizes=batch_sizes, precisions=precisions,
