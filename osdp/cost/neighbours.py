@@ -59,7 +59,9 @@ def plan_neighbours(description: ModelDescription, costs: Sequence[OptionCost]) 
     ``costs`` (``_Context.neighbours``; what the search bounds by ``unit_neighbours``): the all-gather output of
     the FSDP2 unit whose forward ended just before its own (FSDP2 prefetches it; none unless that unit reshards
     after forward) and the reduce-scatter input of the one whose backward ended just before its own began (the
-    unit whose forward began next). DDP's units are no FSDP2 units: they are passed over."""
+    unit whose forward began next). DDP's units are no FSDP2 units: the FSDP2 units around them are their
+    neighbours, whose buffers exist during their backward as well (a DDP unit between two FSDP2 units
+    recomputed beside the earlier one's prefetched gather and the later one's reduce-scatter input)."""
     by_path = dict(zip(description.paths, costs))
     ends = [p for p in description.forward_order if p in by_path] or [*sequence_order(description), ROOT]
     # forwards begin in the order they end, but a unit enclosing others begins before them (the root first)
@@ -68,12 +70,16 @@ def plan_neighbours(description: ModelDescription, costs: Sequence[OptionCost]) 
     span = {p: 0 if p == ROOT else min(first_end[p], first_inside.get(p, first_end[p])) for p in ends}
     begins = sorted(ends, key=lambda p: (span[p], -len(ends) if p == ROOT else p.count(".")))
     fsdp = {p for p in ends if not by_path[p].parts["ddp"]}
-    ends, begins = [p for p in ends if p in fsdp], [p for p in begins if p in fsdp]
     neighbours = dict.fromkeys(description.paths, (0, 0))
-    for path in fsdp:
+    for path in ends:
         i, j = ends.index(path), begins.index(path)
-        before = int(by_path[ends[i - 1]].parts["backward_gather_bytes"]) if i > 0 else 0
-        after = int(by_path[begins[j + 1]].parts["kept_reduce_input_bytes"]) if j + 1 < len(begins) else 0
+        earlier = next((q for q in reversed(ends[:i]) if q in fsdp), None)
+        later = next((q for q in begins[j + 1:] if q in fsdp), None)
+        # an FSDP2 unit prefetches the earlier one at its own backward; a DDP unit meets that gather only if an
+        # FSDP2 unit whose backward came before its own prefetched it
+        prefetched = path in fsdp or any(q in fsdp for q in ends[i + 1:])
+        before = int(by_path[earlier].parts["backward_gather_bytes"]) if earlier and prefetched else 0
+        after = int(by_path[later].parts["kept_reduce_input_bytes"]) if later else 0
         neighbours[path] = (before, after)
     return neighbours
 

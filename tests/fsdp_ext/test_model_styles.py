@@ -35,6 +35,7 @@ PLANNING_LOSS = {
     "shared_layer": lambda out: out,
     "vit": lambda out: out.square().mean(),
     "lora": lambda out: out,
+    "padded": lambda out: out.square().mean(),
     "dict_io": lambda out: out["loss"],
 }
 

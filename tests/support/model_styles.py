@@ -209,6 +209,27 @@ class LoRAGPT(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
+class PaddedClassifier(nn.Module):
+    """A padding-aware encoder: Embedding(padding_idx), MultiheadAttention with a bool key_padding_mask,
+    nn.RMSNorm, keyword arguments with defaults and a Python float among the inputs; mean-pools the tokens."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, h, padding_idx=0)
+        self.attn = nn.MultiheadAttention(h, 4, batch_first=True)
+        self.ff = nn.Sequential(nn.Linear(h, 64), nn.SiLU(), nn.Linear(64, h))
+        self.norm = nn.RMSNorm(h)
+        self.cls = nn.Linear(h, 5)
+
+    def forward(self, ids, mask=None, temperature=1.0):
+        x = self.emb(ids)
+        a, _ = self.attn(x, x, x, key_padding_mask=mask, need_weights=False)
+        x = self.norm(x + a)
+        x = x + self.ff(x)
+        keep = (~mask).unsqueeze(-1)
+        return self.cls((x * keep).sum(1) / keep.sum(1)) / temperature
+
+
 def t5():
     """Hugging Face T5 as its users build it (small sizes): a relative position bias computed in the first
     layer and passed to the others, embeddings shared by encoder and decoder and tied to the head."""
@@ -225,6 +246,13 @@ def _tokens(rows, g):
 
 def _images(rows, g):
     return torch.randn(rows, 3, 16, 16, generator=g), torch.randint(0, 10, (rows,), generator=g)
+
+
+def _padded(rows, g):
+    ids = torch.randint(1, VOCAB, (rows, SEQ), generator=g)
+    lengths = torch.randint(SEQ // 2, SEQ + 1, (rows,), generator=g)
+    mask = torch.arange(SEQ)[None, :] >= lengths[:, None]
+    return ids.masked_fill(mask, 0), mask, torch.randint(0, 5, (rows,), generator=g)
 
 
 def _seq2seq_loss(out, batch, step):
@@ -247,6 +275,8 @@ STYLES = {
     "shared_layer": (SharedLayerEncoder, _tokens, lambda out, batch, step: out, lambda b: b),
     "vit": (TinyViT, _images, lambda out, batch, step: F.cross_entropy(out, batch[1]), lambda b: b[:1]),
     "lora": (LoRAGPT, _tokens, lambda out, batch, step: out, lambda b: b),
+    "padded": (PaddedClassifier, _padded, lambda out, batch, step: F.cross_entropy(out, batch[2]),
+               lambda b: {"ids": b[0], "mask": b[1], "temperature": 0.5}),
     "dict_io": (DictInOut, _tokens, lambda out, batch, step: out["loss"],
                 lambda b: ({"ids": b[0], "labels": b[1]},)),
 }
