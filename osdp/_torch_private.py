@@ -24,6 +24,7 @@ __all__ = [
     "FSDPReduceScatterBase",
     "checkpoint_wrapper",
     "fsdp_device",
+    "fsdp_pre_backward",
     "fsdp_collective_comm",
     "output_tensors",
     "queue_at_backward_end",
@@ -117,6 +118,21 @@ def storage_holders(t: Any) -> int:
 def fsdp_device(module: Any) -> Any:
     """The device a ``fully_shard``-ed module computes and communicates on."""
     return module._get_fsdp_state()._device
+
+
+def fsdp_pre_backward(module: Any) -> Any:
+    """A tensor hook running a ``fully_shard``-ed module's pre-backward (gather its parameters, prefetch) unless
+    it has run in this backward: what FSDP2 hooks on each output tensor."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    state = module._get_fsdp_state()
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if state._training_state != TrainingState.PRE_BACKWARD:
+            return state._pre_backward(grad)
+        return grad
+
+    return hook
 
 
 def fsdp_collective_comm(module: Any, collective: str) -> Any:

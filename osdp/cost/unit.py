@@ -142,6 +142,9 @@ def _impossible(unit: UnitProfile, option: Option) -> str | None:
         return f"{where} cannot be split: it holds no splittable Linear"
     if ckpt and unit.nested:
         return f"{where}: checkpointing a unit that encloses other units is not modelled"
+    if ckpt and not all(c.checkpointable for c in unit.costs.values()):
+        return (f"{where} cannot be checkpointed: the forward writes to one of its inputs in place, which a "
+                "recompute would read")
     if ckpt == "selective" and k > 1:
         return f"{where}: selective checkpointing cannot tell a split Linear's matmuls apart"
     if ckpt == "selective" and any(c.sac_bytes is None or c.sac_recompute_s is None for c in unit.costs.values()):

@@ -26,7 +26,7 @@ from torch.utils.flop_counter import flop_registry
 
 from osdp.describe.recompute import MATMULS, SAVED_OPS, kept_by_selective
 from osdp.describe.units import Unit, checkpointable, param_homes
-from osdp.machine.memory import iter_tensors
+from osdp.machine.memory import iter_tensors, written_tensors
 from osdp.schema.plan import ROOT
 
 
@@ -64,10 +64,6 @@ class Segments:
             m = self.modules[u.path]
             self._handles.append(m.register_forward_pre_hook(self._pre(u.path), with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post(u.path)))
-            if u.path != ROOT:
-                parent = self.parent.get(u.path, ROOT)
-                self._handles.append(m.register_full_backward_pre_hook(lambda *_, o=parent: self.close(o)))
-                self._handles.append(m.register_full_backward_hook(lambda *_, o=u.path: self.close(o)))
         for p in self.model.parameters():
             if p.requires_grad:
                 home = self.homes[id(p)]
@@ -96,17 +92,43 @@ class Segments:
                 for t in iter_tensors((args, kwargs))
                 if t.layout == torch.strided
             ]
+            if path != ROOT and torch.is_grad_enabled():
+                return self._on_input_gradients(path, args, kwargs)
+            return None
 
         return hook
 
     def _post(self, path: str):
-        def hook(_module, _args, _output):
+        def hook(_module, _args, output):
             self.close(path)
             self.stack.pop()
             if path not in self.finished:
                 self.finished.append(path)
+            if path != ROOT:
+                # the arrival of the unit's output gradient ends a segment of the unit around it
+                parent = self.parent.get(path, ROOT)
+                for t in iter_tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(lambda _, o=parent: self.close(o))
 
         return hook
+
+    def _on_input_gradients(self, path: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The unit's inputs as views of themselves, hooked: the gradient of its input ends a segment of the
+        unit. Module full backward hooks say the same but return their tensors from a custom Function, and a
+        forward that modifies a unit's output in place (``y += x``, ``nn.ReLU(inplace=True)``) fails on those;
+        a plain view allows it. Each input its own view, as FSDP2 hands a sharded unit its inputs (so
+        MultiheadAttention, which tells self-attention apart by ``query is key``, runs as it runs sharded);
+        tensors inside containers are left as they are (a container rebuilt could be another type)."""
+
+        def hooked(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or not t.requires_grad or t.layout != torch.strided:
+                return t
+            view = t.view_as(t)
+            view.register_hook(lambda _, o=path: self.close(o))
+            return view
+
+        return tuple(hooked(a) for a in args), {k: hooked(v) for k, v in kwargs.items()}
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
@@ -288,6 +310,7 @@ class KeptBySelective(TorchDispatchMode):
         self.recompute_flops: dict[str, dict[str, int]] = {"full": {}, "selective": {}}
         # per policy and unit, the FLOPs not kept since the unit's forward last saved a tensor
         self._not_redone_yet: dict[str, dict[str, int]] = {"full": {}, "selective": {}}
+        self.keeper: dict[int, tuple[weakref.ref, str]] = {}  # storage key -> (storage, the unit that keeps it)
 
     def saved(self) -> None:
         """The running unit's forward saved a tensor: what it did not keep so far is redone by its recompute."""
@@ -322,6 +345,8 @@ class KeptBySelective(TorchDispatchMode):
                 for t in outputs if isinstance(t, torch.Tensor)]
         self.bytes[owner] = self.bytes.get(owner, 0) + sum(n for _, _, n in kept)
         self.outputs.setdefault(owner, []).extend(kept)
+        for storage, key, _ in kept:
+            self.keeper[key] = (storage, owner)
         return out
 
     def unsaved_bytes(self, path: str, first_saver: Mapping[int, str]) -> int:
@@ -331,3 +356,37 @@ class KeptBySelective(TorchDispatchMode):
         before it reaches them. One dead by now was saved by no backward (what is saved lives until backward)."""
         return sum(n for storage, key, n in self.outputs.get(path, ())
                    if storage() is None or first_saver.get(key) != path)
+
+
+class InPlaceWrites(TorchDispatchMode):
+    """The units a checkpoint policy cannot take, from the forward's in-place writes (seen before they run).
+
+    ``inputs_written``: an op wrote to one of a unit's inputs after its forward began (its own
+    ``nn.ReLU(inplace=True)`` first, or a later ``x.add_(...)``), before its backward: a checkpoint saves the
+    inputs and recomputes from them, so it would read what was written (PyTorch refuses it in backward).
+    ``kept_written``: an op wrote to an output selective checkpointing keeps (``KeptBySelective``'s: a unit's
+    Linear rectified in place, ``y += x`` on its last matmul); the checkpoint's cache refuses that likewise.
+    Works on real and on fake tensors.
+    """
+
+    def __init__(self, segments: Segments, kept: KeptBySelective):
+        super().__init__()
+        self.segments, self.kept = segments, kept
+        self.inputs_written: set[str] = set()
+        self.kept_written: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.segments.phase == "fwd":
+            for t in written_tensors(func, args, kwargs or {}):
+                self._note(t)
+        return func(*args, **(kwargs or {}))
+
+    def _note(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        storage, owner = self.kept.keeper.get(key, (lambda: None, ""))
+        if storage() is not None:
+            self.kept_written.add(owner)
+        for path, inputs in self.segments.inputs.items():
+            if any(k == key and ref() is not None for k, _, ref in inputs):
+                self.inputs_written.add(path)
+

@@ -9,17 +9,24 @@ import contextlib
 import math
 import statistics
 import time
-import warnings
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
-from osdp.describe.attribution import KeptBySelective, Segments, _Saved, _storage_key, _Timer, _working_sets
+from osdp.describe.attribution import InPlaceWrites, KeptBySelective, Segments, _Saved, _storage_key, _Timer, _working_sets
 from osdp.describe.batch import ProfileError, call_model, loss_of
 from osdp.describe.forward_caches import disable_caches_in_training
 from osdp.describe.recompute import checkpoint_unit, undo_checkpoint
-from osdp.describe.units import Unit, build_units, checkpointable, discover_units, param_homes, trace_calls
+from osdp.describe.units import (
+    CallTrace,
+    Unit,
+    build_units,
+    checkpointable,
+    discover_units,
+    param_homes,
+    trace_calls,
+)
 from osdp.machine.memory import LiveBytesTracker, iter_tensors
 from osdp.machine.timing import StepTimer
 from osdp.optim import make_optimizer
@@ -37,9 +44,7 @@ def _step(model: nn.Module, batch: Any, loss_fn, segments: Segments | None = Non
         loss.backward()
         return
     segments.start("bwd")
-    with warnings.catch_warnings():  # units whose inputs need no gradient (embeddings): expected, see Segments
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        loss.backward()
+    loss.backward()
     segments.close(ROOT)
 
 
@@ -82,7 +87,8 @@ def _innermost_default_unit(model: nn.Module, running: list[str]) -> str:
     return next((p for p in reversed(running) if p in paths), ROOT)
 
 
-def _check_units(model: nn.Module, units: Sequence[Unit], counts: Mapping[str, int]) -> None:
+def _check_units(model: nn.Module, units: Sequence[Unit], calls: CallTrace) -> None:
+    counts = calls.counts
     for u in units:
         if u.path != ROOT and u.numel == 0:
             raise ProfileError(
@@ -94,6 +100,13 @@ def _check_units(model: nn.Module, units: Sequence[Unit], counts: Mapping[str, i
                 f"unit '{u.name}' runs {counts[u.path]} times per forward; FSDP would gather it each "
                 "time and its activations add up: make its parent the unit (osdp.discover_units does "
                 "this by itself when given call counts)"
+            )
+        if u.path != ROOT and u.path in calls.writes_inputs:
+            raise ProfileError(
+                f"unit '{u.name}' writes to its input in place (an in-place op such as nn.ReLU(inplace=True) "
+                "first in its forward): FSDP2 hands a unit its inputs as views that autograd does not let a "
+                "forward write to; make its parent the unit (osdp.discover_units does this by itself) or the "
+                "op out of place"
             )
 
 
@@ -115,7 +128,7 @@ def resolve_units(
     if units is None:
         return discover_units(model, calls, granularity)
     units = build_units(model, [u.path for u in units])
-    _check_units(model, units, calls.counts)
+    _check_units(model, units, calls)
     return units
 
 
@@ -138,11 +151,19 @@ def memory_pass(
     """
     memory, segments_seen, root_total, order = _segments_pass(model, units, batch, loss_fn, also)
     _working_sets(memory, segments_seen, root_total)
-    if recomputed and checkpointable(units):
-        with _checkpointed(model, units, "full"):
+    takers = may_checkpoint(units, memory, "full")
+    if recomputed and takers:
+        with _checkpointed(model, takers, "full"):
             _, checkpointed_segments, root_total, _ = _segments_pass(model, units, batch, loss_fn)
-        _recomputed_working_sets(memory, checkpointed_segments, root_total, [u.path for u in checkpointable(units)])
+        _recomputed_working_sets(memory, checkpointed_segments, root_total, [u.path for u in takers])
     return memory, order
+
+
+def may_checkpoint(units: Sequence[Unit], memory: Mapping[str, Mapping[str, int]], policy: str) -> list[Unit]:
+    """The units a plan may checkpoint with ``policy`` ("full", "selective"), by a memory pass's ``memory``: a
+    unit whose inputs the forward writes in place takes none, one whose kept outputs it writes no selective."""
+    return [u for u in checkpointable(units) if not memory[u.path].get("inputs_written")
+            and (policy == "full" or "sac" in memory[u.path])]
 
 
 def _recomputed_working_sets(
@@ -200,6 +221,7 @@ def _segments_pass(
 
         segments = Segments(model, units, on_close)
         kept_by_selective = KeptBySelective(segments)
+        writes = InPlaceWrites(segments, kept_by_selective)
 
         def on_saved(t: torch.Tensor) -> None:
             tracker.mark(t, "activations")
@@ -218,13 +240,17 @@ def _segments_pass(
             memory.update(saved.per_unit(u.path for u in units))
             root_total = saved.live.get(ROOT, 0)
             for u in checkpointable(units):  # what selective checkpointing keeps: the inputs and SAVED_OPS' outputs
-                memory[u.path]["sac"] = memory[u.path]["ckpt"] + kept_by_selective.bytes.get(u.path, 0)
-                memory[u.path]["sac_unsaved"] = kept_by_selective.unsaved_bytes(u.path, saved.first_saver)
+                if u.path in writes.inputs_written:
+                    memory[u.path]["inputs_written"] = 1  # offered no checkpoint
+                elif u.path not in writes.kept_written:  # else offered none or full only
+                    memory[u.path]["sac"] = memory[u.path]["ckpt"] + kept_by_selective.bytes.get(u.path, 0)
+                    memory[u.path]["sac_unsaved"] = kept_by_selective.unsaved_bytes(u.path, saved.first_saver)
                 for policy, redone in kept_by_selective.recompute_flops.items():
                     memory[u.path][f"{policy}_recompute_flops"] = redone.get(u.path, 0)
 
         try:
-            with segments, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), kept_by_selective:
+            with segments, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), kept_by_selective, \
+                    writes:
                 _step(model, batch, loss_fn, segments, after_forward)
         finally:
             for h in grad_hooks:
@@ -241,14 +267,14 @@ def _time_at(
     loss_fn,
     repeats: int,
     sync: Callable[[], None],
-    policies: Sequence[str] = (),
+    policies: Mapping[str, Sequence[Unit]] = {},
 ) -> dict[str, Any]:
     """Per-unit seconds (medians over ``repeats`` hooked steps), scaled so that they add up to the
     median plain step (hooks cost a few percent, waiting for a GPU at every boundary more; plain
-    and hooked steps alternate). For each checkpoint policy in ``policies`` ("full", "selective"), also each
-    checkpointable unit's recompute seconds under it ("recompute_seconds"[policy]): how much longer a step
-    takes with it checkpointed. How much that is in all comes from whole unhooked steps, every unit
-    checkpointed against none, and how it divides among units from the differences of their hooked
+    and hooked steps alternate). For each checkpoint policy in ``policies`` ("full", "selective": the units
+    that can take it), also those units' recompute seconds under it ("recompute_seconds"[policy]): how much
+    longer a step takes with it checkpointed. How much that is in all comes from whole unhooked steps, all
+    those units checkpointed against none, and how it divides among units from the differences of their hooked
     backward segments (a unit whose backward needs little of its forward recomputes little). Each
     checkpointed step follows a plain one and both are medians of the pairs' differences, so a machine that
     speeds up or slows down while we measure moves both sides of a difference alike."""
@@ -256,7 +282,7 @@ def _time_at(
     plain: dict[str, list[float]] = {p: [] for p in ("none", *policies)}
     for _ in range(repeats):
         for policy in timed:
-            with _checkpointed(model, units, policy) if policy != "none" else contextlib.nullcontext():
+            with _checkpointed(model, policies[policy], policy) if policy != "none" else contextlib.nullcontext():
                 model.zero_grad(set_to_none=True)
                 timer = _Timer(sync)
                 with Segments(model, units, timer) as segments:
@@ -286,7 +312,7 @@ def _time_at(
                 max(0.0, c.get(("bwd", u.path), 0.0) * scale_ckpt - p.get(("bwd", u.path), 0.0) * scale)
                 for p, c in zip(timed["none"], timed[policy])
             )
-            for u in checkpointable(units)
+            for u in policies[policy]
         }
         # The segments alone over-count: checkpointing moves time across segment boundaries (gpt2-mini:
         # their sum was 1.3x the steps' difference with attention and MLP as units, 2x with whole blocks,
@@ -301,10 +327,10 @@ def _time_at(
 
 @contextlib.contextmanager
 def _checkpointed(model: nn.Module, units: Sequence[Unit], policy: str = "full"):
-    """Every checkpointable unit checkpointed with ``policy`` as a plan checkpoints it
-    (``osdp.describe.recompute``, forward caches off: ``osdp.describe.forward_caches``); restored on exit."""
+    """``units`` checkpointed with ``policy`` as a plan checkpoints them (``osdp.describe.recompute``, forward
+    caches off: ``osdp.describe.forward_caches``); restored on exit."""
     modules = dict(model.named_modules())
-    wrapped = [modules[u.path] for u in checkpointable(units)]
+    wrapped = [modules[u.path] for u in units]
     for m in wrapped:
         checkpoint_unit(m, policy)
     no_cache = disable_caches_in_training(model, warn=False)
@@ -402,7 +428,7 @@ def fit_costs(
     recompute: dict[str, dict[str, Affine]] = {}  # policy -> path -> seconds
     paired = checkpointable(units)
     for policy, at_size in (recompute_seconds or {}).items():
-        per_size = {b: {p: {"s": s} for p, s in at_size[b].items()} for b in sizes}
+        per_size = {b: {u.path: {"s": at_size[b].get(u.path, 0.0)} for u in paired} for b in sizes}
         extra = {b: average_repeated(paired, per_size[b], statistics.fmean) for b in sizes}
         recompute[policy] = {u.path: Affine.fit(sizes, [extra[b][u.path]["s"] for b in sizes]) for u in paired}
     selective = {u.path for u in paired if all("sac" in memory[b][u.path] for b in sizes)}
@@ -426,6 +452,7 @@ def fit_costs(
             sac_bytes=fit(memory, p, "sac") if p in selective and "selective" in recompute else None,
             sac_recompute_s=recompute.get("selective", {}).get(p),
             sac_unsaved_bytes=fit(memory, p, "sac_unsaved") if p in selective and "selective" in recompute else None,
+            checkpointable=not any(memory[b][p].get("inputs_written") for b in sizes),
         )
         for p in paths
     }

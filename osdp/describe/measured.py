@@ -46,6 +46,7 @@ from osdp.describe.measure import (
     _step,
     _time_at,
     fit_costs,
+    may_checkpoint,
     memory_pass,
     resolve_units,
     time_optimizers,
@@ -58,7 +59,7 @@ from osdp.machine.timing import StepTimer
 from osdp.schema.description import PRECISIONS, ModelDescription, UnitWorkload
 from osdp.store import cache_dir, write_atomically
 
-PROFILE_VERSION = 9  # bump when what is measured changes: old cache entries are ignored
+PROFILE_VERSION = 10  # bump when what is measured changes: old cache entries are ignored
 
 
 
@@ -247,7 +248,8 @@ def _measure_precision(model: nn.Module, units: Sequence[Unit], example_input: A
         show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps")
         batch = resize_batch(example_input, b)
         memory[b], order = memory_pass(runnable, runnable_units, batch, loss_fn)
-        timing = _time_at(runnable, runnable_units, batch, loss_fn, reps, sync, policies)
+        takers = {p: may_checkpoint(runnable_units, memory[b], p) for p in policies}
+        timing = _time_at(runnable, runnable_units, batch, loss_fn, reps, sync, takers)
         seconds[b] = timing["seconds"]
         checks[str(b)] = {k: timing[k] for k in ("step_s", "hooked_step_s")}
         for policy in policies:

@@ -22,7 +22,9 @@ A unit is a module whose parameters are gathered, sharded and reduced together
   rather than paying a collective each;
 * a parameter shared by several modules (tied embeddings, a module registered
   twice) belongs to one unit at the lowest common ancestor of its owners, and
-  a module that runs more than once per forward is moved up the same way;
+  a module that runs more than once per forward is moved up the same way, as
+  is one whose forward writes to its inputs in place (FSDP2 hands a unit its
+  inputs through a custom autograd Function, whose outputs cannot be written);
 * units follow the calls, not only the module tree: a container that cannot be
   called (``ModuleDict``, ``ModuleList``, ``ParameterDict``: no ``forward``)
   is never a unit, the module that calls its children is (FSDP2 gathers a
@@ -43,10 +45,13 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from osdp._torch_private import TorchDispatchMode
+from osdp.machine.memory import iter_tensors, written_tensors
 from osdp.schema.plan import ROOT, display_path
 
 # Unit sizes the planner chooses between: a transformer's attention and MLP apart, or whole blocks; and
@@ -128,6 +133,8 @@ class CallTrace:
 
     counts: dict[str, int] = field(default_factory=dict)
     uses: dict[int, set[tuple[str, ...]]] = field(default_factory=dict)
+    # modules that wrote in place to one of their floating-point inputs while their forward ran
+    writes_inputs: set[str] = field(default_factory=set)
 
 
 class _ParameterUses(TorchFunctionMode):
@@ -147,24 +154,44 @@ class _ParameterUses(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _InputWrites(TorchDispatchMode):
+    """Notes the running modules whose floating-point inputs an op writes to in place (``nn.ReLU(inplace=True)``
+    first in a module's forward)."""
+
+    def __init__(self, running: list[str], inputs: list[set[int]], writers: set[str]):
+        super().__init__()
+        self.running, self.inputs, self.writers = running, inputs, writers
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in written_tensors(func, args, kwargs or {}):
+            key = t.untyped_storage()._cdata
+            self.writers.update(path for path, keys in zip(self.running, self.inputs) if key in keys)
+        return func(*args, **(kwargs or {}))
+
+
 def trace_calls(model: nn.Module, run) -> CallTrace:
-    """Run ``run()`` (a forward of ``model``) and note what it called and where it used each parameter."""
+    """Run ``run()`` (a forward of ``model``) and note what it called, where it used each parameter, and
+    which modules wrote to their inputs."""
     trace = CallTrace()
     running: list[str] = [ROOT]
+    inputs: list[set[int]] = [set()]  # per running module, the storages of its floating-point inputs
     handles = []
     for path, module in model.named_modules():
-        def enter(_m, _args, path=path):
+        def enter(_m, args, kwargs, path=path):
             trace.counts[path] = trace.counts.get(path, 0) + 1
             running.append(path)
+            inputs.append({t.untyped_storage()._cdata for t in iter_tensors((args, kwargs))
+                           if t.is_floating_point() and t.layout == torch.strided})
 
         def leave(_m, _args, _out):
             running.pop()
+            inputs.pop()
 
-        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(module.register_forward_hook(leave, always_call=True))
     params = {id(p): p for p in model.parameters()}
     try:
-        with _ParameterUses(params, running, trace.uses):
+        with _ParameterUses(params, running, trace.uses), _InputWrites(running, inputs, trace.writes_inputs):
             run()
     finally:
         for h in handles:
@@ -231,7 +258,9 @@ def _resolve_sharing(model: nn.Module, candidates: Iterable[str], calls: CallTra
             if outside:
                 path = _called_ancestor(_common_ancestor([path, *outside]), modules)
                 continue
-            if calls is not None and calls.counts.get(path, 0) > 1:
+            if calls is not None and (calls.counts.get(path, 0) > 1 or path in calls.writes_inputs):
+                # FSDP2 would gather it at each call; or hand it its inputs as views of a custom Function (its
+                # post-backward hook), which autograd does not let a forward write to
                 path = _called_ancestor(_parent(path), modules)
                 continue
             break

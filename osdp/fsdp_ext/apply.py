@@ -55,7 +55,8 @@ from osdp.distributed.group import ensure_process_group, job_device
 from osdp.fsdp_ext.groups import group_members
 from osdp.fsdp_ext.module_api import UnitExtras, extend_unit
 from osdp.fsdp_ext.replicate import ReplicaReducer
-from osdp.machine.memory import register_gradient_storages
+from osdp._torch_private import fsdp_pre_backward
+from osdp.machine.memory import iter_tensors, register_gradient_storages
 from osdp.report import first_few
 from osdp.schema.plan import ROOT, Plan, PlanError, UnitPlan, display_path, replicates_with_ddp
 from osdp.split import SplitLinear, apply_split, split_parameters, splittable_linears
@@ -346,11 +347,30 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
 
 
 def _reshard_when_evaluating(model: nn.Module, groups: dict[str, list[str]]) -> None:
-    """``_reshard_after_forward_without_grad`` on every FSDP2 unit, after the last module of a group."""
+    """``_reshard_after_forward_without_grad`` on every FSDP2 unit, after the last module of a group;
+    ``_pre_backward_through_views`` on every one."""
     not_last = {model.get_submodule(p) for members in groups.values() for p in members[:-1]}
     for module in model.modules():
-        if isinstance(module, FSDPModule) and module not in not_last:
-            module.register_forward_hook(_reshard_after_forward_without_grad)
+        if isinstance(module, FSDPModule):
+            module.register_forward_hook(_pre_backward_through_views)
+            if module not in not_last:
+                module.register_forward_hook(_reshard_after_forward_without_grad)
+
+
+# FSDP2 warns of what _pre_backward_through_views handles, at every forward of such a unit
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP.*\) returned a view tensor")
+
+
+def _pre_backward_through_views(module: FSDPModule, args, output):
+    # FSDP2 hooks its pre-backward (gather the unit's parameters) on the unit's output tensors. A unit returning
+    # a view (``y.view(b, t, h)``, MultiheadAttention's ``transpose``) whose caller writes to it in place
+    # (``h += x``) rebases the view's autograd history and drops that hook: backward then runs on the sharded
+    # parameters and fails. The view's base is written too, and its history keeps a hook registered now.
+    if torch.is_grad_enabled():
+        for t in iter_tensors(output):
+            if t.requires_grad and t._base is not None and t._base.requires_grad:
+                t._base.register_hook(fsdp_pre_backward(module))
+    return output
 
 
 def _reshard_after_forward_without_grad(module: FSDPModule, args, output):

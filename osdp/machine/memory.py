@@ -104,6 +104,15 @@ def _flat_tensors(args: Any) -> list[torch.Tensor]:
     return out
 
 
+def written_tensors(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The strided tensors an ATen op writes to in place, by its schema (``add_``'s self, ``out=`` tensors)."""
+    if not func._schema.is_mutable:
+        return []
+    named = dict(zip((a.name for a in func._schema.arguments), args)) | dict(kwargs)
+    return [t for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write
+            for t in _flat_tensors((named.get(a.name),)) if t.layout == torch.strided]
+
+
 class _Storage:
     __slots__ = ("handle", "nbytes", "ref", "counted")
 

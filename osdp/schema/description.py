@@ -83,6 +83,9 @@ class UnitWorkload:
     # Of sac_bytes, what the unit's own backward does not save (its last matmul's output): the checkpoint's
     # cache holds it through the unit's backward, beside the backward's working set.
     sac_unsaved_bytes: Affine | None = None
+    # False: the forward writes to one of the unit's inputs in place before its backward, so a checkpoint's
+    # recompute would read what was written (osdp.describe.attribution.InPlaceWrites): offered no checkpoint
+    checkpointable: bool = True
 
     def recompute_seconds(self, b: float, policy: str = "full") -> float:
         """What checkpointing under ``policy`` ("full" or "selective") adds to the unit's backward."""
@@ -179,7 +182,7 @@ class ModelDescription:
             return None if x is None else Affine(**x)
 
         def costs(c: Mapping[str, Any]) -> UnitWorkload:
-            return UnitWorkload(**{k: affine(v) for k, v in c.items()})
+            return UnitWorkload(**{k: v if k == "checkpointable" else affine(v) for k, v in c.items()})
 
         units = [
             UnitProfile(

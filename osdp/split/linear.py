@@ -35,10 +35,9 @@ def split_layout(out_features: int, world_size: int, k: int) -> tuple[int, list[
 
 class _SplitLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w_local: torch.Tensor, bias: torch.Tensor | None, module: "SplitLinear",
+    def forward(ctx, x2d: torch.Tensor, w_local: torch.Tensor, bias: torch.Tensor | None, module: "SplitLinear",
                 reduce_dtype: torch.dtype | None):
         impl = _extension.implementation()
-        x2d = x.reshape(-1, module.in_features)
         group = module.weight.device_mesh.get_group()
         pairwise_gather = comm.all_gather_impl() == "pairwise"  # NCCL's traffic on gloo (osdp.distributed.collectives)
         y = impl.forward(x2d, w_local, group, module.piece_sizes, module.out_features, pairwise_gather)
@@ -48,8 +47,8 @@ class _SplitLinearFunction(torch.autograd.Function):
         # leaves its base Linears, does not), so that a split unit keeps what the describe measured unsplit
         ctx.save_for_backward(x2d if ctx.needs_input_grad[1] else None, w_local)
         ctx.impl, ctx.group, ctx.module, ctx.reduce_dtype = impl, group, module, reduce_dtype
-        ctx.x_shape, ctx.x_dtype, ctx.bias_dtype = x.shape, x2d.dtype, None if bias is None else bias.dtype
-        return y.view(*x.shape[:-1], module.out_features)
+        ctx.x_dtype, ctx.bias_dtype = x2d.dtype, None if bias is None else bias.dtype
+        return y  # 2-D: a view returned from a Function could not be written in place (nn.ReLU(inplace=True))
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
@@ -77,7 +76,7 @@ class _SplitLinearFunction(torch.autograd.Function):
                                                   pairwise_reduce)
                 module.accumulated_grad = None
         grad_b = grad_y.sum(0).to(ctx.bias_dtype) if need_b else None
-        return None if grad_x is None else grad_x.view(ctx.x_shape), grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class SplitLinear(nn.Module):
@@ -151,7 +150,9 @@ class SplitLinear(nn.Module):
         if compute_dtype is not None:
             x = x.to(compute_dtype)
         with torch.autocast(device_type, enabled=False):  # the loop's matmuls run in the dtype chosen above
-            return _SplitLinearFunction.apply(x, self.weight.to_local(), self.bias, self, reduce_dtype)
+            y = _SplitLinearFunction.apply(x.reshape(-1, self.in_features), self.weight.to_local(), self.bias, self,
+                                           reduce_dtype)
+        return y.view(*x.shape[:-1], self.out_features)
 
     @torch.no_grad()
     def full_weight(self) -> torch.Tensor:

@@ -350,6 +350,44 @@ def test_units_without_parameters_or_running_twice():
         describe(Twice(), x, units=build_units(Twice(), ["act", "b"]), **FAST)
 
 
+class _InPlace(nn.Module):
+    """A head that rectifies its input in place (``post``'s output); an MLP whose hidden Linear is rectified in
+    place and whose output the caller adds the residual to in place; a Linear unit whose input the caller scales
+    in place after it ran (its frozen weight's backward saves nothing of it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 32), nn.ReLU(inplace=True), nn.Linear(32, 8))
+        self.side = nn.Linear(8, 8).requires_grad_(False)
+        self.post = nn.Linear(8, 8)
+        self.head = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 4))
+
+    def forward(self, x):
+        h = self.pre(x) * 2
+        y = self.mlp(h)
+        y += h
+        s = self.side(y)
+        y.mul_(0.5)  # side's input, after side ran
+        return (self.head(self.post(y)) + s.sum()).square().mean()
+
+
+def test_in_place_writes_decide_what_a_unit_may_be_and_take():
+    x = torch.randn(4, 8, requires_grad=False)
+    for d in (describe(_InPlace(), x, loss_fn=lambda out: out, **FAST),
+              describe_analytic(_InPlace(), x, "h100-nvlink", world_size=8, loss_fn=lambda out: out, progress=False)):
+        units = {u.path: u.costs["fp32"] for u in d.units}
+        assert "head" not in units  # writes its input in place: FSDP2 could not run it as a unit, the root does
+        assert units["pre"].checkpointable and units["pre"].sac_bytes is not None
+        for written in ("mlp", "post"):  # a matmul output selective checkpointing keeps is written in place
+            assert units[written].checkpointable and units[written].sac_bytes is None
+        assert not units["side"].checkpointable  # a recompute would read the scaled input
+    with pytest.raises(ProfileError, match="unit 'head' writes to its input in place"):
+        from osdp.describe.units import build_units
+
+        describe(_InPlace(), x, loss_fn=lambda out: out, units=build_units(_InPlace(), ["head", "mlp"]), **FAST)
+
+
 def test_bf16_description_halves_activations(tiny):
     d = describe(gpt_tiny(), gpt_batch(), precisions=("fp32", "bf16"), **FAST)
     fp32, bf16 = d.unit("blocks.0.mlp").costs["fp32"], d.unit("blocks.0.mlp").costs["bf16"]

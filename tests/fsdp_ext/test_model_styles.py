@@ -37,6 +37,7 @@ PLANNING_LOSS = {
     "lora": lambda out: out,
     "padded": lambda out: out.square().mean(),
     "dict_io": lambda out: out["loss"],
+    "inplace": lambda out: out,
 }
 
 

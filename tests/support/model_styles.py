@@ -230,6 +230,44 @@ class PaddedClassifier(nn.Module):
         return self.cls((x * keep).sum(1) / keep.sum(1)) / temperature
 
 
+class InplaceMLP(nn.Module):
+    """An MLP as older code writes it to save memory: ``nn.ReLU(inplace=True)`` on a Linear's output, and its
+    result returned as a view (``.view``) that the caller adds the residual to in place."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.norm = nn.LayerNorm(h)
+        self.up = nn.Linear(h, 4 * h)
+        self.act = nn.ReLU(inplace=True)
+        self.down = nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        y = self.down(self.act(self.up(self.norm(x))).view(b * t, 4 * h))
+        return y.view(b, t, h)
+
+
+class InplaceResidualNet(nn.Module):
+    """Residuals added in place to a block's output (``h += x``), a head whose first op rectifies its input in
+    place, an in-place scale of the head's output."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, h)
+        self.blocks = nn.ModuleList([InplaceMLP(h) for _ in range(3)])
+        self.head = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(h, VOCAB))
+
+    def forward(self, tokens, targets):
+        x = self.emb(tokens)
+        for block in self.blocks:
+            y = block(x)
+            y += x
+            x = y
+        logits = self.head(x)
+        logits.mul_(0.5)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 def t5():
     """Hugging Face T5 as its users build it (small sizes): a relative position bias computed in the first
     layer and passed to the others, embeddings shared by encoder and decoder and tied to the head."""
@@ -277,6 +315,7 @@ STYLES = {
     "lora": (LoRAGPT, _tokens, lambda out, batch, step: out, lambda b: b),
     "padded": (PaddedClassifier, _padded, lambda out, batch, step: F.cross_entropy(out, batch[2]),
                lambda b: {"ids": b[0], "mask": b[1], "temperature": 0.5}),
+    "inplace": (InplaceResidualNet, _tokens, lambda out, batch, step: out, lambda b: b),
     "dict_io": (DictInOut, _tokens, lambda out, batch, step: out["loss"],
                 lambda b: ({"ids": b[0], "labels": b[1]},)),
 }
