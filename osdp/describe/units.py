@@ -47,6 +47,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
+from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -120,10 +121,24 @@ def is_callable(module: nn.Module) -> bool:
 
 
 def _called_ancestor(path: str, modules: Mapping[str, nn.Module]) -> str:
-    """``path`` itself if its module can be called, else its nearest ancestor that can."""
-    while path != ROOT and not is_callable(modules[path]):
+    """``path`` itself if its module can be called, else its nearest ancestor that can; a module inside a
+    parametrization (``weight_norm``'s ``conv.parametrizations.weight``, which computes the weight whenever the
+    module's forward reads it) is the parametrized module's."""
+    while path != ROOT and (not is_callable(modules[path]) or _in_parametrization(path, modules)):
         path = _parent(path)
     return path
+
+
+def _own_children(module: nn.Module) -> list[nn.Module]:
+    """The module's children but its parametrizations (a parametrized Linear is a leaf)."""
+    skip = module.parametrizations if parametrize.is_parametrized(module) else None
+    return [c for c in module.children() if c is not skip]
+
+
+def _in_parametrization(path: str, modules: Mapping[str, nn.Module]) -> bool:
+    parts = path.split(".")
+    return any(part == "parametrizations" and parametrize.is_parametrized(modules[".".join(parts[:i])])
+               for i, part in enumerate(parts))
 
 
 @dataclass
@@ -213,15 +228,15 @@ def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
         _called_ancestor(path, modules)
         for path, m in modules.items()
         if path != ROOT
-        and any(True for _ in m.children())
-        and all(not any(True for _ in c.children()) for c in m.children())
+        and _own_children(m)
+        and all(not _own_children(c) for c in _own_children(m))
         and _has_matrix_param(m)
     } - {ROOT}
     leaves = {
         _called_ancestor(path, modules)
         for path, m in modules.items()
         if path != ROOT
-        and not any(True for _ in m.children())
+        and not _own_children(m)
         and not any(_is_within(path, b) for b in sub_block)
         and any(p.dim() >= 2 for p in m.parameters(recurse=False))
     } - {ROOT}
@@ -376,7 +391,7 @@ def discover_units(
 def _small_leaves(model: nn.Module, units: list[Unit]) -> set[str]:
     """Leaf-module units smaller than the smallest unit with children (none if there is no such unit)."""
     modules = dict(model.named_modules())
-    leaves = {u.path for u in units if u.path != ROOT and not any(True for _ in modules[u.path].children())}
+    leaves = {u.path for u in units if u.path != ROOT and not _own_children(modules[u.path])}
     blocks = [u.numel for u in units if u.path != ROOT and u.path not in leaves]
     if not blocks:
         return set()

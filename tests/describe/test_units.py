@@ -50,3 +50,14 @@ def test_nested_units_are_whole_blocks_with_their_sub_blocks_and_a_block_keeps_o
                                           and not any(p is q for q in model.blocks[0].mlp.parameters()))
     # a block whose sub-blocks hold everything is no unit of its own: the sub-blocks go straight to the root
     assert _paths(_BigHead(), "nested") == {"blocks.0.a", "blocks.0.b", "blocks.1.a", "blocks.1.b", "head", ""}
+
+
+def test_a_parametrized_module_is_the_unit_not_its_parametrization():
+    """weight_norm keeps a convolution's parameters in ``conv.parametrizations.weight`` (a module that computes
+    the weight whenever the convolution's forward reads it): the convolution is the unit, as it is the module
+    whose forward uses them."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    model = nn.Sequential(weight_norm(nn.Conv1d(4, 8, 3)), nn.ReLU(), weight_norm(nn.Linear(8, 8)), nn.Linear(8, 2))
+    for granularity in ("sub-block", "block"):
+        assert _paths(model, granularity) == {"0", "2", "3", ""}

@@ -38,6 +38,8 @@ PLANNING_LOSS = {
     "padded": lambda out: out.square().mean(),
     "dict_io": lambda out: out["loss"],
     "inplace": lambda out: out,
+    "weight_norm": lambda out: out.loss,
+    "user_ckpt": lambda out: out[1],
 }
 
 

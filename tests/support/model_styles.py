@@ -6,6 +6,8 @@ arguments), ``loss(output, batch, step)`` (what the user's loop computes).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -230,6 +232,68 @@ class PaddedClassifier(nn.Module):
         return self.cls((x * keep).sum(1) / keep.sum(1)) / temperature
 
 
+class UserCheckpointedGPT(LambdaGPT):
+    """LambdaGPT with the user's own activation checkpointing of every block, as Hugging Face's
+    ``gradient_checkpointing_enable()`` applies it by default: the block's ``__call__`` (its hooks inside)
+    under reentrant ``torch.utils.checkpoint``."""
+
+    def __init__(self, reentrant: bool = True):
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, idx, targets):
+        t = self.transformer
+        x = t.wte(idx) + t.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in t.h:
+            x = torch.utils.checkpoint.checkpoint(block.__call__, x, use_reentrant=self.reentrant)
+        logits = F.linear(t.ln_f(x), t.wte.weight)
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class WeightNormConv(nn.Module):
+    """An audio-style encoder: convolutions under ``weight_norm`` parametrizations (wav2vec2's positional
+    convolution, HiFi-GAN), a custom autograd Function, a no-grad statistic of a weight, a dataclass output."""
+
+    def __init__(self, h=16):
+        super().__init__()
+        from torch.nn.utils.parametrizations import weight_norm
+
+        self.conv1 = weight_norm(nn.Conv1d(4, h, 3, padding=1))
+        self.conv2 = weight_norm(nn.Conv1d(h, h, 3, padding=1), dim=2)
+        self.proj = nn.Linear(h, 10)
+
+    def forward(self, x, y):
+        h = _Swish.apply(self.conv1(x))
+        h = F.gelu(self.conv2(h)).mean(-1)
+        with torch.no_grad():
+            scale = self.proj.weight.norm()
+        logits = self.proj(h) / (1 + 0 * scale)
+        return _Out(logits=logits, loss=F.cross_entropy(logits, y))
+
+
+class _Swish(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return g * (s + x * s * (1 - s))
+
+
+@dataclass
+class _Out:
+    logits: torch.Tensor
+    loss: torch.Tensor
+
+
+def _signals(rows, g):
+    return torch.randn(rows, 4, SEQ, generator=g), torch.randint(0, 10, (rows,), generator=g)
+
+
 class InplaceMLP(nn.Module):
     """An MLP as older code writes it to save memory: ``nn.ReLU(inplace=True)`` on a Linear's output, and its
     result returned as a view (``.view``) that the caller adds the residual to in place."""
@@ -315,6 +379,8 @@ STYLES = {
     "lora": (LoRAGPT, _tokens, lambda out, batch, step: out, lambda b: b),
     "padded": (PaddedClassifier, _padded, lambda out, batch, step: F.cross_entropy(out, batch[2]),
                lambda b: {"ids": b[0], "mask": b[1], "temperature": 0.5}),
+    "user_ckpt": (UserCheckpointedGPT, _tokens, lambda out, batch, step: out[1], lambda b: b),
+    "weight_norm": (WeightNormConv, _signals, lambda out, batch, step: out.loss, lambda b: b),
     "inplace": (InplaceResidualNet, _tokens, lambda out, batch, step: out, lambda b: b),
     "dict_io": (DictInOut, _tokens, lambda out, batch, step: out["loss"],
                 lambda b: ({"ids": b[0], "labels": b[1]},)),
