@@ -250,7 +250,7 @@ def twin_plan(descriptions, mode: str, ac: bool | str, blocks: str, device_info,
         plan.meta["granularity"] = d.granularity
         step = predict(d, plan, device_info, optimizer=optimizer, calibration=calibration).step_s
         plans.append((d, plan, 1 / step))
-    return plans[choose_granularity([(d, speed) for d, _, speed in plans])][1]
+    return plans[choose_granularity([(plan, speed) for _, plan, speed in plans])][1]
 
 
 def param_fraction(description, plan, mode: str) -> float:

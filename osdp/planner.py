@@ -99,8 +99,8 @@ def find_plan(
     (``planning_descriptions``), let the search choose the unit size too: for
     the whole model ("sub-block", "block"), and per block where the "block" and
     "nested" descriptions are both given (``osdp.cost.problem.build_block_problem``); the plan with
-    the fewest units among those within ``GRANULARITY_TOLERANCE`` of the
-    fastest wins. Each granularity's plan is the fastest plan memory does not
+    the fewest sharded units among those within ``GRANULARITY_TOLERANCE`` of the
+    fastest wins (``choose_granularity``). Each granularity's plan is the fastest plan memory does not
     constrain where its schedule peak (``osdp.cost.schedule.predict``) fits, else the
     faster of the solver's plan at the budget and at the largest additive bound
     on a fixed grid up to ``RELAXED_BOUND`` times the budget, where their
@@ -117,7 +117,7 @@ def find_plan(
     grouped = _grouped_candidates(descriptions, device_info, batch_sizes, settings) if group_blocks else []
     start = time.perf_counter()  # the search's time: solving and pricing plans, not building the problems
     found = [f for problems, describe in candidates if (f := pricing.fastest_fitting(problems, describe))]
-    best = found[choose_granularity([(f.description, f.samples_per_s) for f in found])] if found else None
+    best = found[choose_granularity([(f.plan, f.samples_per_s) for f in found])] if found else None
     # a grouped plan replaces the plan chosen without groups only where predicted faster: no other needs finding
     beat = best.samples_per_s if best else None
     found_grouped = [f for problems, describe in grouped if (f := pricing.fastest_fitting(problems, describe, beat))]
@@ -284,20 +284,29 @@ def least_budget(descriptions: ModelDescription | Sequence[ModelDescription], de
     return 1
 
 
-# A finer unit granularity is taken only where it is predicted faster than a coarser one by more than this.
-# The cost model prices the two within a few percent on small transformers, and there its per-unit costs, fitted
-# on the calibration nets, miss part of what a unit costs: on gpt2-mini (2 CPU ranks, loopback and gpu-ratio
-# links) attention and MLP apart ran 4-9% slower than whole blocks, predicted a little faster
-# (experiments/results/bench_modes/bench_modes.md). Fewer units is also what PyTorch's own per-block wrapping runs.
+# A plan with more sharded units is taken only where it is predicted faster than one with fewer by more than
+# this. The cost model prices them within a few percent on small transformers, and there its per-unit costs,
+# fitted on the calibration nets, miss part of what a sharded unit costs: on gpt2-mini (2 CPU ranks, loopback
+# and gpu-ratio links) attention and MLP apart, all sharded, ran 4-9% slower than whole blocks, predicted a
+# little faster (experiments/results/bench_modes/bench_modes.md). Fewer sharded units is also what PyTorch's own
+# per-block wrapping runs. Replicated units gather nothing and cost little each: counting them took a block plan
+# with three sharded blocks, predicted 2% slower, over a sub-block plan all replicated (gpt2-mini, 2 CPU ranks,
+# loopback, 109.6 MiB: 4,132 against the 4,259 tokens/s the latter measured at 99.0 MiB).
 GRANULARITY_TOLERANCE = 0.05
 
 
-def choose_granularity(candidates: Sequence[tuple[ModelDescription, float]]) -> int:
-    """Which of ``(description, predicted speed)`` (one per granularity, higher faster) to take: the one with
-    the fewest units among those within ``GRANULARITY_TOLERANCE`` of the fastest."""
+def sharded_units(plan: Plan) -> int:
+    """How many FSDP2 units of ``plan`` gather parameters: its units not replicated, a group counted once."""
+    return len({u.group or u.path for u in plan.units if u.mode != "replicate"})
+
+
+def choose_granularity(candidates: Sequence[tuple[Plan, float]]) -> int:
+    """Which of ``(plan, predicted speed)`` (one per granularity, higher faster) to take: the one with the fewest
+    sharded units (``sharded_units``) among those within ``GRANULARITY_TOLERANCE`` of the fastest, the faster
+    of those."""
     fastest = max(speed for _, speed in candidates)
     close = [i for i, (_, speed) in enumerate(candidates) if speed >= (1 - GRANULARITY_TOLERANCE) * fastest]
-    return min(close, key=lambda i: (len(candidates[i][0].units), -candidates[i][1]))
+    return min(close, key=lambda i: (sharded_units(candidates[i][0]), -candidates[i][1]))
 
 
 def description_of(plan: Plan, descriptions: Sequence[ModelDescription]) -> ModelDescription:

@@ -119,13 +119,10 @@ def test_the_planner_takes_blocks_apart_only_where_that_is_predicted_faster_beyo
         exact = predict(described, plan, device, batch_size=BATCH)
         assert exact.step_s == pytest.approx(plan.predicted_step_s, rel=1e-12)
         assert exact.peak_bytes <= plan.predicted_peak_bytes <= budget
-        # fewest units among the close ones
-        sizes = {"sub-block": len(d["sub-block"].units), "block": len(d["block"].units)}
+        # which of the close ones: tests/planner/test_search_integration.py
         if taken == "per-block":
-            sizes["per-block"] = len(plan.units)
             apart = granularity.apart_in(plan, d["block"], d["nested"])
             assert 0 < len(apart) and all(p in plan.paths for b in apart for p in granularity.blocks_apart(
                 d["block"], d["nested"])[b])
-        assert sizes[taken] == min(sizes[g] for g in close if g in sizes)
         chosen.add(taken)
     assert offered and {"block", "sub-block"} <= chosen, (offered, chosen)

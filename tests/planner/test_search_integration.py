@@ -1,6 +1,8 @@
 """The search over the real cost model: the extremes of the budget and monotonicity in between."""
 
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -133,8 +135,8 @@ def gpt2_mini_both_granularities():
     return [fine, coarse], device
 
 
-def test_the_search_takes_the_coarsest_granularity_within_the_tolerance_of_the_fastest(gpt2_mini_both_granularities):
-    from osdp.planner import GRANULARITY_TOLERANCE
+def test_the_search_takes_the_fewest_sharded_units_within_the_tolerance_of_the_fastest(gpt2_mini_both_granularities):
+    from osdp.planner import GRANULARITY_TOLERANCE, sharded_units
 
     # the unit sizes alone (find_plan searches groups of blocks only when asked: tests/planner/test_group_search.py)
     descriptions, device = gpt2_mini_both_granularities
@@ -153,23 +155,33 @@ def test_the_search_takes_the_coarsest_granularity_within_the_tolerance_of_the_f
         fastest = max(p.meta["predicted_samples_per_s"] for p in alone.values())
         close = [g for g in ("block", "sub-block")
                  if g in alone and alone[g].meta["predicted_samples_per_s"] >= (1 - GRANULARITY_TOLERANCE) * fastest]
+        # of those, the fewest sharded units; the faster at a tie
+        expected = min(close, key=lambda g: (sharded_units(alone[g]), -alone[g].meta["predicted_samples_per_s"]))
         plan = find_plan(descriptions, device, (BATCH,), budget=int(budget)).plan
-        assert plan.meta["granularity"] == close[0], (budget, {g: p.meta["predicted_samples_per_s"] for g, p in alone.items()})
-        assert plan.predicted_step_s == alone[close[0]].predicted_step_s
+        assert plan.meta["granularity"] == expected, (budget, {g: p.meta["predicted_samples_per_s"] for g, p in alone.items()})
+        assert plan.predicted_step_s == alone[expected].predicted_step_s
         assert plan.meta["samples_per_s_by_granularity"] == pytest.approx(
             {g: p.meta["predicted_samples_per_s"] for g, p in alone.items()})
         chosen.add(plan.meta["granularity"])
     assert chosen == {"block", "sub-block"}  # tight budgets take attention and MLP apart, loose ones whole blocks
 
 
-def test_a_finer_granularity_is_taken_only_when_predicted_faster_by_more_than_the_tolerance(
+def test_more_sharded_units_are_taken_only_when_predicted_faster_by_more_than_the_tolerance(
         gpt2_mini_both_granularities):
     from osdp.planner import GRANULARITY_TOLERANCE, choose_granularity
+    from osdp.schema.plan import Plan
 
-    fine, coarse = gpt2_mini_both_granularities[0]
+    fine, coarse = (Plan.for_strategy(d.paths, "fsdp") for d in gpt2_mini_both_granularities[0])
     within, beyond = 1 / (1 - GRANULARITY_TOLERANCE) - 1e-3, 1 / (1 - GRANULARITY_TOLERANCE) + 1e-3
     assert choose_granularity([(fine, 1.0), (coarse, 1.0)]) == 1
     assert choose_granularity([(fine, within), (coarse, 1.0)]) == 1  # fine a little faster: whole blocks
     assert choose_granularity([(fine, beyond), (coarse, 1.0)]) == 0
     assert choose_granularity([(coarse, 1.0), (fine, beyond)]) == 1  # whatever the order
     assert choose_granularity([(fine, 1.0), (coarse, 0.5)]) == 0
+    # replicated units gather nothing: all replicated, the faster is taken, however many units it has
+    fine_ddp, coarse_ddp = (Plan.for_strategy(p.paths, "ddp") for p in (fine, coarse))
+    assert choose_granularity([(fine_ddp, within), (coarse_ddp, 1.0)]) == 0
+    # the 109.6 MiB plans of gpt2-mini on loopback: sub-blocks all replicated against three sharded blocks
+    mixed = Plan([dataclasses.replace(u, mode="zero2") if u.path.startswith("blocks.") and u.path < "blocks.3"
+                  else u for u in coarse_ddp.units])
+    assert choose_granularity([(fine_ddp, 1.0), (mixed, 1.02)]) == 0
