@@ -23,7 +23,10 @@
   memory bandwidth matters.
 
 The model may be on the meta device (``with torch.device("meta"):
-models.build("gpt2-xl")``) or a real one; it is never modified.
+models.build("gpt2-xl")``) or a real one; it is never modified. Descriptions
+are cached as the measured ones are (``osdp.describe.measured``: keyed by the
+model's structure and settings, the input, sizes, precisions and the device),
+so planning a model again (other budgets, node counts) skips the trace.
 """
 
 from __future__ import annotations
@@ -39,12 +42,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from osdp.describe.batch import ProfileError, batch_size_of, input_bytes_per_sample, input_spec, resize_batch
 from osdp.describe.measure import fit_costs, memory_pass, resolve_units, unit_profiles
+from osdp.describe.cache import PROFILE_VERSION, cache_key, cached_path, model_fingerprint, read_cached
 from osdp.describe.units import Unit, build_units, checkpointable, structure_signature
 from osdp.log import Progress
 from osdp.machine.device_info import DeviceInfo
 from osdp.machine.memory import map_tensors
 from osdp.machine.presets import device_preset
 from osdp.schema.description import PRECISIONS, ModelDescription, UnitWorkload
+from osdp.store import write_atomically
 
 
 def fake_copy(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None) -> nn.Module:
@@ -109,12 +114,13 @@ def describe_analytic(
     granularity: str = "sub-block",
     progress: bool = True,
     name: str | None = None,
+    cache: bool = True,
 ) -> ModelDescription:
     """A ``ModelDescription`` from FLOPs and a fake-tensor trace (see the module docstring).
 
     ``device``: a ``DeviceInfo`` or a preset name (``osdp.machine.presets.DEVICE_PRESETS``;
     ``world_size`` is only needed to build it). ``example_input`` may be real or
-    meta tensors; only shapes and dtypes are used.
+    meta tensors; only shapes and dtypes are used. ``cache``: read and write the describe cache.
     """
     start = time.perf_counter()
     units_given = units
@@ -126,6 +132,17 @@ def describe_analytic(
     sizes = tuple(sorted(set(batch_sizes or (max(1, n // 2), n))))
     name = name or getattr(getattr(model, "config", None), "name", None) or type(model).__name__
     show = Progress(f"describe {name} (analytic)", progress)
+    key = cache_key({
+        "version": PROFILE_VERSION, "kind": "analytic", "model": model_fingerprint(model), "name": name,
+        "units": [u.path for u in units] if units is not None else None, "granularity": granularity,
+        "input": input_spec(example_input), "sizes": sizes, "precisions": list(precisions), "device": info.to_dict(),
+        "torch": torch.__version__, "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)) if loss_fn else None,
+    })
+    path = cached_path(key, "analytic")
+    cached = read_cached(path) if cache else None
+    if cached is not None:
+        show.done(f"from cache {path}")
+        return cached
 
     mode = FakeTensorMode()
     fake_input = _fake_batch(example_input, mode)
@@ -172,4 +189,6 @@ def describe_analytic(
         granularity=granularity if units_given is None else "given",
     )
     show.done(f"done in {description.profile_seconds:.1f}s")
+    if cache:
+        write_atomically(path, description.to_json())
     return description

@@ -30,16 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
-import json
 import time
-from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 
 from osdp.describe.attribution import synchronizer
+from osdp.describe.cache import PROFILE_VERSION, cache_key, cached_path, model_fingerprint, read_cached
 from osdp.describe.batch import ProfileError, batch_size_of, input_bytes_per_sample, input_spec, resize_batch
 from osdp.describe.measure import (
     _device_of,
@@ -57,29 +55,10 @@ from osdp.log import Progress
 from osdp.machine.identity import device_name
 from osdp.machine.timing import StepTimer
 from osdp.schema.description import PRECISIONS, ModelDescription, UnitWorkload
-from osdp.store import cache_dir, write_atomically
-
-PROFILE_VERSION = 10  # bump when what is measured changes: old cache entries are ignored
+from osdp.store import write_atomically
 
 
 
-
-def model_fingerprint(model: nn.Module) -> str:
-    """Structure plus the plain settings of every module (head counts, flags) that change costs, not shapes."""
-    parts = []
-    for name, m in model.named_modules():
-        settings = sorted(
-            (k, v) for k, v in vars(m).items()
-            if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))
-        )
-        parts.append(f"{name}:{type(m).__qualname__}:{settings}")
-    for name, p in model.named_parameters():
-        parts.append(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}")
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
-
-
-def _cache_key(parts: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
 # --------------------------------------------------------------------------- entry point
@@ -174,9 +153,9 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
         "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)) if loss_fn else None,
         "checkpoint_policies": list(checkpoint_policies),
     }
-    key = _cache_key(key_parts)
-    path = cache_dir() / "describe" / f"{key}.json"
-    cached = _read_cached(path) if cache else None
+    key = cache_key(key_parts)
+    path = cached_path(key)
+    cached = read_cached(path) if cache else None
     if cached is not None:
         show.done(f"from cache {path}")
         return cached
@@ -215,18 +194,6 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
     show.done(f"done in {description.profile_seconds:.1f}s")
     if cache:
         write_atomically(path, description.to_json())
-    return description
-
-
-def _read_cached(path: Path) -> ModelDescription | None:
-    """The description cached at ``path``, or None (none there, or an older format: measured again)."""
-    if not path.exists():
-        return None
-    try:
-        description = ModelDescription.from_json(path.read_text())
-    except (ValueError, KeyError, TypeError):
-        return None
-    description.from_cache = True
     return description
 
 

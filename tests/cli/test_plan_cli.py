@@ -241,7 +241,7 @@ def test_plan_cli_searches_groups_of_blocks_when_asked(tmp_path, capsys):
                    if line.split() and line.split()[0] in members[1:])
 
 
-def test_an_offline_plan_does_not_depend_on_what_the_process_did_before(tmp_path, capsys):
+def test_an_offline_plan_does_not_depend_on_what_the_process_did_before(tmp_path, capsys, monkeypatch):
     """The same `osdp plan` twice in one process, another model planned between: the same plan and the same
     predictions (only the search's own time differs). The near-tie of granularities here once went either way
     between runs: a block's bytes moved with the process's history (the describe's own test,
@@ -251,6 +251,7 @@ def test_an_offline_plan_does_not_depend_on_what_the_process_did_before(tmp_path
             "--device-mem", "12GiB", "--batch-size", "2", "--group-blocks"]
     plans = []
     for i, between in enumerate((["--model", "gpt2-mini"], None)):
+        monkeypatch.setenv("OSDP_CACHE_DIR", str(tmp_path / f"cache-{i}"))  # each described afresh
         assert main([*args, "--json", str(tmp_path / f"{i}.json")]) == 0
         plans.append(json.loads((tmp_path / f"{i}.json").read_text()))
         if between:

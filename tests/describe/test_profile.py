@@ -90,7 +90,7 @@ def test_a_saved_tensor_that_dies_in_forward_is_not_counted_and_takes_nothing_fr
     x = torch.randn(B * T, 64)
     loss_fn = lambda out: out.sum()  # noqa: E731
     if source == "analytic":
-        d = describe_analytic(model, x, "h100-nvlink", world_size=8, loss_fn=loss_fn, progress=False)
+        d = describe_analytic(model, x, "h100-nvlink", world_size=8, loss_fn=loss_fn, progress=False, cache=False)
     else:
         d = describe(model, x, loss_fn=loss_fn, **FAST)
     assert d.unit("0").costs["fp32"].act_bytes.bytes(B * T) == 8 * B * T * 64 * 4
@@ -235,7 +235,8 @@ def test_what_selective_checkpointing_keeps_unsaved_is_the_same_in_every_identic
     model = models.build("llama-tiny", seq_len=T, n_layer=6)
     batch = synthetic_batch(models.get_config("llama-tiny", seq_len=T), B, T, generator=torch.Generator().manual_seed(0))
     if source == "analytic":
-        d = describe_analytic(model, batch, "h100-nvlink", world_size=8, progress=False, granularity="sub-block")
+        d = describe_analytic(model, batch, "h100-nvlink", world_size=8, progress=False, cache=False,
+                              granularity="sub-block")
     else:
         d = describe(model, batch, granularity="sub-block", **FAST)
     C = model.config.n_embd
@@ -246,7 +247,7 @@ def test_what_selective_checkpointing_keeps_unsaved_is_the_same_in_every_identic
 
 
 def test_analytic_matches_measured_memory_byte_for_byte(tiny):
-    analytic = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink", world_size=8, progress=False)
+    analytic = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink", world_size=8, progress=False, cache=False)
     assert analytic.paths == tiny.paths and analytic.forward_order == tiny.forward_order
     fields = ("act_bytes", "ckpt_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes", "sac_bytes",
               "sac_unsaved_bytes")
@@ -281,7 +282,7 @@ def test_analytic_prices_what_a_selective_recompute_redoes():
     expected = {"block": (3 + 1 + 4) * matmul, "block/selective": matmul, "attn": 3 * matmul, "mlp": 4 * matmul,
                 "attn/selective": 0, "mlp/selective": 0}
     for granularity in ("block", "sub-block"):
-        d = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink", world_size=8, progress=False,
+        d = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink", world_size=8, progress=False, cache=False,
                               granularity=granularity)
         units = [u for u in d.units if u.path.startswith("blocks.") and u.param_bytes > 4 * C * C]
         assert len(units) == 2 * (1 if granularity == "block" else 2)
@@ -297,7 +298,8 @@ def test_analytic_describes_a_meta_model_without_memory():
         model = models.build("gpt2-small", n_layer=2)
     ids = torch.zeros(1, 1024, dtype=torch.long)
     start = time.perf_counter()
-    d = describe_analytic(model, (ids, ids), "a100-80gb-nvlink", world_size=8, precisions=("bf16",), progress=False)
+    d = describe_analytic(model, (ids, ids), "a100-80gb-nvlink", world_size=8, precisions=("bf16",), progress=False,
+                          cache=False)
     assert time.perf_counter() - start < 60
     attn = d.unit("blocks.0.attn").costs["bf16"]
     assert attn.act_bytes.bytes(1) > 0 and attn.fwd_s(1) > 0
@@ -314,6 +316,15 @@ def test_second_describe_comes_from_the_cache(tmp_path, monkeypatch):
     assert second.to_dict() == first.to_dict()
     other = describe(gpt_tiny(n_head=2), gpt_batch(), progress=False, repeats=2)  # same shapes, other setting
     assert not other.from_cache
+
+
+def test_an_analytic_description_comes_from_the_cache_for_the_same_device_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("OSDP_CACHE_DIR", str(tmp_path))
+    first = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink", world_size=8, progress=False)
+    second = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink", world_size=8, progress=False)
+    assert second.from_cache and not first.from_cache and second.to_dict() == first.to_dict()
+    other = describe_analytic(gpt_tiny(), gpt_batch(), "a100-80gb-nvlink", world_size=8, progress=False)
+    assert not other.from_cache  # another device's FLOP/s price the time
 
 
 def test_json_round_trip(tiny):
@@ -375,7 +386,8 @@ class _InPlace(nn.Module):
 def test_in_place_writes_decide_what_a_unit_may_be_and_take():
     x = torch.randn(4, 8, requires_grad=False)
     for d in (describe(_InPlace(), x, loss_fn=lambda out: out, **FAST),
-              describe_analytic(_InPlace(), x, "h100-nvlink", world_size=8, loss_fn=lambda out: out, progress=False)):
+              describe_analytic(_InPlace(), x, "h100-nvlink", world_size=8, loss_fn=lambda out: out, progress=False,
+                                cache=False)):
         units = {u.path: u.costs["fp32"] for u in d.units}
         assert "head" not in units  # writes its input in place: FSDP2 could not run it as a unit, the root does
         assert units["pre"].checkpointable and units["pre"].sac_bytes is not None

@@ -406,7 +406,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert -1 <= record["compute_kendall_tau"] <= 1
     assert record["flops"]["preset"] == "cpu-loopback" and record["flops"]["float32"]["measured"] > 0
     # 5. tokens/s and MFU, eager and compiled (dynamo, guarded as on the GPU)
-    for model in ("gpt2-tiny", "gpt2-mini"):
+    for model in ("gpt2-tiny", "llama-tiny"):
         for mode in ("eager", "compiled"):
             run = record["training"][model][mode]
             assert run["tokens_per_s"] > 0 and record["mfu"][model][mode] > 0, (model, mode)

@@ -158,7 +158,8 @@ def test_the_search_takes_the_fewest_sharded_units_within_the_tolerance_of_the_f
         # of those, the fewest sharded units; the faster at a tie
         expected = min(close, key=lambda g: (sharded_units(alone[g]), -alone[g].meta["predicted_samples_per_s"]))
         plan = find_plan(descriptions, device, (BATCH,), budget=int(budget)).plan
-        assert plan.meta["granularity"] == expected, (budget, {g: p.meta["predicted_samples_per_s"] for g, p in alone.items()})
+        speeds = {g: p.meta["predicted_samples_per_s"] for g, p in alone.items()}
+        assert plan.meta["granularity"] == expected, (budget, speeds)
         assert plan.predicted_step_s == alone[expected].predicted_step_s
         assert plan.meta["samples_per_s_by_granularity"] == pytest.approx(
             {g: p.meta["predicted_samples_per_s"] for g, p in alone.items()})
