@@ -99,7 +99,7 @@ def find_plan(
     (``planning_descriptions``), let the search choose the unit size too: for
     the whole model ("sub-block", "block"), and per block where the "block" and
     "nested" descriptions are both given (``osdp.cost.problem.build_block_problem``); the plan with
-    the fewest sharded units among those within ``GRANULARITY_TOLERANCE`` of the
+    the fewest sharded units, then units, among those within ``GRANULARITY_TOLERANCE`` of the
     fastest wins (``choose_granularity``). Each granularity's plan is the fastest plan memory does not
     constrain where its schedule peak (``osdp.cost.schedule.predict``) fits, else the
     faster of the solver's plan at the budget and at the largest additive bound
@@ -289,9 +289,10 @@ def least_budget(descriptions: ModelDescription | Sequence[ModelDescription], de
 # fitted on the calibration nets, miss part of what a sharded unit costs: on gpt2-mini (2 CPU ranks, loopback
 # and gpu-ratio links) attention and MLP apart, all sharded, ran 4-9% slower than whole blocks, predicted a
 # little faster (experiments/results/bench_modes/bench_modes.md). Fewer sharded units is also what PyTorch's own
-# per-block wrapping runs. Replicated units gather nothing and cost little each: counting them took a block plan
-# with three sharded blocks, predicted 2% slower, over a sub-block plan all replicated (gpt2-mini, 2 CPU ranks,
-# loopback, 109.6 MiB: 4,132 against the 4,259 tokens/s the latter measured at 99.0 MiB).
+# per-block wrapping runs. Sharded units first: counting every unit took a block plan with three sharded blocks,
+# predicted 2% slower, over a sub-block plan all replicated (gpt2-mini, 2 CPU ranks, loopback, 109.6 MiB: 4,132
+# against the 4,259 tokens/s the latter measured at 99.0 MiB); then all units: replicated ones cost a little
+# each too (ten all replicated, predicted faster, ran 0.95-0.97 of DDP's five at 120.1 MiB).
 GRANULARITY_TOLERANCE = 0.05
 
 
@@ -300,13 +301,18 @@ def sharded_units(plan: Plan) -> int:
     return len({u.group or u.path for u in plan.units if u.mode != "replicate"})
 
 
+def fsdp_units(plan: Plan) -> int:
+    """How many FSDP2 units ``plan`` makes: a group counted once."""
+    return len({u.group or u.path for u in plan.units})
+
+
 def choose_granularity(candidates: Sequence[tuple[Plan, float]]) -> int:
-    """Which of ``(plan, predicted speed)`` (one per granularity, higher faster) to take: the one with the fewest
-    sharded units (``sharded_units``) among those within ``GRANULARITY_TOLERANCE`` of the fastest, the faster
-    of those."""
+    """Which of ``(plan, predicted speed)`` (one per granularity, higher faster) to take: among those within
+    ``GRANULARITY_TOLERANCE`` of the fastest, the one with the fewest sharded units (``sharded_units``), then
+    the fewest units, then the faster."""
     fastest = max(speed for _, speed in candidates)
     close = [i for i, (_, speed) in enumerate(candidates) if speed >= (1 - GRANULARITY_TOLERANCE) * fastest]
-    return min(close, key=lambda i: (sharded_units(candidates[i][0]), -candidates[i][1]))
+    return min(close, key=lambda i: (sharded_units(candidates[i][0]), fsdp_units(candidates[i][0]), -candidates[i][1]))
 
 
 def description_of(plan: Plan, descriptions: Sequence[ModelDescription]) -> ModelDescription:
