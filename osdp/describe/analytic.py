@@ -132,13 +132,12 @@ def describe_analytic(
     sizes = tuple(sorted(set(batch_sizes or (max(1, n // 2), n))))
     name = name or getattr(getattr(model, "config", None), "name", None) or type(model).__name__
     show = Progress(f"describe {name} (analytic)", progress)
-    key = cache_key({
+    path = cached_path(cache_key({
         "version": PROFILE_VERSION, "kind": "analytic", "model": model_fingerprint(model), "name": name,
         "units": [u.path for u in units] if units is not None else None, "granularity": granularity,
         "input": input_spec(example_input), "sizes": sizes, "precisions": list(precisions), "device": info.to_dict(),
         "torch": torch.__version__, "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)) if loss_fn else None,
-    })
-    path = cached_path(key, "analytic")
+    }), "analytic")
     cached = read_cached(path) if cache else None
     if cached is not None:
         show.done(f"from cache {path}")
@@ -147,31 +146,14 @@ def describe_analytic(
     mode = FakeTensorMode()
     fake_input = _fake_batch(example_input, mode)
     costs: dict[str, dict[str, UnitWorkload]] = {}
-    order: list[str] = []
     with mode:
         fake_model = fake_copy(model, mode)
         show("checking the forward")
         units = resolve_units(fake_model, resize_batch(fake_input, sizes[0]), loss_fn, units, granularity)
         for prec in precisions:
             runnable = fake_model if prec == "fp32" else fake_copy(model, mode, PRECISIONS[prec])
-            runnable_units = build_units(runnable, [u.path for u in units])
-            rate = info.flops_for(PRECISIONS[prec])
-            memory, seconds, flops = {}, {}, {}
-            for i, b in enumerate(sizes):
-                show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)})")
-                counter = FlopCounterMode(display=False)
-                meter = _Flops(counter)
-                with counter:  # without the checkpointed pass, which would double the describe of a large model
-                    memory[b], order = memory_pass(runnable, runnable_units, resize_batch(fake_input, b), loss_fn, meter,
-                                                   recomputed=False)
-                flops[b] = meter.flops
-                seconds[b] = {k: f / rate for k, f in meter.flops.items()}
-            # compute is priced by FLOPs: a recompute redoes those of the ops it does not keep up to the unit's
-            # last saved tensor (KeptBySelective)
-            redone = {policy: {b: {u.path: memory[b][u.path][f"{policy}_recompute_flops"] / rate
-                                   for u in checkpointable(runnable_units)} for b in sizes}
-                      for policy in ("full", "selective")}
-            costs[prec] = fit_costs(runnable_units, sizes, memory, seconds, flops, recompute_seconds=redone)
+            costs[prec], order = _costs_at(runnable, build_units(runnable, [u.path for u in units]), fake_input,
+                                           sizes, prec, info.flops_for(PRECISIONS[prec]), loss_fn, show)
         profiles = unit_profiles(fake_model, units, costs)
     description = ModelDescription(
         model=name,
@@ -192,3 +174,26 @@ def describe_analytic(
     if cache:
         write_atomically(path, description.to_json())
     return description
+
+
+def _costs_at(runnable: nn.Module, units: Sequence[Unit], fake_input: Any, sizes: Sequence[int], prec: str,
+              rate: float, loss_fn, show: Progress) -> tuple[dict[str, UnitWorkload], list[str]]:
+    """Every unit's workload at precision ``prec`` (``runnable``: the fake model in it, ``rate``: the device's
+    FLOP/s in it), and the order the units ran in."""
+    memory, seconds, flops = {}, {}, {}
+    order: list[str] = []
+    for i, b in enumerate(sizes):
+        show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)})")
+        counter = FlopCounterMode(display=False)
+        meter = _Flops(counter)
+        with counter:  # without the checkpointed pass, which would double the describe of a large model
+            memory[b], order = memory_pass(runnable, units, resize_batch(fake_input, b), loss_fn, meter,
+                                           recomputed=False)
+        flops[b] = meter.flops
+        seconds[b] = {k: f / rate for k, f in meter.flops.items()}
+    # compute is priced by FLOPs: a recompute redoes those of the ops it does not keep up to the unit's last saved
+    # tensor (KeptBySelective)
+    redone = {policy: {b: {u.path: memory[b][u.path][f"{policy}_recompute_flops"] / rate
+                           for u in checkpointable(units)} for b in sizes}
+              for policy in ("full", "selective")}
+    return fit_costs(units, sizes, memory, seconds, flops, recompute_seconds=redone), order
