@@ -20,11 +20,13 @@ from torch.utils._python_dispatch import (
 
 __all__ = [
     "FSDPAllGatherBase",
+    "FSDPGradient",
     "FSDPMemTracker",
     "FSDPReduceScatterBase",
     "checkpoint_wrapper",
     "fsdp_device",
     "fsdp_pre_backward",
+    "fsdp_before_reduce",
     "fsdp_collective_comm",
     "output_tensors",
     "queue_at_backward_end",
@@ -133,6 +135,41 @@ def fsdp_pre_backward(module: Any) -> Any:
         return grad
 
     return hook
+
+
+class FSDPGradient:
+    """One parameter's unsharded gradient slot in a ``fully_shard``-ed module, as FSDP2's post-backward reads it."""
+
+    def __init__(self, fsdp_param: Any):
+        self._param = fsdp_param
+
+    @property
+    def present(self) -> bool:
+        """Whether this rank has a gradient to reduce (accumulated or from this backward)."""
+        p = self._param
+        return hasattr(p, "_unsharded_param") and (
+            p.unsharded_accumulated_grad is not None or p.unsharded_param.grad is not None)
+
+    def fill_zeros(self) -> None:
+        self._param.unsharded_param.grad = torch.zeros_like(self._param.unsharded_param)
+
+
+def fsdp_before_reduce(module: Any, hook: Any) -> None:
+    """Call ``hook(gradients)`` wherever FSDP2 is about to reduce a ``fully_shard``-ed module's gradients (its
+    post-backward with gradient sync on); ``gradients``: an ``FSDPGradient`` per parameter that requires one.
+    Once per parameter group, however many modules share it."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        if getattr(group, "_osdp_before_reduce", False):
+            continue
+        group._osdp_before_reduce = True
+        original = group.post_backward
+
+        def post_backward(*args: Any, group: Any = group, original: Any = original) -> Any:
+            if group.reduce_grads:
+                hook([FSDPGradient(p) for p in group.fsdp_params if p.sharded_param.requires_grad])
+            return original(*args)
+
+        group.post_backward = post_backward
 
 
 def fsdp_collective_comm(module: Any, collective: str) -> Any:

@@ -137,6 +137,7 @@ def find_plan(
         # the prediction is for this node layout (each level's links): the plan says so, and wrap checks it
         ranks_per_node=device_info.topology.ranks_per_node if device_info.topology is not None else None,
         model_signature=model_signature,
+        routed=list(best.description.routed),
         predicted_step_s=best.prediction.step_s,
         predicted_peak_bytes=best.prediction.peak_bytes,
         search_seconds=seconds,

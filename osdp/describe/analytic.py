@@ -149,12 +149,12 @@ def describe_analytic(
     with mode:
         fake_model = fake_copy(model, mode)
         show("checking the forward")
-        units = resolve_units(fake_model, resize_batch(fake_input, sizes[0]), loss_fn, units, granularity)
+        units, routed = resolve_units(fake_model, resize_batch(fake_input, sizes[0]), loss_fn, units, granularity)
         for prec in precisions:
             runnable = fake_model if prec == "fp32" else fake_copy(model, mode, PRECISIONS[prec])
             costs[prec], order = _costs_at(runnable, build_units(runnable, [u.path for u in units]), fake_input,
                                            sizes, prec, info.flops_for(PRECISIONS[prec]), loss_fn, show)
-        profiles = unit_profiles(fake_model, units, costs)
+        profiles = unit_profiles(fake_model, units, costs, routed)
     description = ModelDescription(
         model=name,
         signature=structure_signature(model),
@@ -169,6 +169,7 @@ def describe_analytic(
         forward_order=tuple(order),
         profile_seconds=time.perf_counter() - start,
         granularity=granularity if units_given is None else "given",
+        routed=routed,
     )
     show.done(f"done in {description.profile_seconds:.1f}s")
     if cache:

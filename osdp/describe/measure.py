@@ -24,7 +24,9 @@ from osdp.describe.units import (
     build_units,
     checkpointable,
     discover_units,
+    enclosing,
     param_homes,
+    routed_containers,
     trace_calls,
 )
 from osdp.machine.memory import LiveBytesTracker, iter_tensors
@@ -76,7 +78,11 @@ def _checked_forward(model: nn.Module, units: Sequence[Unit] | None, batch: Any,
         where = f"unit '{display_path(unit)}'"
         if inner != unit:
             where += f" (module '{display_path(inner)}', {type(model.get_submodule(inner)).__name__})"
-        raise ProfileError(f"the forward of the example batch failed in {where}: {type(e).__name__}: {e}") from e
+        hint = ""
+        if type(e).__name__ in ("DynamicOutputShapeException", "DataDependentOutputException"):
+            hint = (" (the forward depends on the values of the data, as routing to experts does, which the analytic "
+                    "describe's fake tensors do not have: describe it measured, on the device)")
+        raise ProfileError(f"the forward of the example batch failed in {where}: {type(e).__name__}: {e}{hint}") from e
     finally:
         for h in handles:
             h.remove()
@@ -101,6 +107,14 @@ def _check_units(model: nn.Module, units: Sequence[Unit], calls: CallTrace) -> N
                 "time and its activations add up: make its parent the unit (osdp.discover_units does "
                 "this by itself when given call counts)"
             )
+        container = enclosing(u.path, routed_containers(model, calls))
+        if u.path != ROOT and container is not None:
+            raise ProfileError(
+                f"unit '{u.name}' is called or not depending on the data (the members of '{display_path(container)}' "
+                "ran on different rows, or some not at all, as a mixture of experts routes them): a rank whose batch "
+                "skips it would wait for the others at another gather; make the module calling them the unit "
+                "(osdp.discover_units does this by itself)"
+            )
         if u.path != ROOT and u.path in calls.writes_inputs:
             raise ProfileError(
                 f"unit '{u.name}' writes to its input in place (an in-place op such as nn.ReLU(inplace=True) "
@@ -112,12 +126,13 @@ def _check_units(model: nn.Module, units: Sequence[Unit], calls: CallTrace) -> N
 
 def resolve_units(
     model: nn.Module, batch: Any, loss_fn, units: Sequence[Unit] | None, granularity: str = "sub-block"
-) -> list[Unit]:
-    """The units to describe, after a checked forward that names the unit that fails, if one does.
+) -> tuple[list[Unit], tuple[str, ...]]:
+    """The units to describe, after a checked forward that names the unit that fails, if one does, and the
+    containers whose members that forward called depending on the data (``routed_containers``).
 
     Default units come from ``osdp.discover_units`` at ``granularity`` with
     call counts, so a module that runs twice per forward is merged into its
-    parent; given units that run twice or own no parameters are refused.
+    parent; given units that run twice, own no parameters or are called depending on the data are refused.
     """
     calls = trace_calls(model, lambda: _checked_forward(model, units, batch, loss_fn))
     if not calls.uses:
@@ -125,11 +140,12 @@ def resolve_units(
             "the forward of the example batch used none of the model's parameters: there is nothing to train or "
             "to shard; check that the example reaches the model's layers (and loss_fn its output)"
         )
+    routed = tuple(routed_containers(model, calls))
     if units is None:
-        return discover_units(model, calls, granularity)
+        return discover_units(model, calls, granularity), routed
     units = build_units(model, [u.path for u in units])
     _check_units(model, units, calls)
-    return units
+    return units, routed
 
 
 def _median_by_key(runs: list[dict]) -> dict:
@@ -365,8 +381,10 @@ def time_optimizers(params: Sequence[torch.Tensor], names: Iterable[str], repeat
     return out
 
 
-def unit_profiles(model: nn.Module, units: Sequence[Unit], costs: Mapping[str, Mapping[str, UnitWorkload]]) -> list[UnitProfile]:
-    """UnitProfiles from measured or analytic costs (precision -> path -> costs)."""
+def unit_profiles(model: nn.Module, units: Sequence[Unit], costs: Mapping[str, Mapping[str, UnitWorkload]],
+                  routed: Sequence[str] = ()) -> list[UnitProfile]:
+    """UnitProfiles from measured or analytic costs (precision -> path -> costs); the Linears of ``routed``
+    containers are not split: a rank that skipped one would not join its slices' gathers."""
     from osdp.split import splittable_linears
 
     modules = dict(model.named_modules())
@@ -376,8 +394,8 @@ def unit_profiles(model: nn.Module, units: Sequence[Unit], costs: Mapping[str, M
         shapes[homes[id(p)]].append(tuple(p.shape))
     out = []
     for u in units:
-        nested = [modules[n] for n in u.nested]
-        linears = splittable_linears(modules[u.path], exclude=nested, root=model) if u.path != ROOT else []
+        kept_whole = [modules[n] for n in (*u.nested, *routed)]
+        linears = splittable_linears(modules[u.path], exclude=kept_whole, root=model) if u.path != ROOT else []
         out.append(
             UnitProfile(
                 path=u.path,

@@ -144,7 +144,7 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
 
     show("checking the forward")
     given_units = units
-    units = resolve_units(model, resize_batch(example_input, sizes[0]), loss_fn, units, granularity)
+    units, routed = resolve_units(model, resize_batch(example_input, sizes[0]), loss_fn, units, granularity)
 
     key_parts = {
         "version": PROFILE_VERSION, "model": model_fingerprint(model), "units": [u.path for u in units],
@@ -177,7 +177,7 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
     description = ModelDescription(
         model=name,
         signature=structure_signature(model),
-        units=unit_profiles(model, units, costs),
+        units=unit_profiles(model, units, costs, routed),
         batch_sizes=sizes,
         precisions=tuple(precisions),
         optimizer_s_per_byte=opt,
@@ -190,6 +190,7 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
         profile_seconds=time.perf_counter() - start,
         cache_key=key,
         granularity=granularity if given_units is None else "given",
+        routed=routed,
     )
     show.done(f"done in {description.profile_seconds:.1f}s")
     if cache:

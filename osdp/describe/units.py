@@ -150,6 +150,8 @@ class CallTrace:
     uses: dict[int, set[tuple[str, ...]]] = field(default_factory=dict)
     # modules that wrote in place to one of their floating-point inputs while their forward ran
     writes_inputs: set[str] = field(default_factory=set)
+    # per module, the shape of its first tensor input at its first call
+    first_input: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 class _ParameterUses(TorchFunctionMode):
@@ -194,6 +196,9 @@ def trace_calls(model: nn.Module, run) -> CallTrace:
     for path, module in model.named_modules():
         def enter(_m, args, kwargs, path=path):
             trace.counts[path] = trace.counts.get(path, 0) + 1
+            first = next(iter_tensors((args, kwargs)), None)
+            if first is not None:
+                trace.first_input.setdefault(path, tuple(first.shape))
             running.append(path)
             inputs.append({t.untyped_storage()._cdata for t in iter_tensors((args, kwargs))
                            if t.is_floating_point() and t.layout == torch.strided})
@@ -250,15 +255,51 @@ def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
     return sorted(sub_block | leaves)
 
 
+def routed_containers(model: nn.Module, calls: CallTrace) -> list[str]:
+    """The containers (``ModuleList``, ``ModuleDict``) whose members the forward calls depending on the data, as
+    a mixture of experts calls the experts it routed rows to: among members of the same structure that own
+    parameters, some ran and some did not, or they ran on inputs differing only in their first dimension.
+
+    Such a member is no unit of its own: FSDP2 gathers a unit when its forward runs, and a rank whose batch
+    skipped it would wait for the others at another gather. Its gradients exist on the ranks that called it
+    only: ``osdp.fsdp_ext.unused`` reduces them in the unit holding the container."""
+    routed = []
+    for path, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        alike: dict[str, list[str]] = {}
+        for name, member in container.named_children():
+            if next(member.parameters(), None) is not None:
+                alike.setdefault(_signature(member), []).append(f"{path}.{name}" if path else name)
+        for members in alike.values():
+            ran = [m for m in members if calls.counts.get(m, 0)]
+            shapes = {calls.first_input[m] for m in ran if m in calls.first_input}
+            rows_differ = len(shapes) > 1 and len({s[1:] for s in shapes}) == 1
+            if len(members) > 1 and ((ran and len(ran) < len(members)) or rows_differ):
+                routed.append(path)
+                break
+    return routed
+
+
+def enclosing(path: str, containers: Iterable[str]) -> str | None:
+    """The first of ``containers`` that ``path`` is strictly inside, if any."""
+    return next((c for c in containers if c != path and _is_within(path, c)), None)
+
+
 def _resolve_sharing(model: nn.Module, candidates: Iterable[str], calls: CallTrace | None) -> set[str]:
-    """Move candidates that share parameters, run twice, or whose parameters are used outside their forward
-    up to a common ancestor that can be called."""
+    """Move candidates that share parameters, run twice, whose parameters are used outside their forward or
+    that are called depending on the data (``routed_containers``) up to a common ancestor that can be called."""
     modules = dict(model.named_modules())
     module_paths = _module_paths(model)
     owners = _param_owners(model)
+    routed = routed_containers(model, calls) if calls is not None else []
     resolved: set[str] = set()
     for path in candidates:
         while path != ROOT:
+            container = enclosing(path, routed)
+            if container is not None:
+                path = _called_ancestor(container, modules)
+                continue
             module = modules[path]
             outside = [
                 owner
@@ -343,6 +384,11 @@ def param_homes(model: nn.Module, paths: Iterable[str]) -> dict[int, str]:
         home = _common_ancestor(owners)
         homes[pid] = max((u for u in paths if _is_within(home, u)), key=len)
     return homes
+
+
+def holding_unit(path: str, units: Iterable[str]) -> str:
+    """The innermost of ``units`` (module paths; the root is always one) that ``path`` is in."""
+    return max((u for u in (*units, ROOT) if _is_within(path, u)), key=len)
 
 
 def _nearest_unit(path: str, units: set[str]) -> str:

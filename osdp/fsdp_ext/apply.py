@@ -42,19 +42,29 @@ import warnings
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from osdp.describe.forward_caches import disable_caches_in_training
 from osdp.describe.recompute import checkpoint_unit
-from osdp.describe.units import Unit, build_units, is_callable, structure_signature, unit_parameters
+from osdp.describe.units import (
+    Unit,
+    build_units,
+    enclosing,
+    holding_unit,
+    is_callable,
+    structure_signature,
+    unit_parameters,
+)
 from osdp.distributed import all_gather_objects, ranks_per_node, world
 from osdp.distributed import collectives as comm
 from osdp.distributed.group import ensure_process_group, job_device
 from osdp.fsdp_ext.groups import group_members
 from osdp.fsdp_ext.module_api import UnitExtras, extend_unit
 from osdp.fsdp_ext.replicate import ReplicaReducer
+from osdp.fsdp_ext.unused import reduce_where_any_rank_has_gradients
 from osdp._torch_private import fsdp_pre_backward
 from osdp.machine.memory import iter_tensors, register_gradient_storages
 from osdp.report import first_few
@@ -165,6 +175,16 @@ def validate_plan(model: nn.Module, plan: Plan, world_size: int) -> tuple[list[U
                 f"unit '{display_path(u.path)}' is a {type(modules[u.path]).__name__}, which has no forward of its "
                 "own: FSDP2 gathers a unit in its forward, so make the module that calls its children the unit"
             )
+    for container in plan.routed:
+        if container not in modules:
+            raise PlanError(f"routed container '{display_path(container)}': no such module in the model")
+        inside = [p for p in plan.paths if enclosing(p, [container])]
+        if inside:
+            raise PlanError(
+                f"unit '{display_path(inside[0])}' is inside '{display_path(container)}', whose members the model "
+                "calls depending on the data: a rank whose batch skips it would wait for the others at another "
+                "gather; make the module calling them the unit"
+            )
     units = build_units(model, plan.paths)
     for unit in units:
         if unit.numel == 0 and unit.path != ROOT:
@@ -174,8 +194,7 @@ def validate_plan(model: nn.Module, plan: Plan, world_size: int) -> tuple[list[U
             )
         decision = plan.unit(unit.path)
         if decision.split > 1:
-            nested = {modules[p] for p in unit.nested}
-            if not splittable_linears(modules[unit.path], exclude=nested, root=model):
+            if not splittable_linears(modules[unit.path], exclude=_kept_whole(modules, unit, plan), root=model):
                 raise PlanError(
                     f"unit '{unit.name}' cannot be split (split={decision.split}): it holds no Linear large "
                     "enough to split that is not tied to another module; use split=1"
@@ -265,7 +284,7 @@ def apply_plan(
             continue  # sharded with its group
         decision = plan.unit(unit.path)
         members = grouped.get(unit.path, [unit.path])  # a group's units share its settings (Plan checks)
-        group = _split_and_checkpoint(model, unit, members, decision, meshes.shard, mp_policy)
+        group = _split_and_checkpoint(model, plan, unit, members, decision, meshes.shard, mp_policy)
         module = model.get_submodule(unit.path)  # a unit that is itself a Linear was just replaced
         by_ddp = decision.mode == "replicate" and replicate_with_ddp
         if by_ddp:
@@ -286,10 +305,16 @@ def apply_plan(
                 split_linears=[m for m in _own_modules(module, {modules[p] for p in unit.nested})
                                if isinstance(m, SplitLinear)],
             )
+    routed_holders = {holding_unit(c, plan.paths) for c in plan.routed}
+    for path in routed_holders:
+        if not extras[path].replicated:
+            reduce_where_any_rank_has_gradients(model.get_submodule(path))
     reducer = None
     if replicated:
         in_order = {n: p for n, p in model.named_parameters() if p in replicated}
-        reducer = ReplicaReducer(model, in_order)
+        # A bucket holding a routed parameter is reduced when its gradient arrives, or at the backward's end on a
+        # rank that skipped it: its own group keeps that from crossing FSDP2's collectives in another order.
+        reducer = ReplicaReducer(model, in_order, group=dist.new_group() if plan.routed else None)
         setattr(model, _REPLICATED_ATTR, reducer)
     for path, extra in extras.items():
         extra.reducer = reducer
@@ -302,14 +327,20 @@ def apply_plan(
     return model
 
 
-def _split_and_checkpoint(model: nn.Module, unit: Unit, members: list[str], decision: UnitPlan, mesh: DeviceMesh,
-                          mp_policy: MixedPrecisionPolicy) -> list[nn.Module]:
+def _kept_whole(modules: dict[str, nn.Module], unit: Unit, plan: Plan) -> list[nn.Module]:
+    """What a split of ``unit`` leaves alone: the units nested in it, and routed containers (a rank that skipped one
+    of their members would not join the gathers of its slices)."""
+    return [modules[p] for p in (*unit.nested, *plan.routed) if p in modules]
+
+
+def _split_and_checkpoint(model: nn.Module, plan: Plan, unit: Unit, members: list[str], decision: UnitPlan,
+                          mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> list[nn.Module]:
     """Split the unit's Linears and checkpoint its modules (the unit's, or its group's: ``members``, in the model's
     order) as ``decision`` says; those modules."""
     modules = dict(model.named_modules())
     if decision.split > 1:  # never in a group
-        nested = {modules[p] for p in unit.nested}
-        apply_split(modules[unit.path], decision.split, mesh, exclude=nested, root=model, mp_policy=mp_policy)
+        apply_split(modules[unit.path], decision.split, mesh, exclude=_kept_whole(modules, unit, plan), root=model,
+                    mp_policy=mp_policy)
     group = [model.get_submodule(p) for p in members]  # a unit that is itself a Linear was just replaced
     if decision.checkpoint_policy != "none":
         for module in group:

@@ -2,7 +2,7 @@
 
 Every replicated unit's parameters share one reducer: their gradients live in
 flat buckets (1 MiB first, then up to 25 MiB, reordered after the first backward
-to the order it produced them, as DDP does) and each bucket is all-reduced
+to the order it produced them on rank 0, as DDP does) and each bucket is all-reduced
 asynchronously as soon as every parameter in it has its gradient, while backward
 goes on; the backward waits for them at its end. Parameters stay plain tensors,
 used in place: no second copy during forward and backward. Sharded units around
@@ -316,11 +316,23 @@ class ReplicaReducer:
                 state.fired = False
             if changed:
                 self._build()
-            elif not self._reordered and self._order_known():
+            elif not self._reordered and self._any_reducing:
                 self._reordered = True
+                self._order = self._rank0_order()
                 built = [p for b in self._buckets for p in b.params]
                 if len(built) != len(self._order) or any(a is not b for a, b in zip(self._order, built)):
                     self._build()
+
+    def _rank0_order(self) -> dict[nn.Parameter, None]:
+        """The order gradients first arrived in on rank 0, which every rank buckets by (as DDP rebuilds its
+        buckets): a parameter used on some ranks only arrives at different places on each."""
+        arrived = {p: i for i, p in enumerate(self._order)}
+        position = torch.tensor([arrived.get(p, -1) for p in self.params], dtype=torch.int64,
+                                device=self.params[0].device)
+        if not self._fake:
+            dist.broadcast(position, src=dist.get_global_rank(self.group, 0), group=self.group)
+        first = sorted((i, p) for p, i in zip(self.params, position.tolist()) if i >= 0)
+        return {p: None for _, p in first}
 
     def _finish(self, bucket: _Bucket) -> None:
         if bucket.work is not None:

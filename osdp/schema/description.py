@@ -149,6 +149,7 @@ class ModelDescription:
     profile_seconds: float = 0.0
     cache_key: str | None = None
     granularity: str = "sub-block"  # of the default units (osdp.describe.units.GRANULARITIES), or "given"
+    routed: tuple[str, ...] = ()  # containers whose members the forward calls depending on the data (Plan.routed)
     from_cache: bool = False
 
     def unit(self, path: str) -> UnitProfile:
@@ -201,6 +202,7 @@ class ModelDescription:
         rest["batch_sizes"] = tuple(rest["batch_sizes"])
         rest["precisions"] = tuple(rest["precisions"])
         rest["forward_order"] = tuple(rest.get("forward_order", ()))
+        rest["routed"] = tuple(rest.get("routed", ()))
         return cls(units=units, **rest)
 
     def to_json(self) -> str:

@@ -22,9 +22,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-SCHEMA_VERSION = 3
-# Version 1 had no selective checkpointing, version 2 no groups: their plans read as they are.
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+SCHEMA_VERSION = 4
+# Version 1 had no selective checkpointing, version 2 no groups, version 3 no routed containers: their plans read
+# as they are.
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
 
 MODES = ("replicate", "zero2", "zero3")
 # "world": sharded over every rank; "node": sharded over the ranks of one node and replicated across
@@ -165,6 +166,9 @@ class Plan:
     predicted_step_s: float | None = None
     predicted_peak_bytes: int | None = None
     search_seconds: float | None = None  # how long the search took (not part of the hash)
+    # containers (ModuleList, ModuleDict) whose members the model calls depending on the data, as a mixture of
+    # experts calls its experts (osdp.describe.units.routed_containers): their gradients exist on some ranks only
+    routed: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)  # free-form: budget, device, search time
     schema_version: int = SCHEMA_VERSION
 
@@ -288,7 +292,7 @@ class Plan:
 
         out = {
             # the oldest schema that can say this plan: a plan an older osdp could read keeps the hash it had there
-            "schema_version": (3 if any(u.group is not None for u in self.units)
+            "schema_version": (4 if self.routed else 3 if any(u.group is not None for u in self.units)
                                else 2 if any(u.checkpoint == "selective" for u in self.units) else 1),
             "units": [unit(u) for u in sorted(self.units, key=lambda u: u.path)],
             "batch_size": self.batch_size,
@@ -298,6 +302,8 @@ class Plan:
         }
         if self.ranks_per_node is not None:
             out["ranks_per_node"] = self.ranks_per_node
+        if self.routed:
+            out["routed"] = sorted(self.routed)
         return out
 
     @property

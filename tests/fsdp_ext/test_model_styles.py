@@ -40,6 +40,8 @@ PLANNING_LOSS = {
     "inplace": lambda out: out,
     "weight_norm": lambda out: out.loss,
     "user_ckpt": lambda out: out[1],
+    "moe": lambda out: out,
+    "method_calls": lambda out: out,
 }
 
 

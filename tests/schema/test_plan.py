@@ -23,7 +23,7 @@ def test_json_round_trip_keeps_everything_and_the_hash():
     again = Plan.from_json(plan.to_json())
     assert again == plan
     assert again.hash == plan.hash
-    assert json.loads(plan.to_json())["schema_version"] == 3  # written in the newest schema
+    assert json.loads(plan.to_json())["schema_version"] == 4  # written in the newest schema
 
 
 def test_hash_covers_decisions_not_predictions_or_unit_order():
@@ -159,3 +159,12 @@ def test_groups_that_cannot_be_one_unit_are_refused_naming_the_units(units, mess
 def test_units_that_cannot_be_grouped_are_refused(unit, message):
     with pytest.raises(PlanError, match=message):
         UnitPlan(**unit)
+
+
+def test_routed_containers_round_trip_and_are_a_decision_of_their_own():
+    plan = grouped(UnitPlan("moe"), routed=["moe.experts"])
+    back = Plan.from_json(plan.to_json())
+    assert back.routed == ["moe.experts"] and back.hash == plan.hash
+    plain = grouped(UnitPlan("moe"))
+    assert plain.hash != plan.hash  # reduced another way
+    assert plan.decisions()["schema_version"] == 4 and "routed" not in plain.decisions()

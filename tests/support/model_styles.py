@@ -332,6 +332,63 @@ class InplaceResidualNet(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class Expert(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.up, self.down = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x)))
+
+
+class RoutedMoE(nn.Module):
+    """A mixture of experts looped over as Mixtral's reference code does: top-1 routing (of each sequence, so
+    that few experts are hit), and only the experts something was routed to are called: which experts run (and
+    get gradients) differs by batch and by rank."""
+
+    def __init__(self, h=32, experts=8):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, h)
+        self.router = nn.Linear(h, experts, bias=False)
+        self.experts = nn.ModuleList([Expert(h) for _ in range(experts)])
+        self.head = nn.Linear(h, VOCAB)
+
+    def forward(self, tokens, targets):
+        x = self.emb(tokens)
+        weight, choice = self.router(x.mean(1)).softmax(-1).max(-1)
+        out = torch.zeros_like(x)
+        for e in choice.unique().tolist():
+            rows = (choice == e).nonzero().squeeze(1)
+            out = out.index_add(0, rows, self.experts[e](x[rows]) * weight[rows, None, None])
+        x = x + out
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+class Encoder(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, h)
+        self.mix = nn.Linear(h, h)
+
+    def encode(self, tokens):
+        return torch.tanh(self.mix(self.emb(tokens)))
+
+
+class MethodCalls(nn.Module):
+    """A submodule used through a method of its own, not its forward (``self.encoder.encode(x)``), as CLIP-like
+    and VQ codebases write it."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.encoder = Encoder(h)
+        self.body = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+        self.head = nn.Linear(h, VOCAB)
+
+    def forward(self, tokens, targets):
+        x = self.encoder.encode(tokens)
+        return F.cross_entropy(self.head(x + self.body(x)).flatten(0, 1), targets.flatten())
+
+
 def t5():
     """Hugging Face T5 as its users build it (small sizes): a relative position bias computed in the first
     layer and passed to the others, embeddings shared by encoder and decoder and tied to the head."""
@@ -384,6 +441,8 @@ STYLES = {
     "inplace": (InplaceResidualNet, _tokens, lambda out, batch, step: out, lambda b: b),
     "dict_io": (DictInOut, _tokens, lambda out, batch, step: out["loss"],
                 lambda b: ({"ids": b[0], "labels": b[1]},)),
+    "moe": (RoutedMoE, _tokens, lambda out, batch, step: out, lambda b: b),
+    "method_calls": (MethodCalls, _tokens, lambda out, batch, step: out, lambda b: b),
 }
 
 
