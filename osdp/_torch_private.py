@@ -29,6 +29,7 @@ __all__ = [
     "fsdp_before_reduce",
     "fsdp_collective_comm",
     "output_tensors",
+    "outside_dispatch_modes",
     "queue_at_backward_end",
     "set_implicit_replication",
     "ddp_bucket_bytes",
@@ -97,6 +98,14 @@ def set_implicit_replication(allowed: bool) -> None:
     from torch.distributed.tensor import DTensor
 
     DTensor._op_dispatcher._allow_implicit_replication = allowed
+
+
+def outside_dispatch_modes() -> Any:
+    """A context in which no TorchDispatchMode in effect sees the ops run (selective checkpointing's, a memory
+    tracker's)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def output_tensors(output: Any) -> list:

@@ -28,9 +28,9 @@ from osdp.cost.schedule import predict
 from osdp.cost.terms import Calibration, Prediction
 from osdp.describe import granularity
 from osdp.describe.batch import batch_size_of
-from osdp.describe.measured import describe_once
+from osdp.describe.measured import describe_once, rng_kept
 from osdp.describe.units import GRANULARITIES, structure_signature
-from osdp.distributed import broadcast_object, ensure_process_group, world
+from osdp.distributed import broadcast_object, ensure_process_group, job_device, world
 from osdp.log import Progress
 from osdp.machine.device_info import DeviceInfo
 from osdp.machine.presets import device_preset
@@ -393,8 +393,18 @@ def plan(
     or a DeviceInfo plans without the hardware, priced with ``calibration``
     (default: the ideal FSDP2 runtime, ``Calibration()``).
     ``group_blocks``: also search groups of identical blocks as one unit (``find_plan``; off by default).
-    Collective when a process group exists: call it on every rank.
+    Collective when a process group exists: call it on every rank. Torch's random number generators are left
+    as they were on every rank (the calibration and the describe draw numbers), so the user's next dropout
+    masks are those of an unwrapped run.
     """
+    with rng_kept([job_device()]):
+        return _plan(model, device_mem=device_mem, example_input=example_input, batch_sizes=batch_sizes,
+                     device=device, calibration=calibration, mixed_precision=mixed_precision, optimizer=optimizer,
+                     loss_fn=loss_fn, group_blocks=group_blocks)
+
+
+def _plan(model: nn.Module, *, device_mem, example_input, batch_sizes, device, calibration, mixed_precision,
+          optimizer, loss_fn, group_blocks) -> Plan:
     budget = parse_size(device_mem)
     _, world_size = world()
     if isinstance(device, DeviceInfo):

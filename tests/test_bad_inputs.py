@@ -238,6 +238,10 @@ def _errors_on_every_rank(rank, world_size):
         "half_meta": _message(lambda: osdp.wrap(half_meta(), strategy="ddp")),
         "meta_on_one_rank": _message(lambda: osdp.wrap(half_meta() if rank == 1 else _seeded(Uneven), strategy="fsdp")),
         "unsplittable": _message(lambda: osdp.wrap(_seeded(Uneven), plan=Plan([UnitPlan("out", "zero3", split=2)]))),
+        "sparse": _message(lambda: osdp.wrap(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)),
+                                             strategy="ddp")),
+        "sparse_budget": _message(lambda: osdp.wrap(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)),
+                                                    device_mem="1GiB", example_input=torch.zeros(4, 3, dtype=torch.long))),
         "no_loss_fn": _message(lambda: osdp.wrap(TupleOut(), device_mem="1GiB", example_input=torch.randn(4, 8),
                                                  planning_device="cpu-loopback")),
     }
@@ -329,6 +333,10 @@ def test_models_without_parameters_or_not_materialized_are_refused_on_every_rank
         assert errors["empty"][:2] == empty and errors["empty_budget"][:2] == empty
         assert errors["meta"][:2] == meta and errors["meta_budget"][:2] == meta
         assert errors["half_meta"][:2] == half
+        sparse = ("PlanError", "0: an embedding with sparse=True gives sparse gradients, which FSDP2 cannot "
+                               "reduce-scatter and osdp does not all-reduce; build it with sparse=False (dense "
+                               "gradients), or freeze it")
+        assert errors["sparse"][:2] == sparse and errors["sparse_budget"][:2] == sparse
     # only rank 1's model is on the meta device: rank 0 is told, not left waiting
     assert on_2[1][0]["meta_on_one_rank"][:2] == half
     assert on_2[0][0]["meta_on_one_rank"][:2] == ("PlanError", f"rank 1 rejected the plan: {half[1]}")

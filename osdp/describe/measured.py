@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -105,6 +105,14 @@ _PLAIN = (int, float, bool, str, type(None))
 
 
 @contextlib.contextmanager
+def rng_kept(devices: Iterable[torch.device] = ()):
+    """Torch's random number generators (the CPU's, and those of the CUDA ``devices``) as they were after the
+    block."""
+    with torch.random.fork_rng(devices=sorted({d.index or 0 for d in devices if d.type == "cuda"})):
+        yield
+
+
+@contextlib.contextmanager
 def _state_kept(model: nn.Module):
     """Buffers and the modules' plain attributes as they were after the block: a training forward updates some
     (BatchNorm's running statistics, a step counter in a buffer or in ``self.step``, which a model may read to
@@ -113,7 +121,10 @@ def _state_kept(model: nn.Module):
     saved = {b: b.detach().clone() for b in model.buffers()}
     attributes = [(m, k, v) for m in model.modules() for k, v in vars(m).items() if isinstance(v, _PLAIN)]
     try:
-        yield
+        # and the random numbers: every describe of the model (one per unit granularity) draws what the user's
+        # next forward will (a dropped layer, LayerDrop's), so they see the same units run
+        with rng_kept([p.device for p in model.parameters()]):
+            yield
     finally:
         with torch.no_grad():
             for b, value in saved.items():
@@ -164,13 +175,12 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
     costs: dict[str, dict[str, UnitWorkload]] = {}
     checks: dict[str, Any] = {}
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for prec in precisions:
-                budget_s = time_budget_s / len(precisions)
-                costs[prec], checks[prec], order = _measure_precision(
-                    model, units, example_input, sizes, prec, loss_fn, repeats, budget_s, show, checkpoint_policies)
-            show("timing the optimizers")
-            opt = time_optimizers(params, optimizers)
+        for prec in precisions:
+            budget_s = time_budget_s / len(precisions)
+            costs[prec], checks[prec], order = _measure_precision(
+                model, units, example_input, sizes, prec, loss_fn, repeats, budget_s, show, checkpoint_policies)
+        show("timing the optimizers")
+        opt = time_optimizers(params, optimizers)
     finally:
         for p, g in saved_grads.items():
             p.grad = g

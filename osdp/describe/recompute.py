@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from osdp._torch_private import outside_dispatch_modes
 from osdp.schema.plan import CHECKPOINT_POLICIES
 
 _aten = torch.ops.aten
@@ -89,10 +90,18 @@ def checkpoint_unit(module: nn.Module, policy: str = "full") -> None:
 
         @functools.wraps(cls.forward)  # its signature too: callers inspect it (the Trainer picks dataset columns by it)
         def forward(self, *args, **kwargs):
+            written: list[torch.Tensor] | None = None  # the buffers the forward wrote (None: it has not run)
+
             # the unit's keyword arguments go to it through a closure: passed on, checkpoint() would take the
             # ones it knows as its own (a forward's ``debug=True`` would set checkpoint's debug mode)
             def run(*args):
-                return cls.forward(self, *args, **kwargs)
+                nonlocal written
+                if written is None:
+                    versions = [(b, b._version) for b in self.buffers()]
+                    out = cls.forward(self, *args, **kwargs)
+                    written = _running_statistics(self) + [b for b, version in versions if b._version != version]
+                    return out
+                return _recompute(written, lambda: cls.forward(self, *args, **kwargs))
 
             return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **context)
 
@@ -100,6 +109,28 @@ def checkpoint_unit(module: nn.Module, policy: str = "full") -> None:
         checkpointed = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})
         _CHECKPOINTED[(cls, policy)], _ORIGINAL[checkpointed] = checkpointed, (cls, policy)
     module.__class__ = _CHECKPOINTED[(cls, policy)]
+
+
+def _running_statistics(module: nn.Module) -> list[torch.Tensor]:
+    """The running statistics a training forward of ``module`` updates: BatchNorm's and InstanceNorm's kernels write
+    them without bumping their version counters (``num_batches_tracked`` they do bump)."""
+    return [b for m in module.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+            for b in (m.running_mean, m.running_var) if b is not None]
+
+
+def _recompute(written: list[torch.Tensor], forward):
+    """The forward again, leaving the buffers the first one wrote as it left them: BatchNorm's running statistics
+    (in training, outputs come from the batch's own statistics) are updated once per step, as without
+    checkpointing."""
+    with outside_dispatch_modes():  # not ops of the checkpointed region (selective checkpointing matches them)
+        kept = [b.detach().clone() for b in written]
+    try:
+        return forward()
+    finally:  # also when the recompute stops early, having what backward needs
+        with outside_dispatch_modes(), torch.no_grad():
+            for buffer, value in zip(written, kept):
+                buffer.copy_(value)
 
 
 def checkpoint_policy(module: nn.Module) -> str:

@@ -250,7 +250,8 @@ def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
         for path in sub_block:
             parents.setdefault(_parent(path), []).append(path)
         for parent, children in parents.items():
-            if parent != ROOT and len(children) > 1:
+            # a ModuleList's children are blocks already: it holds layers (it runs none of them)
+            if parent != ROOT and len(children) > 1 and not isinstance(modules[parent], nn.ModuleList):
                 sub_block = (sub_block - set(children)) | {parent}
     return sorted(sub_block | leaves)
 

@@ -38,6 +38,7 @@ every rank, so nothing hangs and the model is left untouched.
 
 from __future__ import annotations
 
+import collections
 import warnings
 from dataclasses import replace
 
@@ -120,6 +121,13 @@ def check_model(model: nn.Module, device: torch.device) -> None:
     """
     if next(model.parameters(), None) is None:
         raise PlanError("the model has no parameters: there is nothing to shard or replicate")
+    sparse = [name for name, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+    if sparse:
+        raise PlanError(
+            f"{first_few(sparse)}: an embedding with sparse=True gives sparse gradients, which FSDP2 cannot "
+            "reduce-scatter and osdp does not all-reduce; build it with sparse=False (dense gradients), or freeze it"
+        )
     tensors = [*model.named_parameters(), *model.named_buffers()]
     on_meta = [name for name, t in tensors if t.device.type == "meta"]
     if on_meta:
@@ -278,6 +286,7 @@ def apply_plan(
     owned = unit_parameters(model, plan.paths)
     replicated: set[nn.Parameter] = set()  # left to the reducer, so ignored by every fully_shard
     extras: dict[str, UnitExtras] = {}
+    fsdp_held: set[str] = set()  # units whose parameters FSDP2 holds (not the reducer)
     grouped = {p: members for members in groups.values() for p in members}
     for unit in units:  # bottom-up, root last
         if unit.path in extras:
@@ -287,8 +296,11 @@ def apply_plan(
         group = _split_and_checkpoint(model, plan, unit, members, decision, meshes.shard, mp_policy)
         module = model.get_submodule(unit.path)  # a unit that is itself a Linear was just replaced
         by_ddp = decision.mode == "replicate" and replicate_with_ddp
-        if by_ddp:
-            replicated.update(owned[unit.path])
+        own = [p for path in members for p in owned[path]]
+        to_reducer = set(own) if by_ddp else not_shardable(own)
+        replicated.update(to_reducer)
+        if not by_ddp:
+            fsdp_held.update(members)
         # Every unit is FSDP2's, a replicated one holding none of its parameters (the reducer has them): it
         # answers FSDP2's methods, and the root stays the root (otherwise every top-level sharded unit would
         # be a root of its own, keeping its parameters gathered after forward and prefetching nothing).
@@ -301,14 +313,13 @@ def apply_plan(
         )
         for path in members:
             extras[path] = UnitExtras(
-                replicated=list(owned[unit.path]) if by_ddp else [],
+                replicated=[p for p in owned[path] if p in to_reducer],
                 split_linears=[m for m in _own_modules(module, {modules[p] for p in unit.nested})
                                if isinstance(m, SplitLinear)],
             )
     routed_holders = {holding_unit(c, plan.paths) for c in plan.routed}
-    for path in routed_holders:
-        if not extras[path].replicated:
-            reduce_where_any_rank_has_gradients(model.get_submodule(path))
+    for path in routed_holders & fsdp_held:
+        reduce_where_any_rank_has_gradients(model.get_submodule(path))
     reducer = None
     if replicated:
         in_order = {n: p for n, p in model.named_parameters() if p in replicated}
@@ -325,6 +336,18 @@ def apply_plan(
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     setattr(model, _PLAN_ATTR, plan)
     return model
+
+
+def not_shardable(params: list[nn.Parameter]) -> set[nn.Parameter]:
+    """The parameters of a sharded unit that the reducer replicates instead, as FSDP2 cannot shard them with the
+    others: 0-d ones (``fully_shard`` refuses scalars: ReZero's gates, a temperature) and those whose dtype is not
+    the unit's (a float64 temperature beside float32 weights; one FSDP2 parameter group has one dtype)."""
+    numel_by_dtype = collections.Counter()
+    for p in params:
+        if p.dim():
+            numel_by_dtype[p.dtype] += p.numel()
+    main = numel_by_dtype.most_common(1)[0][0] if numel_by_dtype else None
+    return {p for p in params if p.dim() == 0 or p.dtype != main}
 
 
 def _kept_whole(modules: dict[str, nn.Module], unit: Unit, plan: Plan) -> list[nn.Module]:

@@ -169,3 +169,38 @@ def test_a_custom_autograd_function_inside_a_selectively_checkpointed_unit_train
     expected, got = grads(plain, x), grads(selective, x)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0)
+
+
+class ConvBN(nn.Module):
+    """A ResNet stem: its BatchNorm updates its running statistics (and counts the batches) at every training
+    forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+def test_a_checkpointed_unit_updates_its_batchnorm_statistics_once_per_step():
+    torch.manual_seed(0)
+    plain = ConvBN()
+    checkpointed = {policy: copy.deepcopy(plain) for policy in ("full", "selective")}
+    for policy, module in checkpointed.items():
+        checkpoint_unit(module, policy)
+    for step in range(3):
+        x = torch.randn(4, 3, 8, 8)
+        expected = grads_of(plain, x)
+        for policy, module in checkpointed.items():
+            got = grads_of(module, x)
+            assert all(torch.allclose(got[k], expected[k], atol=1e-6) for k in expected), policy
+            for name, buffer in plain.named_buffers():  # the recompute in backward left them as the forward did
+                assert torch.equal(module.get_buffer(name), buffer), (policy, step, name)
+    assert int(plain.bn.num_batches_tracked) == 3
+
+
+def grads_of(module, x):
+    module.zero_grad(set_to_none=True)
+    module(x).square().sum().backward()
+    return {name: p.grad.clone() for name, p in module.named_parameters()}

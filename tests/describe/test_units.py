@@ -61,3 +61,23 @@ def test_a_parametrized_module_is_the_unit_not_its_parametrization():
     model = nn.Sequential(weight_norm(nn.Conv1d(4, 8, 3)), nn.ReLU(), weight_norm(nn.Linear(8, 8)), nn.Linear(8, 2))
     for granularity in ("sub-block", "block"):
         assert _paths(model, granularity) == {"0", "2", "3", ""}
+
+
+class _LayerList(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)) for _ in range(3)])
+
+    def forward(self, x):
+        return x + sum(layer(x) for layer in self.layers)
+
+
+def test_sub_blocks_held_by_a_container_are_the_blocks():
+    """A ModuleList holds layers, it runs none of them: at "block" granularity each layer stays a unit, even
+    where the example's forward ran none of them (LayerDrop)."""
+    model = _LayerList()
+    for granularity in ("sub-block", "block"):
+        assert _paths(model, granularity) == {"layers.0", "layers.1", "layers.2", ""}, granularity
+        skipped_all = osdp.describe.units.CallTrace(counts={"": 1})
+        assert {u.path for u in osdp.discover_units(model, skipped_all, granularity)} == {
+            "layers.0", "layers.1", "layers.2", ""}, granularity

@@ -42,6 +42,8 @@ PLANNING_LOSS = {
     "user_ckpt": lambda out: out[1],
     "moe": lambda out: out,
     "method_calls": lambda out: out,
+    "layerdrop": lambda out: out,
+    "scalar_params": lambda out: out,
 }
 
 
@@ -142,3 +144,18 @@ def test_a_first_step_over_the_budget_warns_with_the_figures():
         assert caught[ROWS] == []  # within the budget: silent
         (message,) = caught[2 * ROWS]  # the first step only
         assert "over the budget" in message and "lower by at least" in message, message
+
+
+def _random_state_around_wrap(rank, world_size):
+    model = styles.build("layerdrop")  # its forward draws random numbers; the describe runs it on rank 0
+    torch.manual_seed(1234 + rank)
+    before = torch.get_rng_state()
+    osdp.wrap(model, device_mem="64MiB", example_input=styles.batches("layerdrop", ROWS, 1)[0],
+              loss_fn=PLANNING_LOSS["layerdrop"])
+    return torch.equal(torch.get_rng_state(), before)
+
+
+def test_wrapping_leaves_the_random_numbers_as_they_were_on_every_rank():
+    """The calibration and the describe draw numbers: a user's dropout masks after osdp.wrap are an unwrapped
+    run's."""
+    assert run_ranks(_random_state_around_wrap, 2, timeout=300) == [True, True]

@@ -389,6 +389,65 @@ class MethodCalls(nn.Module):
         return F.cross_entropy(self.head(x + self.body(x)).flatten(0, 1), targets.flatten())
 
 
+class LayerDropEncoder(nn.Module):
+    """Stochastic depth (LayerDrop) as fairseq writes it: a layer skipped in training when ``torch.rand`` says so;
+    every rank seeded alike skips the same layers."""
+
+    def __init__(self, h=32, layers=4, p=0.5):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, h)
+        self.layers = nn.ModuleList([nn.Sequential(nn.LayerNorm(h), nn.Linear(h, 4 * h), nn.GELU(),
+                                                   nn.Linear(4 * h, h)) for _ in range(layers)])
+        self.head = nn.Linear(h, VOCAB)
+        self.p = p
+
+    def forward(self, tokens, targets):
+        x = self.emb(tokens)
+        for layer in self.layers:
+            if self.training and torch.rand(()) < self.p:
+                continue
+            x = x + layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+class GatedBlock(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.ff = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+        self.alpha = nn.Parameter(torch.full((), 0.5))  # ReZero's residual gate: a 0-d parameter
+
+    def forward(self, x):
+        return x + self.alpha * self.ff(x)
+
+
+class CalibratedHead(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.proj = nn.Linear(h, VOCAB)
+        self.temperature = nn.Parameter(torch.ones(()))  # 0-d
+        self.log_scale = nn.Parameter(torch.zeros(1, dtype=torch.float64))  # kept in double, as calibration code does
+
+    def forward(self, x):
+        return self.proj(x) / self.temperature * self.log_scale.exp().float()
+
+
+class ScalarParams(nn.Module):
+    """Parameters FSDP2 cannot shard with their unit's others: ReZero's 0-d gates in every block, a head with a 0-d
+    temperature and a float64 scale beside its float32 Linear."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, h)
+        self.blocks = nn.ModuleList([GatedBlock(h) for _ in range(2)])
+        self.head = CalibratedHead(h)
+
+    def forward(self, tokens, targets):
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
 def t5():
     """Hugging Face T5 as its users build it (small sizes): a relative position bias computed in the first
     layer and passed to the others, embeddings shared by encoder and decoder and tied to the head."""
@@ -443,6 +502,8 @@ STYLES = {
                 lambda b: ({"ids": b[0], "labels": b[1]},)),
     "moe": (RoutedMoE, _tokens, lambda out, batch, step: out, lambda b: b),
     "method_calls": (MethodCalls, _tokens, lambda out, batch, step: out, lambda b: b),
+    "layerdrop": (LayerDropEncoder, _tokens, lambda out, batch, step: out, lambda b: b),
+    "scalar_params": (ScalarParams, _tokens, lambda out, batch, step: out, lambda b: b),
 }
 
 
