@@ -27,10 +27,10 @@ from osdp.cost.problem import build_block_problem, build_problems, plan_from_cho
 from osdp.cost.schedule import predict
 from osdp.cost.terms import Calibration, Prediction
 from osdp.describe import granularity
-from osdp.describe.batch import batch_size_of
-from osdp.describe.measured import describe_once, rng_kept
-from osdp.describe.units import GRANULARITIES, structure_signature
-from osdp.distributed import broadcast_object, ensure_process_group, job_device, world
+from osdp.describe.batch import batch_size_of, call_model
+from osdp.describe.measured import describe_once, rng_kept, state_kept
+from osdp.describe.units import GRANULARITIES, count_calls, structure_signature, uneven_calls
+from osdp.distributed import all_gather_objects, broadcast_object, ensure_process_group, job_device, world
 from osdp.log import Progress
 from osdp.machine.device_info import DeviceInfo
 from osdp.machine.presets import device_preset
@@ -146,16 +146,23 @@ def find_plan(
             "device": device_info.name,
             "calibration": (calibration or Calibration()).source,
             "optimizer": optimizer,
-            # the search's additive bound on the peak, and when in the step the predicted peak is reached
-            "bound_peak_bytes": best.prediction.breakdown["bound_peak_bytes"],
-            "peak_moment": best.prediction.breakdown["peak_moment"],
-            "predicted_samples_per_s": best.samples_per_s,
-            "granularity": best.description.granularity,
-            # what each granularity's best plan was predicted to do: why this one was taken
-            "samples_per_s_by_granularity": {d.granularity: speed for d, speed in speeds},
+            **_why(best, speeds),
         },
     )
     return SearchResult(plan, best.description, [p for problems, _ in candidates for p in problems], seconds)
+
+
+def _why(best: _Found, speeds: list[tuple[ModelDescription, float]]) -> dict[str, Any]:
+    """What a plan's meta says of its prediction and of the granularities it was chosen among."""
+    return {
+        # the search's additive bound on the peak, and when in the step the predicted peak is reached
+        "bound_peak_bytes": best.prediction.breakdown["bound_peak_bytes"],
+        "peak_moment": best.prediction.breakdown["peak_moment"],
+        "predicted_samples_per_s": best.samples_per_s,
+        "granularity": best.description.granularity,
+        # what each granularity's best plan was predicted to do: why this one was taken
+        "samples_per_s_by_granularity": {d.granularity: speed for d, speed in speeds},
+    }
 
 
 Describer = Callable[[Plan], ModelDescription]  # the description that prices a plan of a candidate's problems
@@ -332,13 +339,13 @@ def description_of(plan: Plan, descriptions: Sequence[ModelDescription]) -> Mode
 
 def planning_description(
     model: nn.Module, example_input: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    mixed_precision: str = "fp32", granularity: str = "sub-block", progress: bool = True,
+    mixed_precision: str = "fp32", granularity: str = "sub-block", progress: bool = True, uneven: Sequence[str] = (),
 ) -> ModelDescription:
     """Collective: a description ``osdp.plan`` searches over: rank 0 describes the model (or reads it
     from the describe cache) while the others wait, and every rank gets it (or rank 0's error). The
     validation and the experiments take theirs from here, so that they predict what ``osdp.wrap`` would."""
     return describe_once(model, example_input, loss_fn=loss_fn, precisions=(mixed_precision,),
-                         granularity=granularity, progress=progress)
+                         granularity=granularity, progress=progress, uneven=tuple(uneven))
 
 
 def planning_descriptions(model: nn.Module, example_input: Any, **settings: Any) -> list[ModelDescription]:
@@ -356,6 +363,20 @@ def planning_descriptions(model: nn.Module, example_input: Any, **settings: Any)
     cached = sum(bool(getattr(d, "from_cache", False)) for d in descriptions)
     show.done(f"{len(descriptions)} unit sizes" + (f", {cached} from the cache" if cached else ""))
     return descriptions
+
+
+def _called_unevenly(model: nn.Module, example_input: Any) -> tuple[str, ...]:
+    """Collective: the modules the ranks' examples call different numbers of times (each rank runs its own once,
+    without gradients, leaving the model as it was), which the describe on rank 0 alone cannot see."""
+    if world()[1] == 1:
+        return ()
+    try:
+        with state_kept(model), torch.no_grad():
+            counts = count_calls(model, lambda: call_model(model, example_input))
+    except Exception:  # noqa: BLE001 - rank 0's describe runs it again and names what fails
+        counts = None
+    ran = [c for c in all_gather_objects(counts) if c is not None]
+    return uneven_calls(model, ran) if len(ran) > 1 else ()
 
 
 def describe_granularities(describe_one: Callable[..., ModelDescription]) -> list[ModelDescription]:
@@ -419,7 +440,8 @@ def _plan(model: nn.Module, *, device_mem, example_input, batch_sizes, device, c
         # collective: cached, or measured by every rank now, as much as this model needs
         machine = calibrate(ddp_overlap=needs_ddp_overlap(model))
         device_info, calibration = machine.device_info, calibration or machine.calibration
-    descriptions = planning_descriptions(model, example_input, loss_fn=loss_fn, mixed_precision=mixed_precision)
+    descriptions = planning_descriptions(model, example_input, loss_fn=loss_fn, mixed_precision=mixed_precision,
+                                         uneven=_called_unevenly(model, example_input))
     rank, _ = world()
     outcome: tuple[str, Any]
     if rank == 0:

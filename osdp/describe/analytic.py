@@ -115,12 +115,14 @@ def describe_analytic(
     progress: bool = True,
     name: str | None = None,
     cache: bool = True,
+    uneven: Sequence[str] = (),
 ) -> ModelDescription:
     """A ``ModelDescription`` from FLOPs and a fake-tensor trace (see the module docstring).
 
     ``device``: a ``DeviceInfo`` or a preset name (``osdp.machine.presets.DEVICE_PRESETS``;
     ``world_size`` is only needed to build it). ``example_input`` may be real or
-    meta tensors; only shapes and dtypes are used. ``cache``: read and write the describe cache.
+    meta tensors; only shapes and dtypes are used. ``cache``: read and write the describe cache. ``uneven``:
+    as ``osdp.describe.measured.describe`` takes it.
     """
     start = time.perf_counter()
     units_given = units
@@ -137,6 +139,7 @@ def describe_analytic(
         "units": [u.path for u in units] if units is not None else None, "granularity": granularity,
         "input": input_spec(example_input), "sizes": sizes, "precisions": list(precisions), "device": info.to_dict(),
         "torch": torch.__version__, "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)) if loss_fn else None,
+        "uneven": list(uneven),
     }), "analytic")
     cached = read_cached(path) if cache else None
     if cached is not None:
@@ -149,7 +152,7 @@ def describe_analytic(
     with mode:
         fake_model = fake_copy(model, mode)
         show("checking the forward")
-        units, routed = resolve_units(fake_model, resize_batch(fake_input, sizes[0]), loss_fn, units, granularity)
+        units, routed = resolve_units(fake_model, resize_batch(fake_input, sizes[0]), loss_fn, units, granularity, uneven)
         for prec in precisions:
             runnable = fake_model if prec == "fp32" else fake_copy(model, mode, PRECISIONS[prec])
             costs[prec], order = _costs_at(runnable, build_units(runnable, [u.path for u in units]), fake_input,

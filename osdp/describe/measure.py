@@ -107,13 +107,14 @@ def _check_units(model: nn.Module, units: Sequence[Unit], calls: CallTrace) -> N
                 "time and its activations add up: make its parent the unit (osdp.discover_units does "
                 "this by itself when given call counts)"
             )
-        container = enclosing(u.path, routed_containers(model, calls))
+        container = enclosing(u.path, [*routed_containers(model, calls), *calls.uneven])
         if u.path != ROOT and container is not None:
             raise ProfileError(
-                f"unit '{u.name}' is called or not depending on the data (the members of '{display_path(container)}' "
-                "ran on different rows, or some not at all, as a mixture of experts routes them): a rank whose batch "
-                "skips it would wait for the others at another gather; make the module calling them the unit "
-                "(osdp.discover_units does this by itself)"
+                f"unit '{u.name}' is called or not depending on the data ('{display_path(container)}' ran a "
+                "different number of times on each rank's example, or its members ran on different rows, or some "
+                "not at all, as a mixture of experts routes them): a rank whose batch skips it would wait for the "
+                "others at another gather; make the module calling it the unit (osdp.discover_units does this by "
+                "itself)"
             )
         if u.path != ROOT and u.path in calls.writes_inputs:
             raise ProfileError(
@@ -125,10 +126,13 @@ def _check_units(model: nn.Module, units: Sequence[Unit], calls: CallTrace) -> N
 
 
 def resolve_units(
-    model: nn.Module, batch: Any, loss_fn, units: Sequence[Unit] | None, granularity: str = "sub-block"
+    model: nn.Module, batch: Any, loss_fn, units: Sequence[Unit] | None, granularity: str = "sub-block",
+    uneven: Sequence[str] = (),
 ) -> tuple[list[Unit], tuple[str, ...]]:
     """The units to describe, after a checked forward that names the unit that fails, if one does, and the
-    containers whose members that forward called depending on the data (``routed_containers``).
+    modules called depending on the data: containers whose members that forward called so
+    (``routed_containers``), and ``uneven``, the modules the ranks' examples called unevenly
+    (``osdp.describe.units.uneven_calls``).
 
     Default units come from ``osdp.discover_units`` at ``granularity`` with
     call counts, so a module that runs twice per forward is merged into its
@@ -140,7 +144,8 @@ def resolve_units(
             "the forward of the example batch used none of the model's parameters: there is nothing to train or "
             "to shard; check that the example reaches the model's layers (and loss_fn its output)"
         )
-    routed = tuple(routed_containers(model, calls))
+    calls.uneven = tuple(uneven)
+    routed = tuple(dict.fromkeys([*routed_containers(model, calls), *calls.uneven]))
     if units is None:
         return discover_units(model, calls, granularity), routed
     units = build_units(model, [u.path for u in units])

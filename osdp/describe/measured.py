@@ -80,6 +80,7 @@ def describe(
     progress: bool = True,
     name: str | None = None,
     checkpoint_policies: Sequence[str] = ("full", "selective"),
+    uneven: Sequence[str] = (),
 ) -> ModelDescription:
     """Measure ``model`` on the device its parameters are on (see the module docstring).
 
@@ -90,15 +91,16 @@ def describe(
     (measured on a bf16 copy, as FSDP's mixed precision computes). ``units``
     default to ``osdp.discover_units`` at ``granularity`` with call counts, so
     a module that runs twice per forward is merged into its parent. ``checkpoint_policies``: the
-    checkpointing whose recompute is timed (a unit not described for one is not offered it). The model's
-    parameters, gradients, buffers, modules' plain attributes (a step counter) and RNG state are left as
-    they were.
+    checkpointing whose recompute is timed (a unit not described for one is not offered it). ``uneven``: the
+    modules other ranks' examples called a different number of times (``osdp.describe.units.uneven_calls``):
+    no units of their own. The model's parameters, gradients, buffers, modules' plain attributes (a step
+    counter) and RNG state are left as they were.
     """
-    with _state_kept(model):
+    with state_kept(model):
         return _describe(model, example_input, loss_fn=loss_fn, batch_sizes=batch_sizes, precisions=precisions,
                          units=units, granularity=granularity, optimizers=optimizers, repeats=repeats,
                          time_budget_s=time_budget_s, cache=cache, progress=progress, name=name,
-                         checkpoint_policies=tuple(checkpoint_policies))
+                         checkpoint_policies=tuple(checkpoint_policies), uneven=tuple(uneven))
 
 
 _PLAIN = (int, float, bool, str, type(None))
@@ -113,7 +115,7 @@ def rng_kept(devices: Iterable[torch.device] = ()):
 
 
 @contextlib.contextmanager
-def _state_kept(model: nn.Module):
+def state_kept(model: nn.Module):
     """Buffers and the modules' plain attributes as they were after the block: a training forward updates some
     (BatchNorm's running statistics, a step counter in a buffer or in ``self.step``, which a model may read to
     choose its branch), and a describe on rank 0 alone must leave them as the other ranks' and an unwrapped
@@ -135,7 +137,7 @@ def _state_kept(model: nn.Module):
 
 
 def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, granularity, optimizers, repeats,
-              time_budget_s, cache, progress, name, checkpoint_policies) -> ModelDescription:
+              time_budget_s, cache, progress, name, checkpoint_policies, uneven) -> ModelDescription:
     start = time.perf_counter()
     params = list(model.parameters())
     if not params:
@@ -155,14 +157,14 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
 
     show("checking the forward")
     given_units = units
-    units, routed = resolve_units(model, resize_batch(example_input, sizes[0]), loss_fn, units, granularity)
+    units, routed = resolve_units(model, resize_batch(example_input, sizes[0]), loss_fn, units, granularity, uneven)
 
     key_parts = {
         "version": PROFILE_VERSION, "model": model_fingerprint(model), "units": [u.path for u in units],
         "input": input_spec(example_input), "sizes": sizes, "precisions": list(precisions),
         "device": device_name(device), "torch": torch.__version__, "optimizers": list(optimizers),
         "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)) if loss_fn else None,
-        "checkpoint_policies": list(checkpoint_policies),
+        "checkpoint_policies": list(checkpoint_policies), "uneven": list(uneven),
     }
     key = cache_key(key_parts)
     path = cached_path(key)

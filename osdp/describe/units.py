@@ -152,6 +152,8 @@ class CallTrace:
     writes_inputs: set[str] = field(default_factory=set)
     # per module, the shape of its first tensor input at its first call
     first_input: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # modules the ranks' examples called different numbers of times (``uneven_calls``), found before the trace
+    uneven: tuple[str, ...] = ()
 
 
 class _ParameterUses(TorchFunctionMode):
@@ -224,6 +226,17 @@ def count_calls(model: nn.Module, run) -> dict[str, int]:
     return trace_calls(model, run).counts
 
 
+def uneven_calls(model: nn.Module, counts_by_rank: Sequence[Mapping[str, int]]) -> tuple[str, ...]:
+    """The outermost modules owning parameters that the ranks' forwards (``counts_by_rank``: ``count_calls`` of
+    each rank's example) called different numbers of times: a branch on the data (``if mask.any():
+    self.refine(x[mask])``) that some ranks' batches take. Such a module is no unit of its own, as a routed
+    container's members are not."""
+    owning = {path for path, m in model.named_modules() if next(m.parameters(), None) is not None}
+    differ = sorted(path for path in owning - {ROOT}
+                    if len({counts.get(path, 0) for counts in counts_by_rank}) > 1)
+    return tuple(p for p in differ if not any(q != p and _is_within(p, q) for q in differ))
+
+
 def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -282,24 +295,25 @@ def routed_containers(model: nn.Module, calls: CallTrace) -> list[str]:
     return routed
 
 
-def enclosing(path: str, containers: Iterable[str]) -> str | None:
-    """The first of ``containers`` that ``path`` is strictly inside, if any."""
-    return next((c for c in containers if c != path and _is_within(path, c)), None)
+def enclosing(path: str, routed: Iterable[str]) -> str | None:
+    """The first of ``routed`` (containers, and modules called unevenly) that ``path`` is or is inside, if any."""
+    return next((c for c in routed if c != ROOT and _is_within(path, c)), None)
 
 
 def _resolve_sharing(model: nn.Module, candidates: Iterable[str], calls: CallTrace | None) -> set[str]:
     """Move candidates that share parameters, run twice, whose parameters are used outside their forward or
-    that are called depending on the data (``routed_containers``) up to a common ancestor that can be called."""
+    that are called depending on the data (``routed_containers``, ``CallTrace.uneven``) up to a common ancestor
+    that can be called."""
     modules = dict(model.named_modules())
     module_paths = _module_paths(model)
     owners = _param_owners(model)
-    routed = routed_containers(model, calls) if calls is not None else []
+    routed = [*routed_containers(model, calls), *calls.uneven] if calls is not None else []
     resolved: set[str] = set()
     for path in candidates:
         while path != ROOT:
             container = enclosing(path, routed)
             if container is not None:
-                path = _called_ancestor(container, modules)
+                path = _called_ancestor(_parent(container), modules)
                 continue
             module = modules[path]
             outside = [

@@ -317,16 +317,7 @@ def apply_plan(
                 split_linears=[m for m in _own_modules(module, {modules[p] for p in unit.nested})
                                if isinstance(m, SplitLinear)],
             )
-    routed_holders = {holding_unit(c, plan.paths) for c in plan.routed}
-    for path in routed_holders & fsdp_held:
-        reduce_where_any_rank_has_gradients(model.get_submodule(path))
-    reducer = None
-    if replicated:
-        in_order = {n: p for n, p in model.named_parameters() if p in replicated}
-        # A bucket holding a routed parameter is reduced when its gradient arrives, or at the backward's end on a
-        # rank that skipped it: its own group keeps that from crossing FSDP2's collectives in another order.
-        reducer = ReplicaReducer(model, in_order, group=dist.new_group() if plan.routed else None)
-        setattr(model, _REPLICATED_ATTR, reducer)
+    reducer = _reduce_unevenly_used(model, plan, replicated, fsdp_held)
     for path, extra in extras.items():
         extra.reducer = reducer
         extend_unit(model.get_submodule(path), extra)
@@ -336,6 +327,22 @@ def apply_plan(
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     setattr(model, _PLAN_ATTR, plan)
     return model
+
+
+def _reduce_unevenly_used(model: nn.Module, plan: Plan, replicated: set[nn.Parameter],
+                          fsdp_held: set[str]) -> ReplicaReducer | None:
+    """The reducer of the ``replicated`` parameters (None if none), after making the FSDP2 units holding routed
+    modules (``Plan.routed``) reduce the gradients some rank has (``fsdp_ext.unused``)."""
+    for path in {holding_unit(c, plan.paths) for c in plan.routed} & fsdp_held:
+        reduce_where_any_rank_has_gradients(model.get_submodule(path))
+    if not replicated:
+        return None
+    in_order = {n: p for n, p in model.named_parameters() if p in replicated}
+    # A bucket holding a routed parameter is reduced when its gradient arrives, or at the backward's end on a
+    # rank that skipped it: its own group keeps that from crossing FSDP2's collectives in another order.
+    reducer = ReplicaReducer(model, in_order, group=dist.new_group() if plan.routed else None)
+    setattr(model, _REPLICATED_ATTR, reducer)
+    return reducer
 
 
 def not_shardable(params: list[nn.Parameter]) -> set[nn.Parameter]:

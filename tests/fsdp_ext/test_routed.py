@@ -1,5 +1,6 @@
-"""Modules the model calls depending on the data (a mixture of experts' experts): never units of their own, and
-their gradients, present on some ranks only, reduced as one process would have them under every plan."""
+"""Modules the model calls depending on the data (a mixture of experts' experts, a branch some ranks' rows take):
+never units of their own, and their gradients, present on some ranks only, reduced as one process would have them
+under every plan."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dist_harness import run_ranks
 from training_check import assert_matches_reference, reference, train_under_plans
 
 import osdp
-from osdp.describe.units import discover_units, routed_containers, trace_calls
+from osdp.describe.units import discover_units, routed_containers, trace_calls, uneven_calls
 from osdp.schema.plan import Plan, PlanError, UnitPlan
 
 ROWS = 4  # per rank
@@ -102,3 +103,15 @@ def test_a_plan_making_a_routed_module_a_unit_is_refused_on_every_rank(unit):
     plan = Plan([UnitPlan(unit, "zero3"), UnitPlan("", "zero3")], routed=["experts"]).to_json()
     for message in run_ranks(_refused, 2, plan, timeout=120):
         assert message is not None and f"unit '{unit}' is inside 'experts'" in message, message
+
+
+def test_modules_the_ranks_examples_call_unevenly_are_named_outermost_first():
+    model = styles.build("data_branch")
+    batch = styles.batches("data_branch", 2 * ROWS, 1)[0]
+    counts = [trace_calls(model, lambda r=r: model(*(t[r * ROWS:(r + 1) * ROWS] for t in batch))).counts
+              for r in range(2)]  # only the first rank's rows take the branch
+    assert uneven_calls(model, counts) == ("refine",)  # not its Linears as well
+    assert uneven_calls(model, counts[:1] * 2) == ()
+    calls = trace_calls(model, lambda: model(*(t[:ROWS] for t in batch)))
+    calls.uneven = ("refine",)
+    assert not any(u.path.startswith("refine") for u in discover_units(model, calls))

@@ -448,6 +448,34 @@ class ScalarParams(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
+class DataBranch(nn.Module):
+    """A Python branch on the data: rows whose first token is below 8 also go through a refinement block, which a
+    rank whose rows have none never calls."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, h)
+        self.pre = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+        self.refine = nn.Sequential(nn.LayerNorm(h), nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+        self.head = nn.Linear(h, VOCAB)
+
+    def forward(self, tokens, targets):
+        x = self.emb(tokens)
+        x = x + self.pre(x)
+        special = tokens[:, 0] < 8
+        if special.any():
+            rows = special.nonzero().squeeze(1)
+            x = x.index_add(0, rows, self.refine(x[rows]))
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def _one_special_row(rows, g):
+    tokens, targets = _tokens(rows, g)
+    tokens[:, 0] = 64
+    tokens[1, 0] = 3  # in the first rank's rows only
+    return tokens, targets
+
+
 def t5():
     """Hugging Face T5 as its users build it (small sizes): a relative position bias computed in the first
     layer and passed to the others, embeddings shared by encoder and decoder and tied to the head."""
@@ -504,6 +532,7 @@ STYLES = {
     "method_calls": (MethodCalls, _tokens, lambda out, batch, step: out, lambda b: b),
     "layerdrop": (LayerDropEncoder, _tokens, lambda out, batch, step: out, lambda b: b),
     "scalar_params": (ScalarParams, _tokens, lambda out, batch, step: out, lambda b: b),
+    "data_branch": (DataBranch, _one_special_row, lambda out, batch, step: out, lambda b: b),
 }
 
 
