@@ -123,6 +123,8 @@ def _recompute(written: list[torch.Tensor], forward):
     """The forward again, leaving the buffers the first one wrote as it left them: BatchNorm's running statistics
     (in training, outputs come from the batch's own statistics) are updated once per step, as without
     checkpointing."""
+    if not written:
+        return forward()
     with outside_dispatch_modes():  # not ops of the checkpointed region (selective checkpointing matches them)
         kept = [b.detach().clone() for b in written]
     try:
