@@ -41,7 +41,6 @@ PLANNING_LOSS = {
     "weight_norm": lambda out: out.loss,
     "user_ckpt": lambda out: out[1],
     "moe": lambda out: out,
-    "method_calls": lambda out: out,
     "layerdrop": lambda out: out,
     "scalar_params": lambda out: out,
     "data_branch": lambda out: out,

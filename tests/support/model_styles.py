@@ -364,31 +364,6 @@ class RoutedMoE(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
-class Encoder(nn.Module):
-    def __init__(self, h):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, h)
-        self.mix = nn.Linear(h, h)
-
-    def encode(self, tokens):
-        return torch.tanh(self.mix(self.emb(tokens)))
-
-
-class MethodCalls(nn.Module):
-    """A submodule used through a method of its own, not its forward (``self.encoder.encode(x)``), as CLIP-like
-    and VQ codebases write it."""
-
-    def __init__(self, h=32):
-        super().__init__()
-        self.encoder = Encoder(h)
-        self.body = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
-        self.head = nn.Linear(h, VOCAB)
-
-    def forward(self, tokens, targets):
-        x = self.encoder.encode(tokens)
-        return F.cross_entropy(self.head(x + self.body(x)).flatten(0, 1), targets.flatten())
-
-
 class LayerDropEncoder(nn.Module):
     """Stochastic depth (LayerDrop) as fairseq writes it: a layer skipped in training when ``torch.rand`` says so;
     every rank seeded alike skips the same layers."""
@@ -529,7 +504,6 @@ STYLES = {
     "dict_io": (DictInOut, _tokens, lambda out, batch, step: out["loss"],
                 lambda b: ({"ids": b[0], "labels": b[1]},)),
     "moe": (RoutedMoE, _tokens, lambda out, batch, step: out, lambda b: b),
-    "method_calls": (MethodCalls, _tokens, lambda out, batch, step: out, lambda b: b),
     "layerdrop": (LayerDropEncoder, _tokens, lambda out, batch, step: out, lambda b: b),
     "scalar_params": (ScalarParams, _tokens, lambda out, batch, step: out, lambda b: b),
     "data_branch": (DataBranch, _one_special_row, lambda out, batch, step: out, lambda b: b),
