@@ -390,7 +390,8 @@ def _alternating_searched(rank, world_size):
     osdp.wrap(model, device_mem="1GiB", example_input=mine, loss_fn=lambda loss: loss)  # rank 0 describes it
     steps_after_wrap = model.steps
     losses = train(model, _alternating_batches(), rank, world_size)
-    return steps_after_wrap, losses, full_state(model) if rank == 0 else None
+    state = full_state(model)  # a collective wherever the plan sharded a unit: every rank calls it
+    return steps_after_wrap, losses, state if rank == 0 else None
 
 
 def test_a_forward_that_branches_on_a_python_counter_trains_as_one_process_after_the_search():
