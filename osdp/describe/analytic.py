@@ -156,7 +156,7 @@ def describe_analytic(
         for prec in precisions:
             runnable = fake_model if prec == "fp32" else fake_copy(model, mode, PRECISIONS[prec])
             costs[prec], order = _costs_at(runnable, build_units(runnable, [u.path for u in units]), fake_input,
-                                           sizes, prec, info.flops_for(PRECISIONS[prec]), loss_fn, show)
+                                           sizes, prec, info.flops_for(PRECISIONS[prec]), loss_fn, show, routed)
         profiles = unit_profiles(fake_model, units, costs, routed)
     description = ModelDescription(
         model=name,
@@ -181,9 +181,9 @@ def describe_analytic(
 
 
 def _costs_at(runnable: nn.Module, units: Sequence[Unit], fake_input: Any, sizes: Sequence[int], prec: str,
-              rate: float, loss_fn, show: Progress) -> tuple[dict[str, UnitWorkload], list[str]]:
+              rate: float, loss_fn, show: Progress, routed: Sequence[str]) -> tuple[dict[str, UnitWorkload], list[str]]:
     """Every unit's workload at precision ``prec`` (``runnable``: the fake model in it, ``rate``: the device's
-    FLOP/s in it), and the order the units ran in."""
+    FLOP/s in it; ``routed``: see ``memory_pass``), and the order the units ran in."""
     memory, seconds, flops = {}, {}, {}
     order: list[str] = []
     for i, b in enumerate(sizes):
@@ -192,7 +192,7 @@ def _costs_at(runnable: nn.Module, units: Sequence[Unit], fake_input: Any, sizes
         meter = _Flops(counter)
         with counter:  # without the checkpointed pass, which would double the describe of a large model
             memory[b], order = memory_pass(runnable, units, resize_batch(fake_input, b), loss_fn, meter,
-                                           recomputed=False)
+                                           recomputed=False, routed=routed)
         flops[b] = meter.flops
         seconds[b] = {k: f / rate for k, f in meter.flops.items()}
     # compute is priced by FLOPs: a recompute redoes those of the ops it does not keep up to the unit's last saved

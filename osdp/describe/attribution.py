@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from osdp.describe.recompute import MATMULS, SAVED_OPS, kept_by_selective
-from osdp.describe.units import Unit, checkpointable, param_homes
+from osdp.describe.units import Unit, checkpointable, holding_unit, member_signature, param_homes
 from osdp.machine.memory import iter_tensors, written_tensors
 from osdp.schema.plan import ROOT
 
@@ -193,6 +193,7 @@ class _Saved:
         self._storages: dict[int, weakref.ref] = {}
         self._live = _LiveBytes()
         self._finalizers: list[weakref.finalize] = []
+        self.added = 0  # every saved byte counted so far, freed or not: what a stretch of the forward saved
 
     @property
     def live(self) -> dict[str, int]:
@@ -215,6 +216,7 @@ class _Saved:
                 self.nbytes[key] = nbytes
                 self._storages[key] = weakref.ref(t.untyped_storage())
                 self._live.add(owner, nbytes)
+                self.added += nbytes
                 self._finalizers.append(weakref.finalize(t.untyped_storage(), self._live.freed, owner, nbytes))
         return t.detach()  # t itself, an op's output, would hold its own grad_fn: a cycle no gc reclaims
 
@@ -251,6 +253,54 @@ class _Saved:
                     if self.first_saver.get(k) in lenders and self.first_saver.get(k) != path and k not in borrowed}
             borrowed.update(lent)
             out[path]["ckpt"] = own + sum(dead.values()) + sum(lent.values())
+        return out
+
+
+class UnrunMembers:
+    """The saved bytes a routed container's members would add to the unit holding it had the example run all of
+    them (``osdp.describe.units.routed_containers``): a member the example skipped (a layer LayerDrop dropped, an
+    expert no row was routed to) runs in another step, so it is priced as the largest of its same-structure
+    siblings that ran. A search priced on the example's draw alone put a later step over the budget."""
+
+    def __init__(self, model: nn.Module, routed: Sequence[str], units: Sequence[Unit], saved: _Saved):
+        modules = dict(model.named_modules())
+        self.saved, self.unit_paths = saved, [u.path for u in units]
+        self.groups: dict[str, list[list[str]]] = {}  # container -> its members, by structure
+        for path in routed:
+            container = modules.get(path)
+            if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+                alike: dict[str, list[str]] = {}
+                for name, member in container.named_children():
+                    alike.setdefault(member_signature(member), []).append(f"{path}.{name}" if path else name)
+                self.groups[path] = [m for m in alike.values() if len(m) > 1]
+        self.bytes: dict[str, int] = {}  # member -> bytes its forwards saved
+        self._modules, self._handles, self._start = modules, [], {}
+
+    def __enter__(self) -> "UnrunMembers":
+        for groups in self.groups.values():
+            for path in (m for members in groups for m in members):
+                module = self._modules[path]
+                self._handles.append(module.register_forward_pre_hook(
+                    lambda *_, p=path: self._start.__setitem__(p, self.saved.added)))
+                self._handles.append(module.register_forward_hook(
+                    lambda *_, p=path: self.bytes.__setitem__(
+                        p, self.bytes.get(p, 0) + self.saved.added - self._start.pop(p, self.saved.added))))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def extra(self) -> dict[str, int]:
+        """Per unit holding a routed container: the bytes its members the forward did not call would save."""
+        out: dict[str, int] = {}
+        for container, groups in self.groups.items():
+            holder = holding_unit(container, self.unit_paths)
+            for members in groups:
+                ran = [self.bytes[m] for m in members if m in self.bytes]
+                if ran:
+                    out[holder] = out.get(holder, 0) + max(ran) * (len(members) - len(ran))
         return out
 
 

@@ -14,7 +14,16 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from osdp.describe.attribution import InPlaceWrites, KeptBySelective, Segments, _Saved, _storage_key, _Timer, _working_sets
+from osdp.describe.attribution import (
+    InPlaceWrites,
+    KeptBySelective,
+    Segments,
+    UnrunMembers,
+    _Saved,
+    _storage_key,
+    _Timer,
+    _working_sets,
+)
 from osdp.describe.batch import ProfileError, call_model, loss_of
 from osdp.describe.forward_caches import disable_caches_in_training
 from osdp.describe.recompute import checkpoint_unit, undo_checkpoint
@@ -160,7 +169,7 @@ def _median_by_key(runs: list[dict]) -> dict:
 
 def memory_pass(
     model: nn.Module, units: Sequence[Unit], batch: Any, loss_fn, also: Callable[[str, str], None] | None = None,
-    recomputed: bool = True,
+    recomputed: bool = True, routed: Sequence[str] = (),
 ) -> tuple[dict[str, dict[str, int]], list[str]]:
     """One forward and backward under ``osdp.machine.memory.LiveBytesTracker``: per unit its saved bytes
     (act, ckpt) and working-set peaks (see ``_working_sets``), and the units' forward order; with
@@ -168,10 +177,15 @@ def memory_pass(
     recomputed ones (``_recomputed_working_sets``).
 
     ``also(owner, phase)`` is called at every segment boundary of the first pass (the analytic
-    description counts FLOPs there). Works on real and on fake tensors.
+    description counts FLOPs there). ``routed``: the routed containers; the members of one the example did not
+    call are priced as their siblings that ran (``UnrunMembers``), in the saved bytes and the working sets of the
+    unit holding it. Works on real and on fake tensors.
     """
-    memory, segments_seen, root_total, order = _segments_pass(model, units, batch, loss_fn, also)
+    memory, segments_seen, root_total, order = _segments_pass(model, units, batch, loss_fn, also, routed)
     _working_sets(memory, segments_seen, root_total)
+    for m in memory.values():
+        for key in ("fwd_peak", "bwd_peak", "recompute_peak"):
+            m[key] += m.get("unrun", 0)
     takers = may_checkpoint(units, memory, "full")
     if recomputed and takers:
         with _checkpointed(model, takers, "full"):
@@ -207,7 +221,8 @@ def _recomputed_working_sets(
 
 
 def _segments_pass(
-    model: nn.Module, units: Sequence[Unit], batch: Any, loss_fn, also: Callable[[str, str], None] | None = None
+    model: nn.Module, units: Sequence[Unit], batch: Any, loss_fn, also: Callable[[str, str], None] | None = None,
+    routed: Sequence[str] = (),
 ) -> tuple[dict[str, dict[str, int]], list[tuple[str, str, int, int, int, int]], int, list[str]]:
     """One forward and backward under ``LiveBytesTracker``, cut into the units' segments: per unit its saved
     bytes, every segment's working set, the root's saved bytes after the forward, the units' forward order."""
@@ -249,6 +264,7 @@ def _segments_pass(
             kept_by_selective.saved()
 
         saved = _Saved(segments, param_keys, chain=on_saved)
+        unrun = UnrunMembers(model, routed, units, saved)
         enclosing = {u.path for u in units if u.nested or u.path == ROOT}
         grad_hooks = [
             p.register_post_accumulate_grad_hook(lambda p, home=home: pending.setdefault(home, []).append(p))
@@ -259,19 +275,23 @@ def _segments_pass(
         def after_forward() -> None:
             nonlocal root_total
             memory.update(saved.per_unit(u.path for u in units))
+            for holder, extra in unrun.extra().items():
+                memory[holder]["act"] += extra
+                memory[holder]["unrun"] = extra
             root_total = saved.live.get(ROOT, 0)
             for u in checkpointable(units):  # what selective checkpointing keeps: the inputs and SAVED_OPS' outputs
                 if u.path in writes.inputs_written:
                     memory[u.path]["inputs_written"] = 1  # offered no checkpoint
                 elif u.path not in writes.kept_written:  # else offered none or full only
-                    memory[u.path]["sac"] = memory[u.path]["ckpt"] + kept_by_selective.bytes.get(u.path, 0)
+                    memory[u.path]["sac"] = (memory[u.path]["ckpt"] + kept_by_selective.bytes.get(u.path, 0)
+                                             + memory[u.path].get("unrun", 0))
                     memory[u.path]["sac_unsaved"] = kept_by_selective.unsaved_bytes(u.path, saved.first_saver)
                 for policy, redone in kept_by_selective.recompute_flops.items():
                     memory[u.path][f"{policy}_recompute_flops"] = redone.get(u.path, 0)
 
         try:
-            with segments, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), kept_by_selective, \
-                    writes:
+            with segments, unrun, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), \
+                    kept_by_selective, writes:
                 _step(model, batch, loss_fn, segments, after_forward)
         finally:
             for h in grad_hooks:

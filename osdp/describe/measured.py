@@ -180,7 +180,7 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
         for prec in precisions:
             budget_s = time_budget_s / len(precisions)
             costs[prec], checks[prec], order = _measure_precision(
-                model, units, example_input, sizes, prec, loss_fn, repeats, budget_s, show, checkpoint_policies)
+                model, units, example_input, sizes, prec, loss_fn, repeats, budget_s, show, checkpoint_policies, routed)
         show("timing the optimizers")
         opt = time_optimizers(params, optimizers)
     finally:
@@ -212,9 +212,11 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
 
 def _measure_precision(model: nn.Module, units: Sequence[Unit], example_input: Any, sizes: tuple[int, ...],
                        prec: str, loss_fn, repeats: int | None, time_budget_s: float, show: Progress,
-                       policies: tuple[str, ...]) -> tuple[dict[str, UnitWorkload], dict[str, Any], list[str]]:
+                       policies: tuple[str, ...], routed: Sequence[str]
+                       ) -> tuple[dict[str, UnitWorkload], dict[str, Any], list[str]]:
     """Every unit's workload at precision ``prec`` (memory and time at each micro-batch size, fitted linear in
-    it), the timed steps' checks, and the order the units ran in."""
+    it; ``routed``: the routed containers, see ``memory_pass``), the timed steps' checks, and the order the units
+    ran in."""
     runnable = model if prec == "fp32" else _copy_in(model, PRECISIONS[prec])
     runnable_units = build_units(runnable, [u.path for u in units])
     sync = synchronizer(next(model.parameters()).device)
@@ -227,7 +229,7 @@ def _measure_precision(model: nn.Module, units: Sequence[Unit], example_input: A
     for i, b in enumerate(sizes):
         show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps")
         batch = resize_batch(example_input, b)
-        memory[b], order = memory_pass(runnable, runnable_units, batch, loss_fn)
+        memory[b], order = memory_pass(runnable, runnable_units, batch, loss_fn, routed=routed)
         takers = {p: may_checkpoint(runnable_units, memory[b], p) for p in policies}
         timing = _time_at(runnable, runnable_units, batch, loss_fn, reps, sync, takers)
         seconds[b] = timing["seconds"]

@@ -79,7 +79,7 @@ def _parent(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else ROOT
 
 
-def _is_within(path: str, ancestor: str) -> bool:
+def is_within(path: str, ancestor: str) -> bool:
     return ancestor == ROOT or path == ancestor or path.startswith(ancestor + ".")
 
 
@@ -154,6 +154,8 @@ class CallTrace:
     first_input: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # modules the ranks' examples called different numbers of times (``uneven_calls``), found before the trace
     uneven: tuple[str, ...] = ()
+    # whether ``counts`` holds every module the forward called (a traced forward), so one it lacks never ran
+    complete: bool = False
 
 
 class _ParameterUses(TorchFunctionMode):
@@ -191,7 +193,7 @@ class _InputWrites(TorchDispatchMode):
 def trace_calls(model: nn.Module, run) -> CallTrace:
     """Run ``run()`` (a forward of ``model``) and note what it called, where it used each parameter, and
     which modules wrote to their inputs."""
-    trace = CallTrace()
+    trace = CallTrace(complete=True)
     running: list[str] = [ROOT]
     inputs: list[set[int]] = [set()]  # per running module, the storages of its floating-point inputs
     handles = []
@@ -234,7 +236,7 @@ def uneven_calls(model: nn.Module, counts_by_rank: Sequence[Mapping[str, int]]) 
     owning = {path for path, m in model.named_modules() if next(m.parameters(), None) is not None}
     differ = sorted(path for path in owning - {ROOT}
                     if len({counts.get(path, 0) for counts in counts_by_rank}) > 1)
-    return tuple(p for p in differ if not any(q != p and _is_within(p, q) for q in differ))
+    return tuple(p for p in differ if not any(q != p and is_within(p, q) for q in differ))
 
 
 def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
@@ -255,7 +257,7 @@ def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
         for path, m in modules.items()
         if path != ROOT
         and not _own_children(m)
-        and not any(_is_within(path, b) for b in sub_block)
+        and not any(is_within(path, b) for b in sub_block)
         and any(p.dim() >= 2 for p in m.parameters(recurse=False))
     } - {ROOT}
     if granularity == "block":  # a module holding two or more sub-blocks (attention and MLP) replaces them
@@ -284,7 +286,7 @@ def routed_containers(model: nn.Module, calls: CallTrace) -> list[str]:
         alike: dict[str, list[str]] = {}
         for name, member in container.named_children():
             if next(member.parameters(), None) is not None:
-                alike.setdefault(_signature(member), []).append(f"{path}.{name}" if path else name)
+                alike.setdefault(member_signature(member), []).append(f"{path}.{name}" if path else name)
         for members in alike.values():
             ran = [m for m in members if calls.counts.get(m, 0)]
             shapes = {calls.first_input[m] for m in ran if m in calls.first_input}
@@ -297,13 +299,13 @@ def routed_containers(model: nn.Module, calls: CallTrace) -> list[str]:
 
 def enclosing(path: str, routed: Iterable[str]) -> str | None:
     """The first of ``routed`` (containers, and modules called unevenly) that ``path`` is or is inside, if any."""
-    return next((c for c in routed if c != ROOT and _is_within(path, c)), None)
+    return next((c for c in routed if c != ROOT and is_within(path, c)), None)
 
 
 def _resolve_sharing(model: nn.Module, candidates: Iterable[str], calls: CallTrace | None) -> set[str]:
-    """Move candidates that share parameters, run twice, whose parameters are used outside their forward or
-    that are called depending on the data (``routed_containers``, ``CallTrace.uneven``) up to a common ancestor
-    that can be called."""
+    """Move candidates that share parameters, run twice or never, whose parameters are used outside their forward
+    or that are called depending on the data (``routed_containers``, ``CallTrace.uneven``) up to a common
+    ancestor that can be called."""
     modules = dict(model.named_modules())
     module_paths = _module_paths(model)
     owners = _param_owners(model)
@@ -320,7 +322,7 @@ def _resolve_sharing(model: nn.Module, candidates: Iterable[str], calls: CallTra
                 owner
                 for p in module.parameters()
                 for owner in owners[id(p)]
-                if not _is_within(owner, path)
+                if not is_within(owner, path)
             ]
             outside += [q for q in module_paths[id(module)] if q != path]
             if calls is not None:  # used where this unit's forward is not running: not gathered there
@@ -328,6 +330,11 @@ def _resolve_sharing(model: nn.Module, candidates: Iterable[str], calls: CallTra
                             if path not in running]
             if outside:
                 path = _called_ancestor(_common_ancestor([path, *outside]), modules)
+                continue
+            if calls is not None and calls.complete and not calls.counts.get(path):
+                # the example never called it (an auxiliary head, a feature left off): no forward of its own costs
+                # anything, and a group FSDP2 never gathers is one PyTorch's FSDPMemTracker fails on in backward
+                path = _called_ancestor(_parent(path), modules)
                 continue
             if calls is not None and (calls.counts.get(path, 0) > 1 or path in calls.writes_inputs):
                 # FSDP2 would gather it at each call; or hand it its inputs as views of a custom Function (its
@@ -340,7 +347,7 @@ def _resolve_sharing(model: nn.Module, candidates: Iterable[str], calls: CallTra
     return resolved
 
 
-def _signature(module: nn.Module) -> str:
+def member_signature(module: nn.Module) -> str:
     parts = [type(module).__qualname__]
     for name, sub in module.named_modules():
         parts.append(f"{name}:{type(sub).__qualname__}")
@@ -376,7 +383,7 @@ def build_units(model: nn.Module, paths: Iterable[str]) -> list[Unit]:
             module_type=type(modules[p]).__name__,
             numel=numel[p],
             param_bytes=nbytes[p],
-            signature=_signature(modules[p]) if p != ROOT else "root",
+            signature=member_signature(modules[p]) if p != ROOT else "root",
             nested=nested[p],
         )
         for p in ordered
@@ -386,7 +393,7 @@ def build_units(model: nn.Module, paths: Iterable[str]) -> list[Unit]:
 def nesting(paths: Iterable[str]) -> dict[str, tuple[str, ...]]:
     """For each unit path (the root among them), the units nested in it with no other unit between."""
     paths = set(paths) | {ROOT}
-    return {p: tuple(sorted(q for q in paths if q != p and _is_within(q, p) and _nearest_unit(q, paths) == p))
+    return {p: tuple(sorted(q for q in paths if q != p and is_within(q, p) and _nearest_unit(q, paths) == p))
             for p in paths}
 
 
@@ -397,13 +404,13 @@ def param_homes(model: nn.Module, paths: Iterable[str]) -> dict[int, str]:
     homes = {}
     for pid, owners in _param_owners(model).items():
         home = _common_ancestor(owners)
-        homes[pid] = max((u for u in paths if _is_within(home, u)), key=len)
+        homes[pid] = max((u for u in paths if is_within(home, u)), key=len)
     return homes
 
 
 def holding_unit(path: str, units: Iterable[str]) -> str:
     """The innermost of ``units`` (module paths; the root is always one) that ``path`` is in."""
-    return max((u for u in (*units, ROOT) if _is_within(path, u)), key=len)
+    return max((u for u in (*units, ROOT) if is_within(path, u)), key=len)
 
 
 def _nearest_unit(path: str, units: set[str]) -> str:
@@ -461,7 +468,7 @@ def _small_leaves(model: nn.Module, units: list[Unit]) -> set[str]:
 
 def structure_signature(model: nn.Module) -> str:
     """A hash of the model's structure: plans made for one model are refused by another."""
-    return _signature(model)
+    return member_signature(model)
 
 
 def checkpointable(units: Sequence[Unit]) -> list[Unit]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 import osdp
@@ -73,11 +74,36 @@ class _LayerList(nn.Module):
 
 
 def test_sub_blocks_held_by_a_container_are_the_blocks():
-    """A ModuleList holds layers, it runs none of them: at "block" granularity each layer stays a unit, even
-    where the example's forward ran none of them (LayerDrop)."""
+    """A ModuleList holds layers, it runs none of them: at "block" granularity each layer stays a unit. Where the
+    example's forward ran none of them (LayerDrop's draw), they are the root's: no module the example never
+    called is a unit."""
+    from osdp.describe.units import trace_calls
+
     model = _LayerList()
+    skipped_all = trace_calls(model, lambda: model.layers[0:0])
     for granularity in ("sub-block", "block"):
         assert _paths(model, granularity) == {"layers.0", "layers.1", "layers.2", ""}, granularity
-        skipped_all = osdp.describe.units.CallTrace(counts={"": 1})
-        assert {u.path for u in osdp.discover_units(model, skipped_all, granularity)} == {
+        traced = trace_calls(model, lambda: model(torch.randn(2, 8)))
+        assert {u.path for u in osdp.discover_units(model, traced, granularity)} == {
             "layers.0", "layers.1", "layers.2", ""}, granularity
+        assert {u.path for u in osdp.discover_units(model, skipped_all, granularity)} == {""}, granularity
+
+
+def test_a_module_the_forward_never_calls_is_no_unit():
+    """An auxiliary head left off, a ParameterList read by its owner: the unit around it holds them."""
+    from osdp.describe.units import trace_calls
+
+    class WithAuxiliary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+            self.scales = nn.ParameterList([nn.Parameter(torch.ones(8)) for _ in range(2)])
+            self.aux = nn.ModuleDict({"head": nn.Linear(8, 3), "proj": nn.Linear(8, 8)})
+
+        def forward(self, x):
+            return self.body(x) * self.scales[0] * self.scales[1]
+
+    model = WithAuxiliary()
+    traced = trace_calls(model, lambda: model(torch.randn(2, 8)))
+    for granularity in ("sub-block", "block", "nested"):
+        assert {u.path for u in osdp.discover_units(model, traced, granularity)} == {"body", ""}, granularity

@@ -115,3 +115,39 @@ def test_modules_the_ranks_examples_call_unevenly_are_named_outermost_first():
     calls = trace_calls(model, lambda: model(*(t[:ROWS] for t in batch)))
     calls.uneven = ("refine",)
     assert not any(u.path.startswith("refine") for u in discover_units(model, calls))
+
+
+class Skipping(nn.Module):
+    """Stochastic depth with its draw fixed: the forward runs the layers in ``ran`` only."""
+
+    def __init__(self, ran, h=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+                                     for _ in range(4)])
+        self.ran = ran
+
+    def forward(self, x):
+        for i in self.ran:
+            x = x + self.layers[i](x)
+        return x.square().mean()
+
+
+def _saved_bytes(ran) -> tuple[dict[str, int], dict[str, int]]:
+    """The saved bytes and forward working sets of all units, summed; the root's memory entry."""
+    from osdp.describe.measure import memory_pass, resolve_units
+
+    model, x = Skipping(ran), torch.randn(8, 16)
+    units, routed = resolve_units(model, x, None, None)
+    memory, _ = memory_pass(model, units, x, None, routed=routed)
+    return {key: sum(m[key] for m in memory.values()) for key in ("act", "fwd_peak")}, memory[""]
+
+
+def test_members_a_routed_container_did_not_call_are_priced_as_those_that_ran():
+    """A later step may run the layers this example's draw skipped: the unit holding them is priced with all
+    of them run, as one measured running all of them (there each layer is a unit of its own)."""
+    every, _ = _saved_bytes([0, 1, 2, 3])
+    for ran in ([0, 2], [3]):
+        some, root = _saved_bytes(ran)
+        assert some["act"] == every["act"], (ran, some, every)
+        assert root["fwd_peak"] >= every["act"], (ran, root, every)

@@ -407,19 +407,22 @@ class CalibratedHead(nn.Module):
 
 
 class ScalarParams(nn.Module):
-    """Parameters FSDP2 cannot shard with their unit's others: ReZero's 0-d gates in every block, a head with a 0-d
-    temperature and a float64 scale beside its float32 Linear."""
+    """Parameters outside the modules a forward calls, or that FSDP2 cannot shard with their unit's others: ReZero's
+    0-d gates in every block, per-block scales in a ParameterList the root reads, a head with a 0-d temperature and
+    a float64 scale beside its float32 Linear, and an auxiliary head this configuration never calls."""
 
     def __init__(self, h=32):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, h)
         self.blocks = nn.ModuleList([GatedBlock(h) for _ in range(2)])
+        self.block_scales = nn.ParameterList([nn.Parameter(torch.ones(h)) for _ in range(2)])
         self.head = CalibratedHead(h)
+        self.aux_head = nn.Linear(h, 7)
 
     def forward(self, tokens, targets):
         x = self.emb(tokens)
-        for block in self.blocks:
-            x = block(x)
+        for block, scale in zip(self.blocks, self.block_scales):
+            x = block(x) * scale
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
