@@ -242,6 +242,8 @@ def _errors_on_every_rank(rank, world_size):
                                              strategy="ddp")),
         "sparse_budget": _message(lambda: osdp.wrap(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)),
                                                     device_mem="1GiB", example_input=torch.zeros(4, 3, dtype=torch.long))),
+        "max_norm": _message(lambda: osdp.wrap(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2)),
+                                               device_mem="1GiB", example_input=torch.zeros(4, 3, dtype=torch.long))),
         "no_loss_fn": _message(lambda: osdp.wrap(TupleOut(), device_mem="1GiB", example_input=torch.randn(4, 8),
                                                  planning_device="cpu-loopback")),
     }
@@ -321,7 +323,7 @@ def test_mismatched_plans_and_plans_for_another_model_fail_on_every_rank(on_2):
             "another module; use split=1"))
 
 
-def test_models_without_parameters_or_not_materialized_are_refused_on_every_rank(on_2):
+def test_models_without_parameters_not_materialized_or_renormalizing_rows_are_refused_on_every_rank(on_2):
     meta = ("PlanError", "the model is not materialized: 6 of its 6 parameters and buffers are on the meta device "
                          "(inp.weight, inp.bias, mid.0.weight, mid.0.bias and 2 more); build it on a real device, "
                          "or call model.to_empty(device=...) and initialise its parameters, before osdp.wrap")
@@ -337,6 +339,8 @@ def test_models_without_parameters_or_not_materialized_are_refused_on_every_rank
                                "reduce-scatter and osdp does not all-reduce; build it with sparse=False (dense "
                                "gradients), or freeze it")
         assert errors["sparse"][:2] == sparse and errors["sparse_budget"][:2] == sparse
+        assert errors["max_norm"][0] == "PlanError" and errors["max_norm"][1].startswith(
+            "0: an embedding with max_norm renormalizes in place"), errors["max_norm"]
     # only rank 1's model is on the meta device: rank 0 is told, not left waiting
     assert on_2[1][0]["meta_on_one_rank"][:2] == half
     assert on_2[0][0]["meta_on_one_rank"][:2] == ("PlanError", f"rank 1 rejected the plan: {half[1]}")

@@ -114,7 +114,8 @@ def complete_plan(model: nn.Module, plan: Plan) -> Plan:
 
 
 def check_model(model: nn.Module, device: torch.device) -> None:
-    """Raise PlanError unless the model has parameters, all materialized on one device that ``device`` can use.
+    """Raise PlanError unless the model has parameters, all materialized on one device that ``device`` can use,
+    and no embedding that renormalizes its rows in its forward (``max_norm``) when the job has several ranks.
 
     FSDP2 would accept a model on the meta device (or spread over devices) and
     fail only at the first forward, or worse; osdp says so before anything changes.
@@ -127,6 +128,15 @@ def check_model(model: nn.Module, device: torch.device) -> None:
         raise PlanError(
             f"{first_few(sparse)}: an embedding with sparse=True gives sparse gradients, which FSDP2 cannot "
             "reduce-scatter and osdp does not all-reduce; build it with sparse=False (dense gradients), or freeze it"
+        )
+    renormed = [name for name, m in model.named_modules()
+                if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
+    if renormed and world()[1] > 1:
+        raise PlanError(
+            f"{first_few(renormed)}: an embedding with max_norm renormalizes in place, in its forward, the rows its "
+            "batch looks up: each rank would renormalize the rows of its own batch and the ranks' tables would "
+            "differ from one process's (which renormalizes those of the whole batch); build it with max_norm=None, "
+            "and renormalize the table after each optimizer step if you need the bound (the same on every rank)"
         )
     tensors = [*model.named_parameters(), *model.named_buffers()]
     on_meta = [name for name, t in tensors if t.device.type == "meta"]
