@@ -93,8 +93,9 @@ class Sizes:
     mfu_warmup: int
     compile_backend: str
     compile_reserve_s: float  # seconds a compiled MFU run may need; skipped when less is left
-    user_model: str  # osdp train's model, micro-batch, steps and the budgets (fractions of DDP's measured peak)
+    user_model: str  # osdp train's model, micro-batch, precision, steps and the budgets (fractions of DDP's peak)
     user_batch: int
+    user_precision: str
     user_steps: int
     user_budget_fractions: tuple[float, ...]
 
@@ -110,6 +111,7 @@ GPU_SIZES = Sizes(
     compile_reserve_s=100.0,
     user_model="gpt2-small",
     user_batch=8,
+    user_precision="bf16",
     user_steps=14,
     user_budget_fractions=(0.97, 0.93),  # DDP's peak to OSDP's least (0.92 on an H200)
 )
@@ -125,6 +127,7 @@ DRY_SIZES = Sizes(
     compile_reserve_s=10.0,
     user_model="gpt2-tiny",
     user_batch=4,
+    user_precision="fp32",  # the CPU's bf16 matmuls run 50x slower than its fp32 ones: the describe took 40 s
     user_steps=4,
     user_budget_fractions=(0.9,),
 )
@@ -147,8 +150,11 @@ def slug(name: str, dry_run: bool) -> str:
 
 
 def part_tests(dry_run: bool, timeout_s: float) -> dict[str, Any]:
-    """``pytest -m gpu`` in a subprocess (the dry run collects the tests without running them)."""
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"]
+    """``pytest -m gpu`` in a subprocess (the dry run collects the tests without running them), over the test
+    files that mark tests so (collecting every file imports what the whole suite imports)."""
+    marked = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                    if "mark.gpu" in p.read_text())
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *marked]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
@@ -202,9 +208,9 @@ def part_user_path(sizes: Sizes, device: torch.device, remaining: Callable[[], f
     config = models.get_config(sizes.user_model)
     peak_flops = (datasheet_peak_flops(device_name(device)) or {}).get("bfloat16")
     common = ["--device", device.type, "--nproc", "1", "--model", sizes.user_model, "--batch-size",
-              str(sizes.user_batch), "--mixed-precision", "bf16", "--steps", str(sizes.user_steps), "--warmup", "2",
-              "--data", "synthetic", "--log-every", "100"]
-    out: dict[str, Any] = {"model": sizes.user_model, "batch_size": sizes.user_batch, "precision": "bf16",
+              str(sizes.user_batch), "--mixed-precision", sizes.user_precision, "--steps", str(sizes.user_steps),
+              "--warmup", "2", "--data", "synthetic", "--log-every", "100"]
+    out: dict[str, Any] = {"model": sizes.user_model, "batch_size": sizes.user_batch, "precision": sizes.user_precision,
                            "ranks": "one rank, " + ("NCCL" if device.type == "cuda" else "gloo"),
                            "mfu_reference": "data-sheet dense bf16 peak" if peak_flops else None, "runs": {}}
 

@@ -209,7 +209,9 @@ def _calibrate_on_a_machine_with_spreads(rank, world_size, cache, spreads):
     real, given = measured.measure_compute_scale, iter(spreads)
     measured.measure_compute_scale = lambda device, spec, rounds: {**real(device, spec, 3), "spread": next(given)}
     measured.BUSY_WAIT_S = 0.0
-    PROFILES["tiny"] = dataclasses.replace(PROFILES["tiny"], busy_spread=1.3)
+    # the decisions on the spreads are what this test checks: the jobs' timings may be as short as they come
+    PROFILES["tiny"] = dataclasses.replace(PROFILES["tiny"], busy_spread=1.3, run_s=0.05, min_steps=2, refits=1,
+                                           compute_rounds=3, describe_repeats=1, collectives_s=0.1)
     record = measured.calibrate(torch.device("cpu"), progress=False)
     cached = cached_calibration(CalibrationKey.current(torch.device("cpu")))
     return record.details["busy"], record.details["busy_spread"], cached is not None, len(list(given))

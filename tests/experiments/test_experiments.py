@@ -181,7 +181,7 @@ def test_a_sweep_part_end_to_end_on_two_ranks(tmp_path):
             "groups": [["torch-ddp", "osdp-uniform-fsdp"]],  # as bench_modes pairs twins; the rest one group
             "time_per_run_s": 0.05, "min_steps": 2, "collective_time_s": 0.5}
     lines = []
-    env = dict(os.environ, OSDP_CACHE_DIR=str(tmp_path / "cache"))  # tests' tiny calibration profile
+    env = dict(os.environ)  # the session's cache: the tests' tiny calibration of 2 ranks, measured once
     run_mod.launch({**spec, "calibrate": "if missing"}, on_line=lines.append, timeout_s=400, env=env)
     result = run_mod.launch(spec, on_line=lines.append, timeout_s=400, env=env)
     assert result["reduce_scatter"] == result["all_gather"] == "pairwise"
