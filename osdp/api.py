@@ -68,18 +68,18 @@ def wrap(
         )
     if plan_options and device_mem is None:
         raise ValueError(f"{sorted(plan_options)} only apply with device_mem=...")
+    if device_mem is not None and example_input is None:
+        raise ValueError("osdp.wrap(device_mem=...) needs example_input=... (one micro-batch) to measure the model")
+    ensure_process_group()
+    error: PlanError | None = None
+    try:  # before the search's collectives and any look at the units: a model that cannot be wrapped fails now
+        check_model(model, torch.device(device) if device is not None else job_device())
+    except PlanError as e:
+        error = e
+    raise_on_any_rank(error)
     if device_mem is not None:
-        if example_input is None:
-            raise ValueError("osdp.wrap(device_mem=...) needs example_input=... (one micro-batch) to measure the model")
         from osdp.planner import plan as search_plan
 
-        ensure_process_group()
-        error: PlanError | None = None
-        try:  # before the search's collectives: a model that cannot be wrapped fails on every rank now
-            check_model(model, torch.device(device) if device is not None else job_device())
-        except PlanError as e:
-            error = e
-        raise_on_any_rank(error)
         planning_device = plan_options.pop("planning_device", None)
         plan = search_plan(
             model, device_mem=device_mem, example_input=example_input, device=planning_device,

@@ -242,6 +242,9 @@ def _errors_on_every_rank(rank, world_size):
                                              strategy="ddp")),
         "sparse_budget": _message(lambda: osdp.wrap(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)),
                                                     device_mem="1GiB", example_input=torch.zeros(4, 3, dtype=torch.long))),
+        "lazy": _message(lambda: osdp.wrap(nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 2)), strategy="fsdp")),
+        "lazy_budget": _message(lambda: osdp.wrap(nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 2)), device_mem="1GiB",
+                                                  example_input=torch.randn(4, 3))),
         "max_norm": _message(lambda: osdp.wrap(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2)),
                                                device_mem="1GiB", example_input=torch.zeros(4, 3, dtype=torch.long))),
         "no_loss_fn": _message(lambda: osdp.wrap(TupleOut(), device_mem="1GiB", example_input=torch.randn(4, 8),
@@ -339,11 +342,15 @@ def test_models_without_parameters_not_materialized_or_renormalizing_rows_are_re
                                "reduce-scatter and osdp does not all-reduce; build it with sparse=False (dense "
                                "gradients), or freeze it")
         assert errors["sparse"][:2] == sparse and errors["sparse_budget"][:2] == sparse
+        lazy = ("PlanError", "the model has lazy modules not yet initialized (0.weight, 0.bias): their shapes are "
+                             "known only after a forward; call the model once on a batch (model(example)) before "
+                             "osdp.wrap")
+        assert errors["lazy"][:2] == lazy and errors["lazy_budget"][:2] == lazy
         assert errors["max_norm"][0] == "PlanError" and errors["max_norm"][1].startswith(
             "0: an embedding with max_norm renormalizes in place"), errors["max_norm"]
     # only rank 1's model is on the meta device: rank 0 is told, not left waiting
     assert on_2[1][0]["meta_on_one_rank"][:2] == half
-    assert on_2[0][0]["meta_on_one_rank"][:2] == ("PlanError", f"rank 1 rejected the plan: {half[1]}")
+    assert on_2[0][0]["meta_on_one_rank"][:2] == ("PlanError", f"rank(s) [1] failed: PlanError: {half[1]}")
 
 
 @pytest.mark.gpu  # a model on two devices needs a second one

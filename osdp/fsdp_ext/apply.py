@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parameter import is_lazy
 
 from osdp.describe.forward_caches import disable_caches_in_training
 from osdp.describe.recompute import checkpoint_unit
@@ -115,7 +116,8 @@ def complete_plan(model: nn.Module, plan: Plan) -> Plan:
 
 def check_model(model: nn.Module, device: torch.device) -> None:
     """Raise PlanError unless the model has parameters, all materialized on one device that ``device`` can use,
-    and no embedding that renormalizes its rows in its forward (``max_norm``) when the job has several ranks.
+    none lazy (``nn.LazyLinear`` before its first forward), and no embedding that renormalizes its rows in its
+    forward (``max_norm``) when the job has several ranks.
 
     FSDP2 would accept a model on the meta device (or spread over devices) and
     fail only at the first forward, or worse; osdp says so before anything changes.
@@ -137,6 +139,12 @@ def check_model(model: nn.Module, device: torch.device) -> None:
             "batch looks up: each rank would renormalize the rows of its own batch and the ranks' tables would "
             "differ from one process's (which renormalizes those of the whole batch); build it with max_norm=None, "
             "and renormalize the table after each optimizer step if you need the bound (the same on every rank)"
+        )
+    lazy = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if is_lazy(t)]
+    if lazy:
+        raise PlanError(
+            f"the model has lazy modules not yet initialized ({first_few(lazy)}): their shapes are known only after "
+            "a forward; call the model once on a batch (model(example)) before osdp.wrap"
         )
     tensors = [*model.named_parameters(), *model.named_buffers()]
     on_meta = [name for name, t in tensors if t.device.type == "meta"]
