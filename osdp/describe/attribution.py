@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from osdp.describe.recompute import MATMULS, SAVED_OPS, kept_by_selective
-from osdp.describe.units import Unit, checkpointable, holding_unit, member_signature, param_homes
+from osdp.describe.units import Unit, alike_members, checkpointable, holding_unit, param_homes
 from osdp.machine.memory import iter_tensors, written_tensors
 from osdp.schema.plan import ROOT
 
@@ -269,10 +269,7 @@ class UnrunMembers:
         for path in routed:
             container = modules.get(path)
             if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
-                alike: dict[str, list[str]] = {}
-                for name, member in container.named_children():
-                    alike.setdefault(member_signature(member), []).append(f"{path}.{name}" if path else name)
-                self.groups[path] = [m for m in alike.values() if len(m) > 1]
+                self.groups[path] = alike_members(container, path)
         self.bytes: dict[str, int] = {}  # member -> bytes its forwards saved
         self._modules, self._handles, self._start = modules, [], {}
 

@@ -79,7 +79,7 @@ def _parent(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else ROOT
 
 
-def is_within(path: str, ancestor: str) -> bool:
+def _is_within(path: str, ancestor: str) -> bool:
     return ancestor == ROOT or path == ancestor or path.startswith(ancestor + ".")
 
 
@@ -236,7 +236,7 @@ def uneven_calls(model: nn.Module, counts_by_rank: Sequence[Mapping[str, int]]) 
     owning = {path for path, m in model.named_modules() if next(m.parameters(), None) is not None}
     differ = sorted(path for path in owning - {ROOT}
                     if len({counts.get(path, 0) for counts in counts_by_rank}) > 1)
-    return tuple(p for p in differ if not any(q != p and is_within(p, q) for q in differ))
+    return tuple(p for p in differ if not any(q != p and _is_within(p, q) for q in differ))
 
 
 def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
@@ -257,7 +257,7 @@ def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
         for path, m in modules.items()
         if path != ROOT
         and not _own_children(m)
-        and not any(is_within(path, b) for b in sub_block)
+        and not any(_is_within(path, b) for b in sub_block)
         and any(p.dim() >= 2 for p in m.parameters(recurse=False))
     } - {ROOT}
     if granularity == "block":  # a module holding two or more sub-blocks (attention and MLP) replaces them
@@ -269,6 +269,16 @@ def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
             if parent != ROOT and len(children) > 1 and not isinstance(modules[parent], nn.ModuleList):
                 sub_block = (sub_block - set(children)) | {parent}
     return sorted(sub_block | leaves)
+
+
+def alike_members(container: nn.Module, path: str) -> list[list[str]]:
+    """The paths of ``container``'s (at ``path``) members that own parameters, grouped by structure: the groups
+    of two or more."""
+    alike: dict[str, list[str]] = {}
+    for name, member in container.named_children():
+        if next(member.parameters(), None) is not None:
+            alike.setdefault(_signature(member), []).append(f"{path}.{name}" if path else name)
+    return [members for members in alike.values() if len(members) > 1]
 
 
 def routed_containers(model: nn.Module, calls: CallTrace) -> list[str]:
@@ -283,15 +293,11 @@ def routed_containers(model: nn.Module, calls: CallTrace) -> list[str]:
     for path, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
             continue
-        alike: dict[str, list[str]] = {}
-        for name, member in container.named_children():
-            if next(member.parameters(), None) is not None:
-                alike.setdefault(member_signature(member), []).append(f"{path}.{name}" if path else name)
-        for members in alike.values():
+        for members in alike_members(container, path):
             ran = [m for m in members if calls.counts.get(m, 0)]
             shapes = {calls.first_input[m] for m in ran if m in calls.first_input}
             rows_differ = len(shapes) > 1 and len({s[1:] for s in shapes}) == 1
-            if len(members) > 1 and ((ran and len(ran) < len(members)) or rows_differ):
+            if (ran and len(ran) < len(members)) or rows_differ:
                 routed.append(path)
                 break
     return routed
@@ -299,7 +305,7 @@ def routed_containers(model: nn.Module, calls: CallTrace) -> list[str]:
 
 def enclosing(path: str, routed: Iterable[str]) -> str | None:
     """The first of ``routed`` (containers, and modules called unevenly) that ``path`` is or is inside, if any."""
-    return next((c for c in routed if c != ROOT and is_within(path, c)), None)
+    return next((c for c in routed if c != ROOT and _is_within(path, c)), None)
 
 
 def _resolve_sharing(model: nn.Module, candidates: Iterable[str], calls: CallTrace | None) -> set[str]:
@@ -322,7 +328,7 @@ def _resolve_sharing(model: nn.Module, candidates: Iterable[str], calls: CallTra
                 owner
                 for p in module.parameters()
                 for owner in owners[id(p)]
-                if not is_within(owner, path)
+                if not _is_within(owner, path)
             ]
             outside += [q for q in module_paths[id(module)] if q != path]
             if calls is not None:  # used where this unit's forward is not running: not gathered there
@@ -347,7 +353,7 @@ def _resolve_sharing(model: nn.Module, candidates: Iterable[str], calls: CallTra
     return resolved
 
 
-def member_signature(module: nn.Module) -> str:
+def _signature(module: nn.Module) -> str:
     parts = [type(module).__qualname__]
     for name, sub in module.named_modules():
         parts.append(f"{name}:{type(sub).__qualname__}")
@@ -383,7 +389,7 @@ def build_units(model: nn.Module, paths: Iterable[str]) -> list[Unit]:
             module_type=type(modules[p]).__name__,
             numel=numel[p],
             param_bytes=nbytes[p],
-            signature=member_signature(modules[p]) if p != ROOT else "root",
+            signature=_signature(modules[p]) if p != ROOT else "root",
             nested=nested[p],
         )
         for p in ordered
@@ -393,7 +399,7 @@ def build_units(model: nn.Module, paths: Iterable[str]) -> list[Unit]:
 def nesting(paths: Iterable[str]) -> dict[str, tuple[str, ...]]:
     """For each unit path (the root among them), the units nested in it with no other unit between."""
     paths = set(paths) | {ROOT}
-    return {p: tuple(sorted(q for q in paths if q != p and is_within(q, p) and _nearest_unit(q, paths) == p))
+    return {p: tuple(sorted(q for q in paths if q != p and _is_within(q, p) and _nearest_unit(q, paths) == p))
             for p in paths}
 
 
@@ -404,13 +410,13 @@ def param_homes(model: nn.Module, paths: Iterable[str]) -> dict[int, str]:
     homes = {}
     for pid, owners in _param_owners(model).items():
         home = _common_ancestor(owners)
-        homes[pid] = max((u for u in paths if is_within(home, u)), key=len)
+        homes[pid] = max((u for u in paths if _is_within(home, u)), key=len)
     return homes
 
 
 def holding_unit(path: str, units: Iterable[str]) -> str:
     """The innermost of ``units`` (module paths; the root is always one) that ``path`` is in."""
-    return max((u for u in (*units, ROOT) if is_within(path, u)), key=len)
+    return max((u for u in (*units, ROOT) if _is_within(path, u)), key=len)
 
 
 def _nearest_unit(path: str, units: set[str]) -> str:
@@ -468,7 +474,7 @@ def _small_leaves(model: nn.Module, units: list[Unit]) -> set[str]:
 
 def structure_signature(model: nn.Module) -> str:
     """A hash of the model's structure: plans made for one model are refused by another."""
-    return member_signature(model)
+    return _signature(model)
 
 
 def checkpointable(units: Sequence[Unit]) -> list[Unit]:
