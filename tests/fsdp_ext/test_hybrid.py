@@ -166,7 +166,15 @@ def test_ranks_that_disagree_on_their_node_layout_all_fail_before_any_collective
 def _search_on_two_nodes(rank, world_size, budgets_over_min):
     """osdp.wrap(device_mem=...) on 2 nodes x 2: the machine measured with its two levels of links, the
     plans searched over both shard scopes at budgets above the least any plan needs, then trained."""
+    import dataclasses
+
+    from osdp.calibration.nets import PROFILES
+
     os.environ["LOCAL_WORLD_SIZE"] = "2"
+    # what is checked is the search over both scopes and the training it picks, not the calibration's figures:
+    # its jobs timed as short as they come (4 ranks on 2 cores took a minute at the tiny profile's lengths)
+    PROFILES["tiny"] = dataclasses.replace(PROFILES["tiny"], run_s=0.05, min_steps=2, refits=1, compute_rounds=3,
+                                           describe_repeats=1, collectives_s=0.1)
     batches = toy_batches()
     n = batches[0][0].shape[0] // world_size
     example = tuple(t[rank * n:(rank + 1) * n] for t in batches[0])
