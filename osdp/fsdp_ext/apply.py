@@ -140,13 +140,13 @@ def check_model(model: nn.Module, device: torch.device) -> None:
             "differ from one process's (which renormalizes those of the whole batch); build it with max_norm=None, "
             "and renormalize the table after each optimizer step if you need the bound (the same on every rank)"
         )
-    lazy = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if is_lazy(t)]
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    lazy = [name for name, t in tensors if is_lazy(t)]
     if lazy:
         raise PlanError(
             f"the model has lazy modules not yet initialized ({first_few(lazy)}): their shapes are known only after "
             "a forward; call the model once on a batch (model(example)) before osdp.wrap"
         )
-    tensors = [*model.named_parameters(), *model.named_buffers()]
     on_meta = [name for name, t in tensors if t.device.type == "meta"]
     if on_meta:
         raise PlanError(
