@@ -83,7 +83,7 @@ ALL_GATHER_ENV = "OSDP_ALL_GATHER"
 
 # all_gather_single and reduce_scatter_single replace the *_tensor forms in recent torch.
 native_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_group_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 LET_GO_TIMEOUT_S = 1.0  # past this, go on: the memory is freed when the worker thread runs
 _let_go = {"collectives": 0, "waited": 0, "seconds": 0.0}  # this process's Lent collectives (let_go_stats)
 
@@ -297,6 +297,58 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
         return gather(output, input, group=group, async_op=True)
     Lent(gather, (output, input), group=group).wait()
     return None
+
+
+def native_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
+                          group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
+    """The process group's reduce-scatter (arguments as ``torch.distributed.reduce_scatter_tensor``).
+
+    On CPU tensors it runs as gloo's does, an all-reduce of a copy of the
+    input of which each rank keeps its chunk, but with a copy made and freed
+    here: gloo's own copy is freed by its worker thread whenever that next
+    runs, after the call returned, and so was still live at a unit's peak in
+    some steps and not others (one more copy of a unit's gradients, over a
+    budget the plan met by PyTorch's ``FSDPMemTracker``). ``async_op``:
+    returns an object whose ``wait()`` finishes it.
+    """
+    if input.device.type != "cpu":
+        return _group_reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+    pending = _ReducedCopy(output, input, op, group or dist.group.WORLD)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
+class _ReducedCopy:
+    """A reduce-scatter in flight as an all-reduce of a copy of its input: ``wait()`` copies this rank's chunk
+    of the sum (or mean) into the output and frees the copy."""
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, op: Any, group: dist.ProcessGroup):
+        n = group.size()
+        if input.numel() != n * output.numel() or input.dtype != output.dtype:
+            raise ValueError(
+                f"reduce-scatter of {input.numel()} {input.dtype} elements over {n} ranks into {output.numel()} "
+                f"{output.dtype} elements: the input must hold world size x the output's elements, of the same dtype"
+            )
+        average = op == dist.ReduceOp.AVG  # gloo's all-reduce has no mean: sum, then divide
+        self._copy = input.detach().clone(memory_format=torch.contiguous_format).view(n, -1)
+        self._reduction = Lent(dist.all_reduce, (self._copy,), op=dist.ReduceOp.SUM if average else op, group=group,
+                               async_op=True)
+        self._output, self._rank, self._divide_by = output, group.rank(), n if average else None
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._reduction is not None:
+            self._reduction.wait()
+            chunk = self._copy[self._rank]
+            if self._divide_by:
+                chunk.div_(self._divide_by)
+            self._output.copy_(chunk.view_as(self._output))
+            self._reduction = self._copy = self._output = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._reduction is None
 
 
 def pairwise_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
