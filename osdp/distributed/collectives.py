@@ -56,7 +56,10 @@ it completed, until no one else holds them (a few yields of the CPU at most):
 memory is then freed where the caller frees it, as under NCCL, and peaks are
 the same every step. On CPU tensors, every
 collective of this module, FSDP2's all-gathers and reduce-scatters
-(:func:`install`) and the split loop's do so.
+(:func:`install`) and the split loop's do so. Gloo's reduce-scatter also
+copies its input and frees the copy on that thread, where no alias can
+watch it: :func:`native_reduce_scatter` runs the same algorithm (an
+all-reduce of a copy) with a copy of its own, lent and freed before it returns.
 """
 
 from __future__ import annotations
