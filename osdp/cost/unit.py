@@ -256,6 +256,10 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     else:
         fwd = temp_fwd + own + flat
         bwd = temp_bwd + own + prefetched + rs_previous
+        if costs.run_in_backward and mode != "replicate":
+            # the model's own reentrant checkpoint reruns the forward in backward, where FSDP2 gathers the unit
+            # again while the flat buffer it prefetched it into is still held
+            bwd += gathered
         post += prefetched
     if split_rows:
         slice_fwd = max(2 * n * q * in_f * dt for _, q, in_f, _ in split_rows)

@@ -49,6 +49,9 @@ class Segments:
         self.inputs: dict[str, list[tuple[int, int, Any]]] = {}  # unit -> (storage key, bytes, weakref) of its inputs
         self.finished: list[str] = []  # units in the order their forward ended (FSDP2's post-forward order)
         self.calls: dict[str, int] = {}  # unit -> forwards begun so far
+        # units whose forward ran without autograd and again in backward: the model's own reentrant checkpoint
+        self.without_grad: set[str] = set()
+        self.run_in_backward: set[str] = set()
         self._handles: list[Any] = []
 
     def close(self, owner: str) -> None:
@@ -87,6 +90,10 @@ class Segments:
             self.close(self.running)
             self.stack.append(path)
             self.calls[path] = self.calls.get(path, 0) + 1
+            if self.phase == "fwd" and not torch.is_grad_enabled():
+                self.without_grad.add(path)
+            elif self.phase == "bwd" and path in self.without_grad:
+                self.run_in_backward.add(path)
             self.inputs[path] = [
                 (_storage_key(t), t.untyped_storage().nbytes(), weakref.ref(t.untyped_storage()))
                 for t in iter_tensors((args, kwargs))

@@ -297,6 +297,8 @@ def _segments_pass(
             for h in grad_hooks:
                 h.remove()
             saved.close()
+    for path in segments.run_in_backward:
+        memory[path]["run_in_backward"] = 1
     model.zero_grad(set_to_none=True)
     return memory, segments_seen, root_total, list(segments.finished)
 
@@ -496,6 +498,7 @@ def fit_costs(
             sac_recompute_s=recompute.get("selective", {}).get(p),
             sac_unsaved_bytes=fit(memory, p, "sac_unsaved") if p in selective and "selective" in recompute else None,
             checkpointable=not any(memory[b][p].get("inputs_written") for b in sizes),
+            run_in_backward=any(memory[b][p].get("run_in_backward") for b in sizes),
         )
         for p in paths
     }

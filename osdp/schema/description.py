@@ -86,6 +86,9 @@ class UnitWorkload:
     # False: the forward writes to one of the unit's inputs in place before its backward, so a checkpoint's
     # recompute would read what was written (osdp.describe.attribution.InPlaceWrites): offered no checkpoint
     checkpointable: bool = True
+    # True: the model's own reentrant checkpoint runs the unit's forward without autograd, then again in backward
+    # (``torch.utils.checkpoint(..., use_reentrant=True)``, Hugging Face's ``gradient_checkpointing_enable()``)
+    run_in_backward: bool = False
 
     def recompute_seconds(self, b: float, policy: str = "full") -> float:
         """What checkpointing under ``policy`` ("full" or "selective") adds to the unit's backward."""
@@ -183,7 +186,7 @@ class ModelDescription:
             return None if x is None else Affine(**x)
 
         def costs(c: Mapping[str, Any]) -> UnitWorkload:
-            return UnitWorkload(**{k: v if k == "checkpointable" else affine(v) for k, v in c.items()})
+            return UnitWorkload(**{k: v if k in ("checkpointable", "run_in_backward") else affine(v) for k, v in c.items()})
 
         units = [
             UnitProfile(
