@@ -166,10 +166,12 @@ class LiveBytesTracker:
     nor are storages allocated where dispatch cannot see them (first met as
     an op input), which ``external_peak_bytes`` reports apart: dispatch modes
     are per thread, so these are tensors made on other threads. On gloo that
-    is reduce-scatter's full-size copy of its input, made on a gloo thread
-    and freed whenever that thread drops it; leaving it out keeps the peak
-    deterministic and in the scope of ``torch.cuda.max_memory_allocated``,
-    which does not count NCCL's buffers either.
+    is the full-size copy of its input that gloo's own reduce-scatter makes
+    on its thread and frees whenever that thread drops it; leaving it out
+    keeps the peak deterministic and in the scope of
+    ``torch.cuda.max_memory_allocated``, which does not count NCCL's buffers
+    either. The reduce-scatter osdp installs makes that copy in sight and
+    frees it before it returns (``osdp.distributed.collectives``).
 
     Meant for a few steps: it keeps one small record per allocation and free
     for the peak breakdown; ``reset_peak`` starts a new window.
