@@ -27,7 +27,7 @@ from osdp.cost.problem import build_block_problem, build_problems, plan_from_cho
 from osdp.cost.schedule import predict
 from osdp.cost.terms import Calibration, Prediction
 from osdp.describe import granularity
-from osdp.describe.batch import batch_size_of, call_model
+from osdp.describe.batch import batch_size_of, call_model, without_grad
 from osdp.describe.measured import describe_once, rng_kept, state_kept
 from osdp.describe.units import GRANULARITIES, count_calls, structure_signature, uneven_calls
 from osdp.distributed import all_gather_objects, broadcast_object, ensure_process_group, job_device, world
@@ -371,7 +371,7 @@ def _called_unevenly(model: nn.Module, example_input: Any) -> tuple[str, ...]:
     if world()[1] == 1:
         return ()
     try:
-        with state_kept(model), torch.no_grad():
+        with state_kept(model), without_grad():
             counts = count_calls(model, lambda: call_model(model, example_input))
     except Exception:  # noqa: BLE001 - rank 0's describe runs it again and names what fails
         counts = None

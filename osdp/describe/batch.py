@@ -4,9 +4,11 @@ the model (``call_model``) and turned into a loss (``loss_of``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from typing import Any, Callable, Mapping
+import warnings
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -76,6 +78,16 @@ def call_model(model: nn.Module, example_input: Any) -> Any:
     if isinstance(example_input, (tuple, list)):
         return model(*example_input)
     return model(example_input)
+
+
+@contextlib.contextmanager
+def without_grad() -> Iterator[None]:
+    """``torch.no_grad()`` for osdp's own looks at the forward, without the warning each of the model's
+    reentrant checkpoints gives there ("None of the inputs have requires_grad=True"): the user's training has
+    gradients, and that warning would be about osdp's forward, not theirs."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="None of the inputs have requires_grad=True")
+        yield
 
 
 def loss_of(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:

@@ -24,7 +24,7 @@ from osdp.describe.attribution import (
     _Timer,
     _working_sets,
 )
-from osdp.describe.batch import ProfileError, call_model, loss_of
+from osdp.describe.batch import ProfileError, call_model, loss_of, without_grad
 from osdp.describe.forward_caches import disable_caches_in_training
 from osdp.describe.recompute import checkpoint_unit, undo_checkpoint
 from osdp.describe.units import (
@@ -74,7 +74,7 @@ def _checked_forward(model: nn.Module, units: Sequence[Unit] | None, batch: Any,
         handles.append(m.register_forward_pre_hook(lambda *_, p=path: enter(p)))
         handles.append(m.register_forward_hook(leave))
     try:
-        with torch.no_grad():
+        with without_grad():
             loss_of(call_model(model, batch), loss_fn)
     except ProfileError:
         raise

@@ -248,6 +248,43 @@ def test_what_selective_checkpointing_keeps_unsaved_is_the_same_in_every_identic
         assert nbytes == B * T * C * 4, (path, unsaved)
 
 
+@pytest.mark.parametrize("source", ["analytic", "measured"])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_blocks_the_models_own_reentrant_checkpoint_reruns_are_flagged(source, reentrant):
+    """A reentrant checkpoint (Hugging Face's default) runs a block's forward without autograd and again in
+    backward, where FSDP2 gathers it a second time (priced: tests/fsdp_ext/test_model_styles.py); a
+    non-reentrant one reruns it inside the block's own backward, and is not flagged."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.proj = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x):
+            return x + self.proj(F.gelu(self.fc(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.head = nn.Linear(32, 32), nn.Linear(32, 8)  # inp: a reentrant block's input needs grad
+            self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+        def forward(self, x):
+            x = self.inp(x)
+            for block in self.blocks:
+                x = torch.utils.checkpoint.checkpoint(block.__call__, x, use_reentrant=reentrant)
+            return self.head(x).square().mean()
+
+    torch.manual_seed(0)
+    model, batch = Net(), torch.randn(B, T, 32)
+    if source == "analytic":
+        d = describe_analytic(model, batch, "h100-nvlink", world_size=8, progress=False, cache=False,
+                              granularity="block")
+    else:
+        d = describe(model, batch, granularity="block", **FAST)
+    flagged = {u.path for u in d.units if u.costs["fp32"].run_in_backward}
+    assert flagged == ({"blocks.0", "blocks.1"} if reentrant else set())
+
+
 def test_analytic_matches_measured_memory_byte_for_byte(tiny):
     analytic = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink", world_size=8, progress=False, cache=False)
     assert analytic.paths == tiny.paths and analytic.forward_order == tiny.forward_order
