@@ -181,17 +181,19 @@ def memory_pass(
     call are priced as their siblings that ran (``UnrunMembers``), in the saved bytes and the working sets of the
     unit holding it. Works on real and on fake tensors.
     """
-    memory, segments_seen, root_total, order = _segments_pass(model, units, batch, loss_fn, also, routed)
+    memory, segments_seen, root_total, segments = _segments_pass(model, units, batch, loss_fn, also, routed)
     _working_sets(memory, segments_seen, root_total)
     for m in memory.values():
         for key in ("fwd_peak", "bwd_peak", "recompute_peak"):
             m[key] += m.get("unrun", 0)
+    for path in segments.run_in_backward:  # UnitWorkload.run_in_backward
+        memory[path]["run_in_backward"] = 1
     takers = may_checkpoint(units, memory, "full")
     if recomputed and takers:
         with _checkpointed(model, takers, "full"):
             _, checkpointed_segments, root_total, _ = _segments_pass(model, units, batch, loss_fn)
         _recomputed_working_sets(memory, checkpointed_segments, root_total, [u.path for u in takers])
-    return memory, order
+    return memory, list(segments.finished)
 
 
 def may_checkpoint(units: Sequence[Unit], memory: Mapping[str, Mapping[str, int]], policy: str) -> list[Unit]:
@@ -223,9 +225,10 @@ def _recomputed_working_sets(
 def _segments_pass(
     model: nn.Module, units: Sequence[Unit], batch: Any, loss_fn, also: Callable[[str, str], None] | None = None,
     routed: Sequence[str] = (),
-) -> tuple[dict[str, dict[str, int]], list[tuple[str, str, int, int, int, int]], int, list[str]]:
+) -> tuple[dict[str, dict[str, int]], list[tuple[str, str, int, int, int, int]], int, Segments]:
     """One forward and backward under ``LiveBytesTracker``, cut into the units' segments: per unit its saved
-    bytes, every segment's working set, the root's saved bytes after the forward, the units' forward order."""
+    bytes, every segment's working set, the root's saved bytes after the forward, and the segments (the units'
+    forward order, those the model's own reentrant checkpoint ran again in backward)."""
     model.zero_grad(set_to_none=True)
     param_keys = {_storage_key(p) for p in model.parameters()}
     # per segment: phase, owner, the owner's saved bytes plus temporaries at the segment's peak, root saved live
@@ -297,10 +300,8 @@ def _segments_pass(
             for h in grad_hooks:
                 h.remove()
             saved.close()
-    for path in segments.run_in_backward:
-        memory[path]["run_in_backward"] = 1
     model.zero_grad(set_to_none=True)
-    return memory, segments_seen, root_total, list(segments.finished)
+    return memory, segments_seen, root_total, segments
 
 
 def _time_at(
