@@ -26,10 +26,14 @@ def run_on_ranks(module: str, argv: Sequence[str], *, nproc: int, device: str,
                  body: Callable[[torch.device], object], max_restarts: int = 0) -> int:
     """``body(device)`` on every rank of the job: the ranks of this torchrun, else ``nproc`` local ranks that
     ``python -m module argv`` starts. The exit status of the launch (0 when the body returned)."""
-    if not under_torchrun():
-        if nproc == 1 and not max_restarts:
-            return _as_the_only_worker(device, body)
-        return launch_local(nproc, module, list(argv), max_restarts=max_restarts)
+    if under_torchrun():
+        return _as_a_worker(device, body)
+    if nproc == 1 and not max_restarts:
+        return _as_the_only_worker(device, body)
+    return launch_local(nproc, module, list(argv), max_restarts=max_restarts)
+
+
+def _as_a_worker(device: str, body: Callable[[torch.device], object]) -> int:
     joined = init_from_env(device)
     try:
         body(joined)
@@ -48,7 +52,7 @@ def _as_the_only_worker(device: str, body: Callable[[torch.device], object]) -> 
     before = {k: os.environ.get(k) for k in worker}
     os.environ.update(worker)
     try:
-        return run_on_ranks("", [], nproc=1, device=device, body=body)
+        return _as_a_worker(device, body)
     finally:
         for k, v in before.items():
             if v is None:
