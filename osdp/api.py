@@ -8,17 +8,47 @@ import torch
 import torch.nn as nn
 
 from osdp.describe.units import discover_units
-from osdp.distributed import ensure_process_group, job_device, raise_on_any_rank
+from osdp.distributed import broadcast_object, ensure_process_group, job_device, raise_on_any_rank
 from osdp.fsdp_ext.apply import apply_plan, check_model, plan_of, set_requires_gradient_sync
 from osdp.fsdp_ext.budget_check import check_first_step
 from osdp.schema.plan import STRATEGIES, Plan, PlanError
 
 
-def strategy_plan(model: nn.Module, strategy: str, **settings: Any) -> Plan:
-    """A baseline plan over the model's default units: ``ddp``, ``zero2`` or ``fsdp``."""
+def strategy_plan(model: nn.Module, strategy: str, example_input: Any = None, **settings: Any) -> Plan:
+    """A baseline plan over the model's default units: ``ddp``, ``zero2`` or ``fsdp``.
+
+    With ``example_input`` (collective then: every rank passes its own), the units are found as the search finds
+    them, from a forward of the example: parameters used outside their module's forward (a head tied by
+    ``F.linear(x, self.wte.weight)``), modules called twice or writing to their inputs, and modules called
+    depending on the data on any rank (a mixture of experts' experts) are no units of their own. Without it,
+    from the model's structure alone."""
     if strategy not in STRATEGIES:
         raise PlanError(f"unknown strategy '{strategy}'; use one of {', '.join(sorted(STRATEGIES))}")
-    return Plan.for_strategy([u.path for u in discover_units(model)], strategy, **settings)
+    if example_input is None:
+        return Plan.for_strategy([u.path for u in discover_units(model)], strategy, **settings)
+    from osdp.planner import calls_on_every_rank
+
+    calls = calls_on_every_rank(model, example_input)
+    error: Exception | None = None
+    if calls is None:
+        error = PlanError("the model's forward failed on the example_input of some rank; call "
+                          "model(*example_input) (or model(**example_input)) on every rank to see why")
+    raise_on_any_rank(error)
+    paths = broadcast_object([u.path for u in discover_units(model, calls)])  # rank 0's, where a trace differs
+    return Plan.for_strategy(paths, strategy, routed=list(broadcast_object(calls.uneven)), **settings)
+
+
+def _with_data_dependent_calls(model: nn.Module, plan: Plan, example_input: Any) -> Plan:
+    """``plan`` naming as routed the modules some rank's example calls depending on the data (collective)."""
+    from osdp.planner import calls_on_every_rank
+
+    calls = calls_on_every_rank(model, example_input)
+    missing = [path for path in (calls.uneven if calls is not None else ()) if path not in plan.routed]
+    if not missing:
+        return plan
+    plan = Plan.from_json(plan.to_json())
+    plan.routed = sorted([*plan.routed, *missing])
+    return plan
 
 
 def wrap(
@@ -42,6 +72,14 @@ def wrap(
       ``planning_device`` for a preset name);
     * ``wrap(model, plan=plan)``: apply a :class:`Plan` or its JSON;
     * ``wrap(model, strategy="fsdp")``: a baseline, ``ddp``, ``zero2`` or ``fsdp``.
+
+    ``example_input`` with ``plan`` or ``strategy`` (every rank its own micro-batch): a forward of it finds what
+    the model's structure does not tell. A baseline's units are then found as the search finds them (a
+    parameter used outside its module's forward, such as a head tied by ``F.linear(x, self.wte.weight)``, keeps
+    its module from being a unit of its own: see :func:`strategy_plan`); and modules called depending on the
+    data (a mixture of experts' experts, a branch some rows take) are named in the plan's ``routed`` if it
+    lacks them, so that ranks whose batches skip some never wait at different collectives. Models doing
+    either need it.
 
     Whatever the plan, the model answers as a ``fully_shard``-ed one:
     ``model.set_requires_gradient_sync(False)`` and FSDP2's other methods, on
@@ -88,7 +126,9 @@ def wrap(
     if isinstance(plan, str):
         plan = Plan.from_json(plan)
     if strategy is not None:
-        plan = strategy_plan(model, strategy)
+        plan = strategy_plan(model, strategy, example_input)
+    elif device_mem is None and example_input is not None:
+        plan = _with_data_dependent_calls(model, plan, example_input)
     if mixed_precision is not None:
         plan.mixed_precision = mixed_precision
         plan.__post_init__()

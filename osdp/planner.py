@@ -29,7 +29,15 @@ from osdp.cost.terms import Calibration, Prediction
 from osdp.describe import granularity
 from osdp.describe.batch import batch_size_of, call_model, without_grad
 from osdp.describe.measured import describe_once, rng_kept, state_kept
-from osdp.describe.units import GRANULARITIES, count_calls, structure_signature, uneven_calls
+from osdp.describe.units import (
+    GRANULARITIES,
+    CallTrace,
+    enclosing,
+    routed_containers,
+    structure_signature,
+    trace_calls,
+    uneven_calls,
+)
 from osdp.distributed import all_gather_objects, broadcast_object, ensure_process_group, job_device, world
 from osdp.log import Progress
 from osdp.machine.device_info import DeviceInfo
@@ -365,18 +373,32 @@ def planning_descriptions(model: nn.Module, example_input: Any, **settings: Any)
     return descriptions
 
 
-def _called_unevenly(model: nn.Module, example_input: Any) -> tuple[str, ...]:
-    """Collective: the modules the ranks' examples call different numbers of times (each rank runs its own once,
-    without gradients, leaving the model as it was), which the describe on rank 0 alone cannot see."""
-    if world()[1] == 1:
-        return ()
+def calls_on_every_rank(model: nn.Module, example_input: Any) -> CallTrace | None:
+    """Collective: this rank's trace of its own example (run once without gradients, leaving the model as it
+    was), whose ``uneven`` names the modules that some rank's example calls depending on the data: containers
+    whose members some rank ran some of (``routed_containers``), and modules the ranks' examples called different
+    numbers of times (``uneven_calls``). A describe on rank 0 alone sees its own example only. None where some
+    rank's forward failed (rank 0's describe runs it again and names what fails)."""
     try:
         with state_kept(model), without_grad():
-            counts = count_calls(model, lambda: call_model(model, example_input))
-    except Exception:  # noqa: BLE001 - rank 0's describe runs it again and names what fails
-        counts = None
-    ran = [c for c in all_gather_objects(counts) if c is not None]
-    return uneven_calls(model, ran) if len(ran) > 1 else ()
+            trace = trace_calls(model, lambda: call_model(model, example_input))
+        seen = (trace.counts, routed_containers(model, trace))
+    except Exception:  # noqa: BLE001 - reported by the describe, on every rank
+        trace, seen = None, None
+    everyone = all_gather_objects(seen)
+    if trace is None or any(s is None for s in everyone):
+        return None
+    routed = sorted({c for _, containers in everyone for c in containers})
+    uneven = [m for m in uneven_calls(model, [counts for counts, _ in everyone]) if enclosing(m, routed) is None]
+    trace.uneven = (*routed, *uneven)
+    return trace
+
+
+def _called_depending_on_data(model: nn.Module, example_input: Any) -> tuple[str, ...]:
+    if world()[1] == 1:
+        return ()  # the describe finds the containers its own example routes
+    calls = calls_on_every_rank(model, example_input)
+    return calls.uneven if calls is not None else ()
 
 
 def describe_granularities(describe_one: Callable[..., ModelDescription]) -> list[ModelDescription]:
@@ -441,7 +463,7 @@ def _plan(model: nn.Module, *, device_mem, example_input, batch_sizes, device, c
         machine = calibrate(ddp_overlap=needs_ddp_overlap(model))
         device_info, calibration = machine.device_info, calibration or machine.calibration
     descriptions = planning_descriptions(model, example_input, loss_fn=loss_fn, mixed_precision=mixed_precision,
-                                         uneven=_called_unevenly(model, example_input))
+                                         uneven=_called_depending_on_data(model, example_input))
     rank, _ = world()
     outcome: tuple[str, Any]
     if rank == 0:
@@ -465,7 +487,7 @@ def _plan(model: nn.Module, *, device_mem, example_input, batch_sizes, device, c
 
 
 __all__ = [
-    "BudgetTooSmall", "SearchResult", "describe_granularities", "description_of", "least_budget", "plan",
+    "BudgetTooSmall", "SearchResult", "calls_on_every_rank", "describe_granularities", "description_of", "least_budget", "plan",
     "planning_description", "planning_descriptions", "find_plan",
 ]
 

@@ -116,6 +116,38 @@ def test_a_model_written_by_others_trains_as_one_process_within_its_budget(style
                                             f"(predicted {predicted} B)")
 
 
+# what a forward of the example shows and the model's structure does not: a parameter used outside its module's
+# forward (the tied head's ``F.linear(x, wte.weight)``, a no-grad statistic of a weight), a module writing to its
+# input, experts called depending on the data
+TRACED_BASELINE_STYLES = ("lambda_gpt", "user_ckpt", "weight_norm", "inplace", "moe", "data_branch")
+
+
+def _under_baselines_with_an_example(rank, world_size, steps_by_style):
+    out = {}
+    for style, steps in steps_by_style.items():
+        example = tuple(t[rank * ROWS:(rank + 1) * ROWS] for t in steps[0])
+        model = styles.build(style)
+        osdp.wrap(model, strategy="fsdp", example_input=styles.inputs_of(style, example))
+        losses, _ = _train(model, style, steps, rank, world_size)
+        out[style] = (losses, full_state(model))
+    return out
+
+
+def test_a_baseline_given_an_example_trains_as_one_process():
+    """``wrap(model, strategy=..., example_input=...)``: the baseline's units are found as the search finds
+    them, so models that FSDP2 per module cannot train (each of these fails without the example) train as one
+    process."""
+    steps_by_style = {style: styles.batches(style, 2 * ROWS, STEPS) for style in TRACED_BASELINE_STYLES}
+    ranks = run_ranks(_under_baselines_with_an_example, 2, steps_by_style, timeout=300)
+    for style, steps in steps_by_style.items():
+        reference = styles.build(style)
+        ref_losses, _ = _train(reference, style, steps)
+        losses = [sum(r[style][0][s] for r in ranks) / 2 for s in range(STEPS)]
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= ATOL, (style, losses, ref_losses)
+        state, ref_state = ranks[0][style][1], reference.state_dict()
+        assert max((state[k] - ref_state[k]).abs().max().item() for k in ref_state) <= ATOL, style
+
+
 def _first_step_warnings(rank, world_size):
     import warnings
 

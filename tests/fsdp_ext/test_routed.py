@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 from dist_harness import run_ranks
-from training_check import assert_matches_reference, reference, train_under_plans
+from training_check import assert_matches_reference, full_state, reference, train, train_under_plans
 
 import osdp
 from osdp.describe.units import discover_units, routed_containers, trace_calls, uneven_calls
@@ -103,6 +103,36 @@ def test_a_plan_making_a_routed_module_a_unit_is_refused_on_every_rank(unit):
     plan = Plan([UnitPlan(unit, "zero3"), UnitPlan("", "zero3")], routed=["experts"]).to_json()
     for message in run_ranks(_refused, 2, plan, timeout=120):
         assert message is not None and f"unit '{unit}' is inside 'experts'" in message, message
+
+
+def _given_plan_and_example(rank, world_size, plan_json, batches):
+    model = _build()
+    example = tuple(t[rank * ROWS:(rank + 1) * ROWS] for t in batches[0])
+    try:
+        osdp.wrap(model, plan=plan_json, example_input=example)
+    except PlanError as e:
+        return str(e)
+    losses = train(model, batches, rank, world_size)
+    state = full_state(model)  # collective: every rank takes part
+    return osdp.plan_of(model).routed, losses, state if rank == 0 else None
+
+
+def test_a_given_plan_lacking_the_routed_modules_gets_them_from_the_example():
+    """A plan written by hand names no routed containers: with the example, wrap finds them on every rank (one
+    that would make an expert a unit is refused, naming it) instead of ranks reducing different gradients."""
+    batches = _batches()
+    lacking = {name: Plan.from_json(plan) for name, plan in _plans(_build(), batches[0]).items()}
+    for plan in lacking.values():
+        plan.routed = []
+    expert_units = Plan([UnitPlan("experts.1", "zero3"), UnitPlan("", "zero3")]).to_json()
+    ref = reference(_build, batches)
+    names = ["fsdp", "experts replicated"]
+    for name in names:
+        results = run_ranks(_given_plan_and_example, 2, lacking[name].to_json(), batches, timeout=300)
+        assert all(r[0] == ["experts"] for r in results), results
+        assert_matches_reference([[r[1:]] for r in results], ref, [name])
+    for message in run_ranks(_given_plan_and_example, 2, expert_units, batches, timeout=120):
+        assert "unit 'experts.1' is inside 'experts'" in message, message
 
 
 def test_modules_the_ranks_examples_call_unevenly_are_named_outermost_first():
