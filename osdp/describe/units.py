@@ -135,6 +135,15 @@ def _own_children(module: nn.Module) -> list[nn.Module]:
     return [c for c in module.children() if c is not skip]
 
 
+def _own_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The module's own parameters, those its parametrizations hold included (a ``weight_norm``'d Linear's
+    ``weight`` is computed from ``parametrizations.weight.original0`` and ``original1``)."""
+    own = list(module.parameters(recurse=False))
+    if parametrize.is_parametrized(module):
+        own += list(module.parametrizations.parameters())
+    return own
+
+
 def _in_parametrization(path: str, modules: Mapping[str, nn.Module]) -> bool:
     parts = path.split(".")
     return any(part == "parametrizations" and parametrize.is_parametrized(modules[".".join(parts[:i])])
@@ -244,9 +253,11 @@ def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     modules = dict(model.named_modules())
     # a container of sub-block shape (the Linears of an MLP kept in a ModuleDict) is the module that calls them
+    # a parametrization's modules (weight_norm's) are part of the module it parametrizes, never a sub-block
+    outside_parametrizations = {path: m for path, m in modules.items() if not _in_parametrization(path, modules)}
     sub_block = {
         _called_ancestor(path, modules)
-        for path, m in modules.items()
+        for path, m in outside_parametrizations.items()
         if path != ROOT
         and _own_children(m)
         and all(not _own_children(c) for c in _own_children(m))
@@ -254,11 +265,11 @@ def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
     } - {ROOT}
     leaves = {
         _called_ancestor(path, modules)
-        for path, m in modules.items()
+        for path, m in outside_parametrizations.items()
         if path != ROOT
         and not _own_children(m)
         and not any(_is_within(path, b) for b in sub_block)
-        and any(p.dim() >= 2 for p in m.parameters(recurse=False))
+        and any(p.dim() >= 2 for p in _own_parameters(m))
     } - {ROOT}
     if granularity == "block":  # a module holding two or more sub-blocks (attention and MLP) replaces them
         parents: dict[str, list[str]] = {}

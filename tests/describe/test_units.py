@@ -64,6 +64,46 @@ def test_a_parametrized_module_is_the_unit_not_its_parametrization():
         assert _paths(model, granularity) == {"0", "2", "3", ""}
 
 
+class _PositionalConv(nn.Module):
+    """wav2vec2's positional convolution: a weight_norm'd Conv1d and its activation, inside the encoder."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.nn.utils.parametrizations import weight_norm
+
+        self.conv = weight_norm(nn.Conv1d(16, 16, 3, padding=1), dim=2)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        return self.act(self.conv(x))
+
+
+def test_a_block_of_parametrized_modules_is_a_sub_block_like_any_other():
+    """A parametrization is no child of the module's own: the block holding a parametrized Linear or convolution
+    is the unit, with its parameters (each of these was a unit owning none, refused by every plan)."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    encoder = nn.Sequential(_PositionalConv(), nn.Flatten(), nn.Linear(16 * 8, 4))
+    blocks = nn.ModuleList([nn.Sequential(spectral_norm(nn.Linear(8, 16)), nn.ReLU(), spectral_norm(nn.Linear(16, 8)))
+                            for _ in range(2)])
+    for model, expected in ((encoder, {"0", "2", ""}), (_Blocks(blocks), {"layers.0", "layers.1", ""})):
+        assert {u.path for u in osdp.discover_units(model)} == expected
+        for granularity in ("sub-block", "block", "nested"):
+            units = osdp.discover_units(model, granularity=granularity)
+            assert all(u.numel > 0 and "parametrizations" not in u.path for u in units if u.path), granularity
+
+
+class _Blocks(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
 class _LayerList(nn.Module):
     def __init__(self):
         super().__init__()
