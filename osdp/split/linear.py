@@ -79,8 +79,13 @@ class _SplitLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-class SplitLinear(nn.Module):
+class SplitLinear(nn.Linear):
     """``nn.Linear`` whose weight is sharded over a 1-D mesh and gathered in k slices.
+
+    It is an ``nn.Linear`` to the user's code (``isinstance(m, nn.Linear)``, as
+    FSDP2's ``FSDPLinear`` is), since a plan the user never sees chooses it:
+    optimizer groups built by module type, and initialisations applied by it,
+    find the same modules under every plan.
 
     ``weight`` is a Parameter holding a DTensor with placement Shard(0), exactly
     as FSDP2 holds a sharded ``nn.Linear`` weight (rank r: rows
@@ -106,7 +111,7 @@ class SplitLinear(nn.Module):
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, k: int, *, mp_policy: MixedPrecisionPolicy | None = None):
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: the weight is given, sharded
         if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
             raise ValueError("SplitLinear needs its weight as a DTensor with placements (Shard(0),) on a 1-D mesh")
         self.out_features, self.in_features = weight.shape
