@@ -56,7 +56,7 @@ def _context(
         description.optimizer_s_per_byte.get(optimizer, 0.0) * calibration.compute_scale,
         unit_neighbours(description, precision, device.world_size) if neighbours is None else neighbours,
         _ddp_last_bucket([(p, shapes[p]) for p in [ROOT, *sequence_order(description)]]),
-        math.ceil(description.input_bytes_per_sample * batch_size),
+        math.ceil((description.input_bytes_per_sample + description.output_bytes_per_sample) * batch_size),
     )
 
 
@@ -132,4 +132,4 @@ def _options_of(
 
 
 def _base(ctx: _Context) -> int:
-    return int(ctx.calibration.margin_bytes) + ctx.input_bytes
+    return int(ctx.calibration.margin_bytes) + ctx.held_bytes

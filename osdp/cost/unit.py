@@ -113,7 +113,9 @@ class _Context:
     # per unit, the fraction of its parameter bytes in the bucket DDP reduces last, were every unit
     # replicated (the first units in forward order): nothing of the backward is left to hide that all-reduce
     ddp_last_bucket: Mapping[str, float]
-    input_bytes: int = 0  # the micro-batch itself, live through the step
+    # the micro-batch and what the model returns for it (``logits, loss = model(x, y)``): the training loop holds
+    # both through the step
+    held_bytes: int = 0
 
     @property
     def compute_bytes(self) -> int:

@@ -152,7 +152,8 @@ def describe_analytic(
     with mode:
         fake_model = fake_copy(model, mode)
         show("checking the forward")
-        units, routed = resolve_units(fake_model, resize_batch(fake_input, sizes[0]), loss_fn, units, granularity, uneven)
+        units, routed, held = resolve_units(fake_model, resize_batch(fake_input, sizes[0]), loss_fn, units,
+                                            granularity, uneven)
         for prec in precisions:
             runnable = fake_model if prec == "fp32" else fake_copy(model, mode, PRECISIONS[prec])
             costs[prec], order = _costs_at(runnable, build_units(runnable, [u.path for u in units]), fake_input,
@@ -169,6 +170,7 @@ def describe_analytic(
         device=info.name,
         input_spec=input_spec(example_input),
         input_bytes_per_sample=input_bytes_per_sample(example_input),
+        output_bytes_per_sample=held / sizes[0],
         forward_order=tuple(order),
         profile_seconds=time.perf_counter() - start,
         granularity=granularity if units_given is None else "given",

@@ -65,6 +65,15 @@ def input_spec(example_input: Any) -> str:
     return json.dumps(spec(example_input), sort_keys=True)
 
 
+def held_output_bytes(output: Any, *counted: Any) -> int:
+    """Bytes of the storages of what a forward returned, each once, but those of ``counted`` (the parameters,
+    the batch: priced already). A training loop keeps the output through its backward and into the next
+    forward (``logits, loss = model(x, y)``; a Hugging Face model's ``outputs``), so the step holds it."""
+    known = {t.untyped_storage()._cdata for t in iter_tensors(counted)}
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in iter_tensors(output)}
+    return sum(nbytes for key, nbytes in storages.items() if key not in known)
+
+
 def input_bytes_per_sample(example_input: Any) -> float:
     """Bytes of the example's storages (each once, however many views share it) per sample."""
     storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in iter_tensors(example_input)}

@@ -24,7 +24,7 @@ from osdp.describe.attribution import (
     _Timer,
     _working_sets,
 )
-from osdp.describe.batch import ProfileError, call_model, loss_of, without_grad
+from osdp.describe.batch import ProfileError, call_model, held_output_bytes, loss_of, without_grad
 from osdp.describe.forward_caches import disable_caches_in_training
 from osdp.describe.recompute import checkpoint_unit, undo_checkpoint
 from osdp.describe.units import (
@@ -59,8 +59,8 @@ def _step(model: nn.Module, batch: Any, loss_fn, segments: Segments | None = Non
     segments.close(ROOT)
 
 
-def _checked_forward(model: nn.Module, units: Sequence[Unit] | None, batch: Any, loss_fn) -> None:
-    """A forward (no grad) that, if it fails, names the innermost unit and module running."""
+def _checked_forward(model: nn.Module, units: Sequence[Unit] | None, batch: Any, loss_fn) -> Any:
+    """A forward (no grad) that, if it fails, names the innermost unit and module running; its output."""
     modules: list[str] = []
     handles = []
 
@@ -75,7 +75,9 @@ def _checked_forward(model: nn.Module, units: Sequence[Unit] | None, batch: Any,
         handles.append(m.register_forward_hook(leave))
     try:
         with without_grad():
-            loss_of(call_model(model, batch), loss_fn)
+            output = call_model(model, batch)
+            loss_of(output, loss_fn)
+            return output
     except ProfileError:
         raise
     except Exception as e:
@@ -137,17 +139,20 @@ def _check_units(model: nn.Module, units: Sequence[Unit], calls: CallTrace) -> N
 def resolve_units(
     model: nn.Module, batch: Any, loss_fn, units: Sequence[Unit] | None, granularity: str = "sub-block",
     uneven: Sequence[str] = (),
-) -> tuple[list[Unit], tuple[str, ...]]:
-    """The units to describe, after a checked forward that names the unit that fails, if one does, and the
+) -> tuple[list[Unit], tuple[str, ...], int]:
+    """The units to describe, after a checked forward that names the unit that fails, if one does; the
     modules called depending on the data: containers whose members that forward called so
     (``routed_containers``), and ``uneven``, the modules the ranks' examples called unevenly
-    (``osdp.describe.units.uneven_calls``).
+    (``osdp.describe.units.uneven_calls``); and the bytes of the forward's output (``held_output_bytes``).
 
     Default units come from ``osdp.discover_units`` at ``granularity`` with
     call counts, so a module that runs twice per forward is merged into its
     parent; given units that run twice, own no parameters or are called depending on the data are refused.
     """
-    calls = trace_calls(model, lambda: _checked_forward(model, units, batch, loss_fn))
+    outputs: list[Any] = []
+    calls = trace_calls(model, lambda: outputs.append(_checked_forward(model, units, batch, loss_fn)))
+    # looked at after the trace, which would take reading the parameters' storages for uses of them
+    held = held_output_bytes(outputs.pop(), list(model.parameters()), list(model.buffers()), batch)
     if not calls.uses:
         raise ProfileError(
             "the forward of the example batch used none of the model's parameters: there is nothing to train or "
@@ -156,10 +161,10 @@ def resolve_units(
     calls.uneven = tuple(uneven)
     routed = tuple(dict.fromkeys([*routed_containers(model, calls), *calls.uneven]))
     if units is None:
-        return discover_units(model, calls, granularity), routed
+        return discover_units(model, calls, granularity), routed, held
     units = build_units(model, [u.path for u in units])
     _check_units(model, units, calls)
-    return units, routed
+    return units, routed, held
 
 
 def _median_by_key(runs: list[dict]) -> dict:

@@ -157,7 +157,8 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
 
     show("checking the forward")
     given_units = units
-    units, routed = resolve_units(model, resize_batch(example_input, sizes[0]), loss_fn, units, granularity, uneven)
+    units, routed, held = resolve_units(model, resize_batch(example_input, sizes[0]), loss_fn, units, granularity,
+                                        uneven)
 
     key_parts = {
         "version": PROFILE_VERSION, "model": model_fingerprint(model), "units": [u.path for u in units],
@@ -197,6 +198,7 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
         device=device_name(device),
         input_spec=input_spec(example_input),
         input_bytes_per_sample=input_bytes_per_sample(example_input),
+        output_bytes_per_sample=held / sizes[0],
         forward_order=tuple(order),
         checks=checks,
         profile_seconds=time.perf_counter() - start,

@@ -12,6 +12,7 @@ that ``osdp.describe.measured.describe`` attributes a GPU model's bytes to its u
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -69,7 +70,7 @@ class MemoryStats:
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a (nested) tensor, list, tuple or dict, in order."""
+    """Every tensor in a (nested) tensor, list, tuple, dict or dataclass instance, in order."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -78,6 +79,9 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, Mapping):
         for x in obj.values():
             yield from iter_tensors(x)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # a model's output class
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name))
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:

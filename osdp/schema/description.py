@@ -147,6 +147,9 @@ class ModelDescription:
     input_spec: str = ""
     # bytes of the example input per sample (its storages): the batch is live through the step
     input_bytes_per_sample: float = 0.0
+    # bytes of what the model returns per sample (its storages, but the parameters' and the input's): the training
+    # loop holds the output through backward and into the next forward (osdp.describe.batch.held_output_bytes)
+    output_bytes_per_sample: float = 0.0
     forward_order: tuple[str, ...] = ()  # units in the order their forward ends (FSDP2 prefetches backward by it)
     checks: Mapping[str, Any] = field(default_factory=dict)  # whole step vs sum of units, per precision and size
     profile_seconds: float = 0.0

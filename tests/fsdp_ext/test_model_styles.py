@@ -57,7 +57,9 @@ def _train(model, style, steps, rank=0, world_size=1, measure=False):
         mine = tuple(t[rank * n:(rank + 1) * n] for t in batch)
         tracker = FSDPMemTracker(model, opt) if measure and step >= WARMUP else None
         with tracker if tracker is not None else contextlib.nullcontext():
-            loss = styles.loss_of(style, styles.call(model, styles.inputs_of(style, mine)), mine, step)
+            # the output held through backward and optimizer step, as ``logits, loss = model(x, y)`` holds it
+            out = styles.call(model, styles.inputs_of(style, mine))
+            loss = styles.loss_of(style, out, mine, step)
             loss.backward()
             opt.step()
             opt.zero_grad()

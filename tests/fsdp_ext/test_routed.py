@@ -168,7 +168,7 @@ def _saved_bytes(ran) -> tuple[dict[str, int], dict[str, int]]:
     from osdp.describe.measure import memory_pass, resolve_units
 
     model, x = Skipping(ran), torch.randn(8, 16)
-    units, routed = resolve_units(model, x, None, None)
+    units, routed, _ = resolve_units(model, x, None, None)
     memory, _ = memory_pass(model, units, x, None, routed=routed)
     return {key: sum(m[key] for m in memory.values()) for key in ("act", "fwd_peak")}, memory[""]
 
