@@ -420,7 +420,12 @@ class InPlaceWrites(TorchDispatchMode):
     inputs and recomputes from them, so it would read what was written (PyTorch refuses it in backward).
     ``kept_written``: an op wrote to an output selective checkpointing keeps (``KeptBySelective``'s: a unit's
     Linear rectified in place, ``y += x`` on its last matmul); the checkpoint's cache refuses that likewise.
-    Works on real and on fake tensors.
+    ``buffers_written``: a unit's forward wrote to one of the model's buffers, which it may read (spectral_norm's
+    power iteration advances its ``_u`` and ``_v`` each training forward, a step counter a forward branches on):
+    a recompute would start from what the forward wrote and compute another output, so backward would
+    differentiate what the forward did not run. Normalization layers' running statistics are exempt: a training
+    forward does not read them, and the recompute leaves them as the forward did
+    (``osdp.describe.recompute``). Works on real and on fake tensors.
     """
 
     def __init__(self, segments: Segments, kept: KeptBySelective):
@@ -428,6 +433,10 @@ class InPlaceWrites(TorchDispatchMode):
         self.segments, self.kept = segments, kept
         self.inputs_written: set[str] = set()
         self.kept_written: set[str] = set()
+        self.buffers_written: set[str] = set()
+        statistics = {id(b) for m in segments.model.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+                      for b in m.buffers(recurse=False)}
+        self._buffers = {_storage_key(b) for b in segments.model.buffers() if id(b) not in statistics}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.segments.phase == "fwd":
@@ -437,6 +446,8 @@ class InPlaceWrites(TorchDispatchMode):
 
     def _note(self, t: torch.Tensor) -> None:
         key = _storage_key(t)
+        if key in self._buffers:
+            self.buffers_written.add(self.segments.running)
         storage, owner = self.kept.keeper.get(key, (lambda: None, ""))
         if storage() is not None:
             self.kept_written.add(owner)

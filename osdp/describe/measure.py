@@ -204,7 +204,7 @@ def memory_pass(
 def may_checkpoint(units: Sequence[Unit], memory: Mapping[str, Mapping[str, int]], policy: str) -> list[Unit]:
     """The units a plan may checkpoint with ``policy`` ("full", "selective"), by a memory pass's ``memory``: a
     unit whose inputs the forward writes in place takes none, one whose kept outputs it writes no selective."""
-    return [u for u in checkpointable(units) if not memory[u.path].get("inputs_written")
+    return [u for u in checkpointable(units) if not memory[u.path].get("no_checkpoint")
             and (policy == "full" or "sac" in memory[u.path])]
 
 
@@ -288,8 +288,8 @@ def _segments_pass(
                 memory[holder]["unrun"] = extra
             root_total = saved.live.get(ROOT, 0)
             for u in checkpointable(units):  # what selective checkpointing keeps: the inputs and SAVED_OPS' outputs
-                if u.path in writes.inputs_written:
-                    memory[u.path]["inputs_written"] = 1  # offered no checkpoint
+                if u.path in writes.inputs_written or u.path in writes.buffers_written:
+                    memory[u.path]["no_checkpoint"] = 1
                 elif u.path not in writes.kept_written:  # else offered none or full only
                     memory[u.path]["sac"] = (memory[u.path]["ckpt"] + kept_by_selective.bytes.get(u.path, 0)
                                              + memory[u.path].get("unrun", 0))
@@ -503,7 +503,7 @@ def fit_costs(
             sac_bytes=fit(memory, p, "sac") if p in selective and "selective" in recompute else None,
             sac_recompute_s=recompute.get("selective", {}).get(p),
             sac_unsaved_bytes=fit(memory, p, "sac_unsaved") if p in selective and "selective" in recompute else None,
-            checkpointable=not any(memory[b][p].get("inputs_written") for b in sizes),
+            checkpointable=not any(memory[b][p].get("no_checkpoint") for b in sizes),
             run_in_backward=any(memory[b][p].get("run_in_backward") for b in sizes),
         )
         for p in paths

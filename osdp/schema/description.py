@@ -83,8 +83,9 @@ class UnitWorkload:
     # Of sac_bytes, what the unit's own backward does not save (its last matmul's output): the checkpoint's
     # cache holds it through the unit's backward, beside the backward's working set.
     sac_unsaved_bytes: Affine | None = None
-    # False: the forward writes to one of the unit's inputs in place before its backward, so a checkpoint's
-    # recompute would read what was written (osdp.describe.attribution.InPlaceWrites): offered no checkpoint
+    # False: the forward writes to one of the unit's inputs in place before its backward, or to a buffer of the
+    # model (spectral_norm's power iteration), so a checkpoint's recompute would read what was written
+    # (osdp.describe.attribution.InPlaceWrites): offered no checkpoint
     checkpointable: bool = True
     # True: the model's own reentrant checkpoint runs the unit's forward without autograd, then again in backward
     # (``torch.utils.checkpoint(..., use_reentrant=True)``, Hugging Face's ``gradient_checkpointing_enable()``)

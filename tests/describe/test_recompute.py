@@ -204,3 +204,43 @@ def grads_of(module, x):
     module.zero_grad(set_to_none=True)
     module(x).square().sum().backward()
     return {name: p.grad.clone() for name, p in module.named_parameters()}
+
+
+class _Mixed(nn.Module):
+    """A unit whose forward advances a buffer it reads (spectral_norm's power iteration), one with BatchNorm (its
+    running statistics are not read in training), and a plain one."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.nn.utils.parametrizations import spectral_norm
+
+        self.spectral = nn.Sequential(spectral_norm(nn.Linear(16, 32)), nn.ReLU(), nn.Linear(32, 16))
+        self.normed = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 16))
+        self.plain = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+    def forward(self, x):
+        return self.plain(self.normed(self.spectral(x))).square().mean()
+
+
+def test_a_unit_whose_forward_advances_a_buffer_it_reads_is_offered_no_checkpoint():
+    """Recomputed, spectral_norm's forward would run another power iteration from the ``_u`` it wrote, and the
+    backward would differentiate another weight (its gradient about 8% off): the search must not choose that."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    from osdp.describe.analytic import describe_analytic
+    from osdp.describe.measured import describe
+    from osdp.machine.presets import device_preset
+
+    torch.manual_seed(0)
+    layer = spectral_norm(nn.Linear(16, 32))
+    recomputed = copy.deepcopy(layer)
+    checkpoint_unit(recomputed)
+    x = torch.randn(4, 16)
+    assert not torch.allclose(grads_of(recomputed, x)["parametrizations.weight.original"],
+                              grads_of(layer, x)["parametrizations.weight.original"], atol=1e-4)  # what it prevents
+    example = torch.randn(8, 16)
+    for description in (describe(_Mixed(), example, cache=False, progress=False),
+                        describe_analytic(_Mixed(), example, device_preset("cpu-loopback", 2), cache=False,
+                                          progress=False)):
+        offered = {u.path: u.costs["fp32"].checkpointable for u in description.units if u.path}
+        assert offered == {"spectral": False, "normed": True, "plain": True}, (description.source, offered)
