@@ -51,6 +51,29 @@ def _with_data_dependent_calls(model: nn.Module, plan: Plan, example_input: Any)
     return plan
 
 
+def _plan_to_apply(model: nn.Module, device_mem, plan, strategy, example_input, mixed_precision,
+                   plan_options: dict[str, Any]) -> Plan:
+    """The plan ``wrap`` applies: searched under ``device_mem``, given, or a baseline's (collective)."""
+    if device_mem is not None:
+        from osdp.planner import plan as search_plan
+
+        planning_device = plan_options.pop("planning_device", None)
+        plan = search_plan(
+            model, device_mem=device_mem, example_input=example_input, device=planning_device,
+            mixed_precision=mixed_precision or "fp32", **plan_options,
+        )
+    elif strategy is not None:
+        plan = strategy_plan(model, strategy, example_input)
+    else:
+        plan = Plan.from_json(plan) if isinstance(plan, str) else plan
+        if example_input is not None:
+            plan = _with_data_dependent_calls(model, plan, example_input)
+    if mixed_precision is not None:
+        plan.mixed_precision = mixed_precision
+        plan.__post_init__()
+    return plan
+
+
 def wrap(
     model: nn.Module,
     *,
@@ -115,23 +138,7 @@ def wrap(
     except PlanError as e:
         error = e
     raise_on_any_rank(error)
-    if device_mem is not None:
-        from osdp.planner import plan as search_plan
-
-        planning_device = plan_options.pop("planning_device", None)
-        plan = search_plan(
-            model, device_mem=device_mem, example_input=example_input, device=planning_device,
-            mixed_precision=mixed_precision or "fp32", **plan_options,
-        )
-    if isinstance(plan, str):
-        plan = Plan.from_json(plan)
-    if strategy is not None:
-        plan = strategy_plan(model, strategy, example_input)
-    elif device_mem is None and example_input is not None:
-        plan = _with_data_dependent_calls(model, plan, example_input)
-    if mixed_precision is not None:
-        plan.mixed_precision = mixed_precision
-        plan.__post_init__()
+    plan = _plan_to_apply(model, device_mem, plan, strategy, example_input, mixed_precision, plan_options)
     model = apply_plan(model, plan, device=device, find_unused_parameters=find_unused_parameters)
     if device_mem is not None and check_budget:
         check_first_step(model, torch.device(device) if device is not None else job_device(),
