@@ -66,6 +66,7 @@ from osdp.distributed.group import ensure_process_group, job_device
 from osdp.fsdp_ext.groups import group_members
 from osdp.fsdp_ext.module_api import UnitExtras, extend_unit
 from osdp.fsdp_ext.replicate import ReplicaReducer
+from osdp.fsdp_ext.state_dict import load_under_any_plan
 from osdp.fsdp_ext.unused import reduce_where_any_rank_has_gradients
 from osdp._torch_private import fsdp_pre_backward
 from osdp.machine.memory import iter_tensors, register_gradient_storages
@@ -343,6 +344,7 @@ def apply_plan(
     if any(d.checkpoint for d in plan.units):
         disable_caches_in_training(model)  # a recomputed forward must save what the first one saved
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
+    load_under_any_plan(model)
     setattr(model, _PLAN_ATTR, plan)
     return model
 

@@ -1,4 +1,5 @@
-"""State dicts round-trip whatever the plan: full (unsharded) and sharded (DCP), across plans."""
+"""State dicts round-trip whatever the plan: full (unsharded) and sharded (DCP), across plans, and
+``model.state_dict()`` / ``load_state_dict`` across plans."""
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -72,3 +73,39 @@ def _export(rank, world_size):
     model = osdp.wrap(_build(0), strategy="fsdp")
     probe = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(4))
     return full_state(model), probe, model(probe).detach()
+
+
+def _state_dicts_across_plans(rank, world_size, plans_json):
+    from cases import build_toy, toy_batches
+
+    trained = {}
+    for name, plan_json in plans_json.items():  # each plan trains two steps from the same start
+        model = build_toy()
+        osdp.wrap(model, plan=plan_json)
+        train(model, toy_batches()[:2], rank, world_size)
+        trained[name] = (model.state_dict(), full_state(model))
+    unwrapped = build_toy()
+    train(unwrapped, [tuple(t[:2] for t in b) for b in toy_batches()[:1]])  # another state, plain and full
+    trained["unwrapped"] = (unwrapped.state_dict(), {k: v.clone() for k, v in unwrapped.state_dict().items()})
+    out = {}
+    for target, plan_json in plans_json.items():
+        for source, (state, expected) in trained.items():
+            model = build_toy()
+            osdp.wrap(model, plan=plan_json)
+            model.load_state_dict(state)
+            got = full_state(model)  # collective: every rank takes part
+            out[(source, target)] = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    return out
+
+
+def test_a_state_dict_saved_under_any_plan_loads_with_load_state_dict_under_any_other():
+    """``model.state_dict()`` keeps each parameter as its plan does (plain, sharded DTensors, split weights), and the
+    plan follows a budget the user may change between runs: ``load_state_dict`` takes any plan's, and the
+    unwrapped model's full one, as FSDP2's own models take only their own layout's."""
+    from cases import build_toy, every_mode_plans
+
+    plans = every_mode_plans(build_toy())
+    chosen = {name: plans[name].to_json() for name in ("ddp", "fsdp", "mixed_a", "split")}
+    for differences in run_ranks(_state_dicts_across_plans, 2, chosen, timeout=300):
+        assert set(differences) == {(s, t) for s in [*chosen, "unwrapped"] for t in chosen}
+        assert max(differences.values()) == 0.0, {k: v for k, v in differences.items() if v}
