@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from osdp.describe.units import discover_units
+from osdp.describe.units import CallTrace, discover_units
 from osdp.distributed import broadcast_object, ensure_process_group, job_device, raise_on_any_rank
 from osdp.fsdp_ext.apply import apply_plan, check_model, plan_of, set_requires_gradient_sync
 from osdp.fsdp_ext.budget_check import check_first_step
@@ -26,24 +26,28 @@ def strategy_plan(model: nn.Module, strategy: str, example_input: Any = None, **
         raise PlanError(f"unknown strategy '{strategy}'; use one of {', '.join(sorted(STRATEGIES))}")
     if example_input is None:
         return Plan.for_strategy([u.path for u in discover_units(model)], strategy, **settings)
+    calls = _calls_of_example(model, example_input)
+    paths = broadcast_object([u.path for u in discover_units(model, calls)])  # rank 0's, where a trace differs
+    return Plan.for_strategy(paths, strategy, routed=list(calls.uneven), **settings)
+
+
+def _calls_of_example(model: nn.Module, example_input: Any) -> CallTrace:
+    """Collective: this rank's trace of a forward of its example, naming what any rank calls depending on the
+    data (``osdp.planner.calls_on_every_rank``); the same error on every rank if a forward failed."""
     from osdp.planner import calls_on_every_rank
 
     calls = calls_on_every_rank(model, example_input)
     error: Exception | None = None
     if calls is None:
-        error = PlanError("the model's forward failed on the example_input of some rank; call "
-                          "model(*example_input) (or model(**example_input)) on every rank to see why")
+        error = PlanError("the model's forward failed on the example_input of some rank; call model(example_input) "
+                          "(model(*example_input) for a tuple, model(**example_input) for a dict) to see why")
     raise_on_any_rank(error)
-    paths = broadcast_object([u.path for u in discover_units(model, calls)])  # rank 0's, where a trace differs
-    return Plan.for_strategy(paths, strategy, routed=list(broadcast_object(calls.uneven)), **settings)
+    return calls
 
 
 def _with_data_dependent_calls(model: nn.Module, plan: Plan, example_input: Any) -> Plan:
     """``plan`` naming as routed the modules some rank's example calls depending on the data (collective)."""
-    from osdp.planner import calls_on_every_rank
-
-    calls = calls_on_every_rank(model, example_input)
-    missing = [path for path in (calls.uneven if calls is not None else ()) if path not in plan.routed]
+    missing = [path for path in _calls_of_example(model, example_input).uneven if path not in plan.routed]
     if not missing:
         return plan
     plan = Plan.from_json(plan.to_json())

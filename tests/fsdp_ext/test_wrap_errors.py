@@ -23,6 +23,9 @@ def _bad_plans_on_every_rank(rank, world_size):
         "one_rank_bad": plan_error_of(
             lambda: osdp.wrap(model, plan=Plan([UnitPlan("blocks.0.mlp" if rank == 0 else "blocks.0.nope")]))
         ),
+        # an example the forward cannot take, on one rank (a float batch for an embedding)
+        "bad_example": plan_error_of(lambda: osdp.wrap(
+            model, strategy="fsdp", example_input=torch.randint(0, 64, (2, 8)) if rank == 0 else torch.randn(2, 8))),
     }
     untouched = all(not isinstance(p, DTensor) for p in model.parameters()) and all(
         torch.equal(before[k], v) for k, v in model.state_dict().items()
@@ -41,6 +44,7 @@ def test_bad_and_mismatched_plans_fail_on_every_rank_without_hanging():
         assert "ranks hold different plans" in errors["mismatch"]
         assert "ranks [0] hold plan" in errors["mismatch"] and "ranks [1] hold plan" in errors["mismatch"]
         assert "already wrapped" in errors["twice"]
+        assert "the model's forward failed on the example_input of some rank" in errors["bad_example"]
     assert "unit 'blocks.0.nope': no such module in the model" in results[1][0]["one_rank_bad"]
     assert "rank 1 rejected the plan: unit 'blocks.0.nope': no such module" in results[0][0]["one_rank_bad"]
 
