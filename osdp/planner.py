@@ -423,6 +423,7 @@ def plan(
     optimizer: str = "adamw",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     group_blocks: bool = False,
+    holds_output: bool = True,
 ) -> Plan:
     """The fastest plan for ``model`` under ``device_mem`` per rank, without applying it.
 
@@ -436,6 +437,9 @@ def plan(
     or a DeviceInfo plans without the hardware, priced with ``calibration``
     (default: the ideal FSDP2 runtime, ``Calibration()``).
     ``group_blocks``: also search groups of identical blocks as one unit (``find_plan``; off by default).
+    ``holds_output``: whether the training loop holds what the model returns through backward and into the
+    next forward, as ``logits, loss = model(x, y)`` does (priced so by default); False for a loop that keeps only
+    the loss (Hugging Face's Trainer), whose budget then has room for more.
     Collective when a process group exists: call it on every rank. Torch's random number generators are left
     as they were on every rank (the calibration and the describe draw numbers), so the user's next dropout
     masks are those of an unwrapped run.
@@ -443,11 +447,11 @@ def plan(
     with rng_kept([job_device()]):
         return _plan(model, device_mem=device_mem, example_input=example_input, batch_sizes=batch_sizes,
                      device=device, calibration=calibration, mixed_precision=mixed_precision, optimizer=optimizer,
-                     loss_fn=loss_fn, group_blocks=group_blocks)
+                     loss_fn=loss_fn, group_blocks=group_blocks, holds_output=holds_output)
 
 
 def _plan(model: nn.Module, *, device_mem, example_input, batch_sizes, device, calibration, mixed_precision,
-          optimizer, loss_fn, group_blocks) -> Plan:
+          optimizer, loss_fn, group_blocks, holds_output) -> Plan:
     budget = parse_size(device_mem)
     _, world_size = world()
     if isinstance(device, DeviceInfo):
@@ -464,6 +468,8 @@ def _plan(model: nn.Module, *, device_mem, example_input, batch_sizes, device, c
         device_info, calibration = machine.device_info, calibration or machine.calibration
     descriptions = planning_descriptions(model, example_input, loss_fn=loss_fn, mixed_precision=mixed_precision,
                                          uneven=_called_depending_on_data(model, example_input))
+    if not holds_output:
+        descriptions = [dataclasses.replace(d, output_bytes_per_sample=0.0) for d in descriptions]
     rank, _ = world()
     outcome: tuple[str, Any]
     if rank == 0:

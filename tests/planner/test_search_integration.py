@@ -188,3 +188,30 @@ def test_more_sharded_units_are_taken_only_when_predicted_faster_by_more_than_th
     mixed = Plan([dataclasses.replace(u, mode="zero2") if u.path.startswith("blocks.") and u.path < "blocks.3"
                   else u for u in coarse_ddp.units])
     assert choose_granularity([(fine_ddp, 1.0), (mixed, 1.02)]) == 0
+
+
+class _ReturnsLogits(torch.nn.Module):
+    """Returns ``(logits, loss)``, as nanoGPT's model does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64)
+
+    def forward(self, ids, targets):
+        logits = self.head(torch.tanh(self.emb(ids)))
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_what_the_model_returns_is_priced_as_held_through_the_step_unless_the_loop_keeps_only_the_loss():
+    """``logits, loss = model(x, y)`` keeps the logits through backward (FSDPMemTracker measured them over the
+    budget before they were priced); ``holds_output=False`` is for loops that keep only the loss."""
+    import osdp
+
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    held, dropped = (osdp.plan(_ReturnsLogits(), device_mem="1GiB", example_input=(ids, ids),
+                               loss_fn=lambda out: out[1], device="cpu-loopback", holds_output=holds)
+                     for holds in (True, False))
+    assert held.summary() == dropped.summary()
+    logits_bytes = 4 * 16 * 64 * 4
+    assert logits_bytes <= held.predicted_peak_bytes - dropped.predicted_peak_bytes <= logits_bytes + 16
