@@ -493,8 +493,8 @@ def _plan(model: nn.Module, *, device_mem, example_input, batch_sizes, device, c
 
 
 __all__ = [
-    "BudgetTooSmall", "SearchResult", "calls_on_every_rank", "describe_granularities", "description_of", "least_budget", "plan",
-    "planning_description", "planning_descriptions", "find_plan",
+    "BudgetTooSmall", "SearchResult", "calls_on_every_rank", "describe_granularities", "description_of",
+    "least_budget", "plan", "planning_description", "planning_descriptions", "find_plan",
 ]
 
 

@@ -252,9 +252,9 @@ def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     modules = dict(model.named_modules())
-    # a container of sub-block shape (the Linears of an MLP kept in a ModuleDict) is the module that calls them
     # a parametrization's modules (weight_norm's) are part of the module it parametrizes, never a sub-block
     outside_parametrizations = {path: m for path, m in modules.items() if not _in_parametrization(path, modules)}
+    # a container of sub-block shape (the Linears of an MLP kept in a ModuleDict) is the module that calls them
     sub_block = {
         _called_ancestor(path, modules)
         for path, m in outside_parametrizations.items()
