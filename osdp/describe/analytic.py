@@ -32,6 +32,7 @@ so planning a model again (other budgets, node counts) skips the trace.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
@@ -137,14 +138,17 @@ def describe_analytic(
     path = cached_path(cache_key({
         "version": PROFILE_VERSION, "kind": "analytic", "model": model_fingerprint(model), "name": name,
         "units": [u.path for u in units] if units is not None else None, "granularity": granularity,
-        "input": input_spec(example_input), "sizes": sizes, "precisions": list(precisions), "device": info.to_dict(),
+        # of the device, only what the describe reads: its FLOP/s (the same model planned on another network or
+        # at another world size is described once)
+        "input": input_spec(example_input), "sizes": sizes, "precisions": list(precisions),
+        "flops": {p: info.flops_for(PRECISIONS[p]) for p in precisions}, "device_type": info.device_type,
         "torch": torch.__version__, "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)) if loss_fn else None,
         "uneven": list(uneven),
     }), "analytic")
     cached = read_cached(path) if cache else None
     if cached is not None:
         show.done(f"from cache {path}")
-        return cached
+        return dataclasses.replace(cached, device=info.name, source=_source(info))
 
     mode = FakeTensorMode()
     fake_input = _fake_batch(example_input, mode)
@@ -166,7 +170,7 @@ def describe_analytic(
         batch_sizes=sizes,
         precisions=tuple(precisions),
         optimizer_s_per_byte={},
-        source=f"analytic: FLOPs at {info.name}'s FLOP/s, memory from a fake-tensor trace",
+        source=_source(info),
         device=info.name,
         input_spec=input_spec(example_input),
         input_bytes_per_sample=input_bytes_per_sample(example_input),
@@ -180,6 +184,10 @@ def describe_analytic(
     if cache:
         write_atomically(path, description.to_json())
     return description
+
+
+def _source(info: DeviceInfo) -> str:
+    return f"analytic: FLOPs at {info.name}'s FLOP/s, memory from a fake-tensor trace"
 
 
 def _costs_at(runnable: nn.Module, units: Sequence[Unit], fake_input: Any, sizes: Sequence[int], prec: str,

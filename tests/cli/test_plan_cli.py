@@ -43,6 +43,17 @@ def test_plan_cli_writes_a_loadable_plan_within_budget(tmp_path, capsys):
     assert png.stat().st_size > 1000
 
 
+def test_a_model_planned_again_on_another_network_is_described_once(tmp_path, capsys, monkeypatch):
+    """The analytic describe reads the device's FLOP/s only: planning the same model for another network or
+    world size takes the description from the cache, and says so."""
+    monkeypatch.setenv("OSDP_CACHE_DIR", str(tmp_path))
+    args = ["--model", "gpt2-tiny", "--device-mem", "64MiB", "--batch-size", "2"]
+    assert main([*args, "--world-size", "8", "--device", "h100-nvlink"]) == 0
+    assert "described in" in capsys.readouterr().out
+    assert main([*args, "--nodes", "2", "--gpus-per-node", "8", "--device", "h100-nvlink-100gbe"]) == 0
+    assert "described earlier (from the cache), searched in" in capsys.readouterr().out
+
+
 def test_plan_cli_budget_below_minimum_names_the_minimum(capsys):
     assert main(["--model", "gpt2-mini", "--world-size", "4", "--device-mem", "1MiB", "--batch-size", "2"]) == 1
     err = capsys.readouterr().err

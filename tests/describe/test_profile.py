@@ -357,13 +357,19 @@ def test_second_describe_comes_from_the_cache(tmp_path, monkeypatch):
     assert not other.from_cache
 
 
-def test_an_analytic_description_comes_from_the_cache_for_the_same_device_only(tmp_path, monkeypatch):
+def test_an_analytic_description_comes_from_the_cache_for_the_same_flop_rates_only(tmp_path, monkeypatch):
     monkeypatch.setenv("OSDP_CACHE_DIR", str(tmp_path))
     first = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink", world_size=8, progress=False)
     second = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink", world_size=8, progress=False)
     assert second.from_cache and not first.from_cache and second.to_dict() == first.to_dict()
     other = describe_analytic(gpt_tiny(), gpt_batch(), "a100-80gb-nvlink", world_size=8, progress=False)
     assert not other.from_cache  # another device's FLOP/s price the time
+    # the same GPU on another network, at another world size: the describe reads neither, and names the device
+    fresh = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink-100gbe", world_size=16, progress=False,
+                              cache=False)
+    reused = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink-100gbe", world_size=16, progress=False)
+    assert reused.from_cache and reused.device == fresh.device == "h100-nvlink-100gbe"
+    assert reused.to_dict() == {**fresh.to_dict(), "profile_seconds": first.profile_seconds}
 
 
 def test_json_round_trip(tiny):
