@@ -121,11 +121,12 @@ def test_a_factory_plans_as_the_same_reference_model(user_package, tmp_path, cap
 
 
 def test_a_transformers_config_plans_offline_in_seconds(tmp_path, capsys):
-    """A 1.5B-parameter Llama from its config.json alone (meta device: no memory), searched in seconds."""
+    """A Llama of 2048-wide layers from its config.json alone (meta device: no memory, where its 0.48B
+    parameters would take 1.9 GB in fp32), searched in seconds."""
     import time
 
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2048,
-              "intermediate_size": 5632, "num_hidden_layers": 28, "num_attention_heads": 32,
+              "intermediate_size": 5632, "num_hidden_layers": 8, "num_attention_heads": 32,
               "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048}
     (tmp_path / "config.json").write_text(json.dumps(config))
     start = time.perf_counter()
@@ -135,7 +136,7 @@ def test_a_transformers_config_plans_offline_in_seconds(tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     plan = Plan.from_json((tmp_path / "plan.json").read_text())
     paths = {u.path for u in plan.units}
-    assert "model.layers.27.mlp" in paths or "model.layers.27" in paths
+    assert "model.layers.7.mlp" in paths or "model.layers.7" in paths
     assert plan.predicted_peak_bytes <= 16 * 2**30
     assert seconds < 60, seconds  # a bound that only a hang or a real run of the model would break
 
