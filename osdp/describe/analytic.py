@@ -135,16 +135,8 @@ def describe_analytic(
     sizes = tuple(sorted(set(batch_sizes or (max(1, n // 2), n))))
     name = name or getattr(getattr(model, "config", None), "name", None) or type(model).__name__
     show = Progress(f"describe {name} (analytic)", progress)
-    path = cached_path(cache_key({
-        "version": PROFILE_VERSION, "kind": "analytic", "model": model_fingerprint(model), "name": name,
-        "units": [u.path for u in units] if units is not None else None, "granularity": granularity,
-        # of the device, only what the describe reads: its FLOP/s (the same model planned on another network or
-        # at another world size is described once)
-        "input": input_spec(example_input), "sizes": sizes, "precisions": list(precisions),
-        "flops": {p: info.flops_for(PRECISIONS[p]) for p in precisions}, "device_type": info.device_type,
-        "torch": torch.__version__, "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)) if loss_fn else None,
-        "uneven": list(uneven),
-    }), "analytic")
+    path = _cache_path(model, example_input, info, name=name, units=units, granularity=granularity, sizes=sizes,
+                       precisions=precisions, loss_fn=loss_fn, uneven=uneven)
     cached = read_cached(path) if cache else None
     if cached is not None:
         show.done(f"from cache {path}")
@@ -184,6 +176,21 @@ def describe_analytic(
     if cache:
         write_atomically(path, description.to_json())
     return description
+
+
+def _cache_path(model: nn.Module, example_input: Any, info: DeviceInfo, *, name: str, units, granularity: str,
+                sizes: tuple[int, ...], precisions: Sequence[str], loss_fn, uneven: Sequence[str]):
+    """Where the description of this model, batch and settings is cached. Of the device it keys only what the
+    describe reads, its FLOP/s: the same model planned on another network or at another world size is
+    described once."""
+    return cached_path(cache_key({
+        "version": PROFILE_VERSION, "kind": "analytic", "model": model_fingerprint(model), "name": name,
+        "units": [u.path for u in units] if units is not None else None, "granularity": granularity,
+        "input": input_spec(example_input), "sizes": sizes, "precisions": list(precisions),
+        "flops": {p: info.flops_for(PRECISIONS[p]) for p in precisions}, "device_type": info.device_type,
+        "torch": torch.__version__, "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)) if loss_fn else None,
+        "uneven": list(uneven),
+    }), "analytic")
 
 
 def _source(info: DeviceInfo) -> str:
