@@ -37,7 +37,8 @@ def _pin(rank: int) -> None:
 # Imported once by the fork server that every rank is forked from, instead of by each spawned rank (about
 # 2.5 seconds a rank, most of a short multi-rank test). osdp reads its settings (OSDP_*) when called, not
 # when imported, so the ranks see their caller's.
-PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.nn.parallel", "osdp"]
+PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.nn.parallel", "osdp.api", "osdp.planner",
+           "osdp.calibration.measured", "osdp.runtime.dcp"]
 
 
 def _context():
