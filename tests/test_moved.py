@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import warnings
@@ -67,3 +68,21 @@ def test_python_m_of_an_old_command_module_runs_the_new_one():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: osdp train")
     assert "python -m osdp.cli.train" in proc.stderr  # the FutureWarning, on stderr
+
+
+def test_the_public_names_resolve_when_used_and_import_osdp_alone_needs_no_torch():
+    """``osdp``'s names are imported when first used (``osdp --version`` answers without torch): each one in
+    ``__all__`` resolves to the object its module defines, ``from osdp import *`` binds them all, and a
+    subpackage is an attribute as after an eager import."""
+    assert set(osdp.__all__) - {"__version__"} == set(osdp._PUBLIC)
+    for name, module in osdp._PUBLIC.items():
+        assert getattr(osdp, name) is getattr(importlib.import_module(module), name), name
+    scope: dict = {}
+    exec("from osdp import *", scope)
+    assert {n: scope[n] for n in osdp.__all__} == {n: getattr(osdp, n) for n in osdp.__all__}
+    assert osdp.models.build is importlib.import_module("osdp.models").build
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        osdp.no_such_name  # noqa: B018
+    probe = "import sys, osdp; print(osdp.__version__, 'torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == [osdp.__version__, "False"], done.stderr
