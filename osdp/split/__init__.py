@@ -12,8 +12,9 @@ the same key, that FSDP2 makes of an ``nn.Linear`` weight, so:
   gives the same keys and values as the unsplit model, and
   ``set_model_state_dict`` loads a full state dict (from either) back;
 - ``model.load_state_dict`` accepts an unsplit model's plain full weight (each
-  rank keeps its rows, no communication); the other way, an unsplit model takes
-  the full state dict above;
+  rank keeps its rows, no communication) and a weight of another layout
+  (``osdp.distributed.layouts``); the other way, an unsplit model takes the full
+  state dict above;
 - sharded ``torch.distributed.checkpoint`` save/load works between a split
   model (any k) and an unsplit one, FSDP2-sharded or plain, and across world
   sizes (DCP reshards; tested: saved on 2 ranks, loaded on 2 and on 4).

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from osdp.distributed import collectives as comm
+from osdp.distributed.layouts import to_parameter_layout
 from osdp.split import _extension, _loop
 
 # Linears smaller than this (weight elements) are not worth k extra collectives;
@@ -127,7 +128,9 @@ class SplitLinear(nn.Linear):
         # backward that syncs reduce-scatters it once, slice by slice.
         self.requires_gradient_sync = True
         self.accumulated_grad: torch.Tensor | None = None
-        self.register_load_state_dict_pre_hook(_shard_full_weight)
+        # a plain full weight (the nn.Linear's it replaced) loads as this rank's rows; a DTensor of another layout
+        # as its full tensor's rows
+        self.register_load_state_dict_pre_hook(to_parameter_layout)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, k: int, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None) -> "SplitLinear":
@@ -183,15 +186,6 @@ def _shard(full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     start = min(mesh.get_local_rank() * rows, full.shape[0])
     local = full[start : start + rows].to(_mesh_device(mesh), copy=True).contiguous()
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.contiguous().stride())
-
-
-def _shard_full_weight(module: SplitLinear, state_dict, prefix, *args) -> None:
-    # A plain full weight (from an unsplit nn.Linear) loads by keeping this rank's
-    # rows; DTensors (FSDP2, DCP, set_model_state_dict) load as they are.
-    key = prefix + "weight"
-    value = state_dict.get(key)
-    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == module.weight.shape:
-        state_dict[key] = _shard(value, module.weight.device_mesh)
 
 
 def splittable_linears(
