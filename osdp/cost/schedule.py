@@ -120,7 +120,8 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
     The units that run one after another (``sequence_order``) run their forwards in order and their
     backwards in reverse: while unit v runs, each unit before it holds what it keeps until its backward
     (``before_backward_bytes``), each unit after it (in backward) what it keeps from its backward on
-    (``after_backward_bytes``); v works on what it holds until its backward (its transients on top), and
+    (``after_backward_bytes``; ``until_backward_ends_bytes`` instead until the whole backward ends, for a unit
+    FSDP2 reduces only then); v works on what it holds until its backward (its transients on top), and
     as its backward ends reduces into what it keeps after; the optimizer step finds every unit after its
     backward. Units enclosing others (the root) are counted at the larger of their two all step, their
     working set at the fullest moment inside them. In forward, what the unit that gathered last left
@@ -133,15 +134,18 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
         return int(by_path[path].parts[name])
 
     def own(path: str) -> int:
-        return max(part(path, "before_backward_bytes"), part(path, "after_backward_bytes"))
+        return max(part(path, "before_backward_bytes"), part(path, "after_backward_bytes"),
+                   part(path, "until_backward_ends_bytes"))
 
     sequence = set(order)
     enclosing = [p for p in description.paths if p not in sequence]
     fixed = base + sum(part(p, "always_bytes") for p in description.paths) + sum(own(p) for p in enclosing)
     before = np.array([part(p, "before_backward_bytes") for p in order], dtype=np.int64)
     after = np.array([part(p, "after_backward_bytes") for p in order], dtype=np.int64)
+    # in backward: a unit reduced only as the backward ends holds its unsharded parameters and gradients till then
+    after_in_backward = np.maximum(after, [part(p, "until_backward_ends_bytes") for p in order])
     held_before = np.cumsum(before) - before  # by the units earlier in forward order
-    held_after = int(after.sum()) - np.cumsum(after)  # by the units later in forward order
+    held_after = int(after_in_backward.sum()) - np.cumsum(after_in_backward)  # by the units later in forward order
     # In forward FSDP2 keeps a unit's all-gather output until the next unit's all-gather is waited for, or the
     # root's forward ends: what the unit that gathered last left lingers while units that gather nothing run
     left, linger_forward = 0, []
@@ -153,6 +157,10 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
     backward = fixed + held_before + np.array([own(p) for p in order], dtype=np.int64) + held_after
     optimizer = fixed + int(after.sum())
     moments = [(optimizer, "the optimizer step")]
+    final_reduce = max((part(p, "final_reduce_bytes") for p in order if part(p, "until_backward_ends_bytes")),
+                       default=None)
+    if final_reduce is not None:  # FSDP2's final callback reduces them one by one, every backward done
+        moments.append((fixed + int(after_in_backward.sum()) + final_reduce, "the end of the backward"))
     for i, path in enumerate(order):
         moments += [
             (int(forward[i]) + linger_forward[i] + part(path, "fwd_transient_bytes"),
@@ -161,7 +169,8 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
             (int(backward[i]) - own(path) + int(before[i]) + part(path, "bwd_transient_bytes"),
              f"backward of {display_path(path)}"),
             (int(backward[i]) + part(path, "post_backward_bytes"), f"the end of the backward of {display_path(path)}"),
-            (optimizer + own(path) - int(after[i]) + part(path, "optimizer_temp_bytes"), "the optimizer step"),
+            (optimizer + max(int(before[i]) - int(after[i]), 0) + part(path, "optimizer_temp_bytes"),
+             "the optimizer step"),
         ]
     for path in enclosing:
         inside = [i for i, p in enumerate(order) if path == ROOT or p.startswith(path + ".")]

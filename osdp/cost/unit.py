@@ -34,6 +34,10 @@ mem (additive)
     temporaries). The two never coexist, so this is tight when the peak is
     at the turn from forward to backward, as it is for activation-heavy
     training. A unit enclosing others (the root) stays unsharded all step.
+    A unit no input of which requires grad (token ids, a frozen part's
+    output) is reduced only as the whole backward ends (FSDP2's final
+    callback): after its backward it holds its unsharded parameters and
+    gradients until then (in the schedule's peak only).
 transient (only the largest counts)
     the unit's working set beyond its activations while its forward, backward
     or recomputation runs, measured net of the root's activations that do not
@@ -234,6 +238,12 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         # a unit enclosing others stays gathered through the whole step
         always, before, after = persistent + (gathered if enclosing else 0), act + held, grad + foreach_temps
     mem = always + max(before, after)
+    # FSDP2 reduces a unit's gradients when its inputs' gradients are computed; one whose inputs need none (token
+    # ids, a frozen part's output) is reduced only in the root's final callback: from its backward to the end of the
+    # whole backward it holds its unsharded parameters and gradients, instead of its reduced shard. Left out of the
+    # additive bound, which the schedule's peak checks: it matters only while the units before it in forward order
+    # run their backward, and for the first unit (an embedding) no unit does
+    late = gathered + dt * fsdp_full if (costs.reduced_at_end and not ddp and not enclosing) else 0
 
     # the working sets beyond what mem already counts of this unit's activations. In a group, the last block's
     # forward runs with the earlier blocks' activations kept; a block's backward with the later blocks' unsharded
@@ -245,6 +255,8 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     flat = gathered if mode != "replicate" else 0  # all-gather output kept until the next unit gathers
     # when its backward ends FSDP copies the unsharded gradients (in the working set) into the reduce buffer
     post = costs.bwd_end_bytes.signed_bytes(b) + (blocks - 1) * block_grad - act + rs_input
+    if late:  # nothing is reduced yet: the unsharded gradients in the working set are what it holds on (late)
+        post += -rs_input - dt * fsdp_full
     if policy == "selective" and costs.sac_unsaved_bytes is not None:  # kept beside the backward's working set
         unsaved = costs.sac_unsaved_bytes.signed_bytes(b)  # until the backward ends
         temp_bwd, post = temp_bwd + unsaved, post + unsaved
@@ -337,6 +349,8 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         "held_bytes": held, "gradient_bytes": grad, "fwd_transient_bytes": fwd, "bwd_transient_bytes": bwd,
         "post_backward_bytes": post, "optimizer_temp_bytes": optimizer_temp,
         "always_bytes": always, "before_backward_bytes": before, "after_backward_bytes": after, "ddp": float(ddp),
+        # held instead of after_backward_bytes until the whole backward ends, and what its reduce then adds
+        "until_backward_ends_bytes": late, "final_reduce_bytes": max(rs_input - gathered, 0) if late else 0,
         "gather_output_bytes": flat,
         # what its neighbours meet of it in the plan (``plan_neighbours``): the all-gather output FSDP2 prefetches
         # in backward (a unit resharded after forward) and the reduce-scatter input FSDP2 keeps after its backward

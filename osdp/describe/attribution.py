@@ -52,6 +52,10 @@ class Segments:
         # units whose forward ran without autograd and again in backward: the model's own reentrant checkpoint
         self.without_grad: set[str] = set()
         self.run_in_backward: set[str] = set()
+        # units a forward ran with autograd on, and those one such forward handed an input that requires grad:
+        # FSDP2 reduces a unit's gradients as its inputs' gradients are computed, the others' only at the end
+        self.ran_with_grad: set[str] = set()
+        self.took_grad_input: set[str] = set()
         self._handles: list[Any] = []
 
     def close(self, owner: str) -> None:
@@ -81,6 +85,12 @@ class Segments:
         self._handles.clear()
 
     @property
+    def reduced_at_end(self) -> set[str]:
+        """The units no forward of which took an input that requires grad (token ids, a frozen part's output):
+        FSDP2 reduces their gradients in the root's final callback (``UnitWorkload.reduced_at_end``)."""
+        return self.ran_with_grad - self.took_grad_input
+
+    @property
     def running(self) -> str:
         """The innermost unit whose forward is running (the root outside every unit)."""
         return self.stack[-1] if self.stack else ROOT
@@ -94,11 +104,16 @@ class Segments:
                 self.without_grad.add(path)
             elif self.phase == "bwd" and path in self.without_grad:
                 self.run_in_backward.add(path)
+            tensors = list(iter_tensors((args, kwargs)))
             self.inputs[path] = [
                 (_storage_key(t), t.untyped_storage().nbytes(), weakref.ref(t.untyped_storage()))
-                for t in iter_tensors((args, kwargs))
+                for t in tensors
                 if t.layout == torch.strided
             ]
+            if torch.is_grad_enabled():
+                self.ran_with_grad.add(path)
+                if any(t.requires_grad for t in tensors):
+                    self.took_grad_input.add(path)
             if path != ROOT and torch.is_grad_enabled():
                 return self._on_input_gradients(path, args, kwargs)
             return None

@@ -193,6 +193,8 @@ def memory_pass(
             m[key] += m.get("unrun", 0)
     for path in segments.run_in_backward:  # UnitWorkload.run_in_backward
         memory[path]["run_in_backward"] = 1
+    for path in segments.reduced_at_end:  # UnitWorkload.reduced_at_end
+        memory[path]["reduced_at_end"] = 1
     takers = may_checkpoint(units, memory, "full")
     if recomputed and takers:
         with _checkpointed(model, takers, "full"):
@@ -505,6 +507,7 @@ def fit_costs(
             sac_unsaved_bytes=fit(memory, p, "sac_unsaved") if p in selective and "selective" in recompute else None,
             checkpointable=not any(memory[b][p].get("no_checkpoint") for b in sizes),
             run_in_backward=any(memory[b][p].get("run_in_backward") for b in sizes),
+            reduced_at_end=all(memory[b][p].get("reduced_at_end") for b in sizes),
         )
         for p in paths
     }

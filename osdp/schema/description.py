@@ -90,6 +90,10 @@ class UnitWorkload:
     # True: the model's own reentrant checkpoint runs the unit's forward without autograd, then again in backward
     # (``torch.utils.checkpoint(..., use_reentrant=True)``, Hugging Face's ``gradient_checkpointing_enable()``)
     run_in_backward: bool = False
+    # True: no forward of the unit takes an input that requires grad (token ids, a frozen part's output), so FSDP2
+    # reduces its gradients only in the root's final callback: its unsharded parameters and gradients stay from its
+    # backward to the end of the whole backward (FSDPParamGroup registers its post-backward on those inputs)
+    reduced_at_end: bool = False
 
     def recompute_seconds(self, b: float, policy: str = "full") -> float:
         """What checkpointing under ``policy`` ("full" or "selective") adds to the unit's backward."""
@@ -190,7 +194,7 @@ class ModelDescription:
             return None if x is None else Affine(**x)
 
         def costs(c: Mapping[str, Any]) -> UnitWorkload:
-            return UnitWorkload(**{k: v if k in ("checkpointable", "run_in_backward") else affine(v) for k, v in c.items()})
+            return UnitWorkload(**{k: v if k in ("checkpointable", "run_in_backward", "reduced_at_end") else affine(v) for k, v in c.items()})
 
         units = [
             UnitProfile(

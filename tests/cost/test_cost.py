@@ -64,13 +64,17 @@ def walked_peak(description, prediction) -> int:
     """The schedule's peak by walking the step (the reference for ``osdp.cost.schedule.schedule_peak``): forwards in
     order, each leaving its all-gather output until the next unit gathers or the root's forward ends; backwards
     in reverse, each on its activations and then reducing into what it keeps; the optimizer; the units enclosing
-    others held all step, their working sets at the fullest moment inside them."""
+    others held all step, their working sets at the fullest moment inside them; the units FSDP2 reduces only as the
+    backward ends holding their unsharded states until then."""
     parts = prediction.breakdown["units"]
     leaves = sequence_order(description)
     enclosing = [u.path for u in description.units if u.path not in leaves]
 
+    def kept_in_backward(p):
+        return max(parts[p]["after_backward_bytes"], parts[p]["until_backward_ends_bytes"])
+
     def own(p):
-        return max(parts[p]["before_backward_bytes"], parts[p]["after_backward_bytes"])
+        return max(parts[p]["before_backward_bytes"], kept_in_backward(p))
 
     def working(p, *phases):
         return max(parts[p][f"{phase}_bytes"] for phase in phases)
@@ -92,12 +96,18 @@ def walked_peak(description, prediction) -> int:
         moments.append(live + parts[p]["before_backward_bytes"] + parts[p]["bwd_transient_bytes"])
         backward_at[p] = live + own(p)
         moments.append(backward_at[p] + parts[p]["post_backward_bytes"])
-        live += parts[p]["after_backward_bytes"]
+        live += kept_in_backward(p)
+    late = [p for p in leaves if parts[p]["until_backward_ends_bytes"]]
+    if late:  # FSDP2's final callback reduces them
+        moments.append(live + max(parts[p]["final_reduce_bytes"] for p in late))
+    live_at_end = live
+    live -= sum(kept_in_backward(p) - parts[p]["after_backward_bytes"] for p in leaves)
     moments.append(live)
-    moments += [live - parts[p]["after_backward_bytes"] + own(p) + parts[p]["optimizer_temp_bytes"] for p in leaves]
+    moments += [live + max(parts[p]["before_backward_bytes"] - parts[p]["after_backward_bytes"], 0)
+                + parts[p]["optimizer_temp_bytes"] for p in leaves]
     for e in enclosing:
         inside = [p for p in leaves if e == "" or p.startswith(e + ".")]
-        moments.append(max([live, *(backward_at[p] for p in inside)])
+        moments.append(max([live, live_at_end, *(backward_at[p] for p in inside)])
                        + working(e, "bwd_transient", "post_backward", "optimizer_temp"))
         moments.append(max([prediction.breakdown["base_bytes"] + sum(parts[p]["always_bytes"] for p in parts)
                             + sum(own(p) for p in enclosing), *(forward_at[p] for p in inside)])

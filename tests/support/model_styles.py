@@ -447,6 +447,53 @@ class DataBranch(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
+class DecoderLoopSeq2Seq(nn.Module):
+    """Sequence to sequence with the decoder's loop in the model's own forward: residual MLP blocks encode the
+    source; each target step embeds the previous token (teacher forcing), attends over the encoder's output and
+    updates a state through a cell; the head reads every state. The target embedding takes token ids only, after
+    the encoder has run: FSDP2 reduces its gradients only as the whole backward ends."""
+
+    class Block(nn.Module):
+        def __init__(self, h):
+            super().__init__()
+            self.norm, self.fc1, self.fc2 = nn.LayerNorm(h), nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+        def forward(self, x):
+            return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+    class Cell(nn.Module):
+        def __init__(self, h):
+            super().__init__()
+            self.inp, self.out, self.norm = nn.Linear(2 * h, 4 * h), nn.Linear(4 * h, h), nn.LayerNorm(h)
+
+        def forward(self, token, state, context):
+            return self.norm(state + self.out(torch.tanh(self.inp(torch.cat([token, context], -1)))))
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.source_embedding = nn.Embedding(VOCAB, h)
+        self.encoder = nn.ModuleList([self.Block(h) for _ in range(2)])
+        self.target_embedding = nn.Embedding(VOCAB, h)
+        self.query = nn.Linear(h, h)
+        self.cell = self.Cell(h)
+        self.head = nn.Linear(h, VOCAB)
+
+    def forward(self, src, tgt):
+        memory = self.source_embedding(src)
+        for block in self.encoder:
+            memory = block(memory)
+        state, tokens, logits = memory.mean(1), self.target_embedding(tgt), []
+        for t in range(tgt.shape[1]):
+            weights = torch.softmax(torch.einsum("bh,bth->bt", self.query(state), memory) / state.shape[-1] ** 0.5, -1)
+            state = self.cell(tokens[:, t], state, torch.einsum("bt,bth->bh", weights, memory))
+            logits.append(self.head(state))
+        return torch.stack(logits, 1)
+
+
+def _source_and_target(rows, g):
+    return torch.randint(0, VOCAB, (rows, SEQ), generator=g), torch.randint(0, VOCAB, (rows, SEQ // 2), generator=g)
+
+
 def _one_special_row(rows, g):
     tokens, targets = _tokens(rows, g)
     tokens[:, 0] = 64
