@@ -6,7 +6,8 @@ FSDP and DTensor stack, about a second) load on first use.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ __all__ = [
     "FSDPAllGatherBase",
     "FSDPGradient",
     "FSDPMemTracker",
+    "module_tracker",
     "FSDPReduceScatterBase",
     "checkpoint_wrapper",
     "fsdp_device",
@@ -200,6 +202,29 @@ def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrapper
 
     return wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **checkpoint_kwargs)
+
+
+@contextlib.contextmanager
+def module_tracker() -> Iterator[None]:
+    """PyTorch's module tracker, as ``FSDPMemTracker`` and ``MemTracker`` run it: hooks on every module's inputs and
+    outputs. Its gradient hooks are removed on exit: it leaves them on tensors whose gradients were not all computed,
+    where they hold the autograd graph, and through it the model, in a cycle gc cannot break."""
+    from torch.distributed._tools import mod_tracker
+
+    register, handles = mod_tracker.register_multi_grad_hook, []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        handles.append(register(*args, **kwargs))
+        return handles[-1]
+
+    mod_tracker.register_multi_grad_hook = recorded
+    try:
+        with mod_tracker.ModTracker():
+            yield
+    finally:
+        mod_tracker.register_multi_grad_hook = register
+        for handle in handles:
+            handle.remove()
 
 
 def __getattr__(name: str) -> Any:

@@ -44,6 +44,7 @@ PLANNING_LOSS = {
     "layerdrop": lambda out: out,
     "scalar_params": lambda out: out,
     "data_branch": lambda out: out,
+    "gru_attention": lambda out: out.square().mean(),
 }
 
 

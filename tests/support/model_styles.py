@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 VOCAB, SEQ = 128, 16
+TARGET_VOCAB, TARGET_SEQ = 1024, 6  # a translation model's target language
 
 
 class LambdaMLPBlock(nn.Module):
@@ -490,6 +491,63 @@ class DecoderLoopSeq2Seq(nn.Module):
         return torch.stack(logits, 1)
 
 
+class AttentionGRUSeq2Seq(nn.Module):
+    """The recurrent translation model of the tutorials: a GRU encoder; a decoder that steps through the target
+    one token at a time (teacher forcing), each step embedding the token, attending over the encoder's outputs
+    (additive attention) and advancing a GRU; returns log-probabilities. The attention and the GRU take two
+    inputs each, whose gradients arrive at different times."""
+
+    class Encoder(nn.Module):
+        def __init__(self, h):
+            super().__init__()
+            self.embedding = nn.Embedding(VOCAB, h)
+            self.gru = nn.GRU(h, h, batch_first=True)
+
+        def forward(self, src):
+            return self.gru(self.embedding(src))
+
+    class AdditiveAttention(nn.Module):
+        def __init__(self, h):
+            super().__init__()
+            self.query, self.key, self.score = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, 1)
+
+        def forward(self, query, keys):
+            weights = F.softmax(self.score(torch.tanh(self.query(query) + self.key(keys))).transpose(1, 2), -1)
+            return torch.bmm(weights, keys)
+
+    class Decoder(nn.Module):
+        def __init__(self, h):
+            super().__init__()
+            self.embedding = nn.Embedding(TARGET_VOCAB, h)
+            self.attention = AttentionGRUSeq2Seq.AdditiveAttention(h)
+            self.gru = nn.GRU(2 * h, h, batch_first=True)
+            self.out = nn.Linear(h, TARGET_VOCAB)
+
+        def forward(self, keys, hidden, targets):
+            token = torch.zeros(keys.shape[0], 1, dtype=torch.long)  # start of sentence
+            outputs = []
+            for i in range(targets.shape[1]):
+                context = self.attention(hidden.permute(1, 0, 2), keys)
+                output, hidden = self.gru(torch.cat((self.embedding(token), context), dim=2), hidden)
+                outputs.append(self.out(output))
+                token = targets[:, i:i + 1]
+            return F.log_softmax(torch.cat(outputs, dim=1), dim=-1)
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.encoder = self.Encoder(h)
+        self.decoder = self.Decoder(h)
+
+    def forward(self, src, targets):
+        keys, hidden = self.encoder(src)
+        return self.decoder(keys, hidden, targets)
+
+
+def _translation(rows, g):
+    return (torch.randint(0, VOCAB, (rows, SEQ), generator=g),
+            torch.randint(0, TARGET_VOCAB, (rows, TARGET_SEQ), generator=g))
+
+
 def _source_and_target(rows, g):
     return torch.randint(0, VOCAB, (rows, SEQ), generator=g), torch.randint(0, VOCAB, (rows, SEQ // 2), generator=g)
 
@@ -557,6 +615,8 @@ STYLES = {
     "layerdrop": (LayerDropEncoder, _tokens, lambda out, batch, step: out, lambda b: b),
     "scalar_params": (ScalarParams, _tokens, lambda out, batch, step: out, lambda b: b),
     "data_branch": (DataBranch, _one_special_row, lambda out, batch, step: out, lambda b: b),
+    "gru_attention": (AttentionGRUSeq2Seq, _translation,
+                      lambda out, batch, step: F.nll_loss(out.flatten(0, 1), batch[1].flatten()), lambda b: b),
 }
 
 
