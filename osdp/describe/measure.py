@@ -230,6 +230,21 @@ def _recomputed_working_sets(
         memory[path]["recompute_peak"] = max(memory[path]["recompute_peak"], peak - credit[path])
 
 
+def _checkpoint_memory(memory: dict[str, dict[str, int]], units: Sequence[Unit], writes: InPlaceWrites,
+                       kept_by_selective: KeptBySelective, saved: _Saved) -> None:
+    """Per checkpointable unit, after the forward: whether a checkpoint may take it at all, what selective
+    checkpointing keeps (the inputs and SAVED_OPS' outputs) and the FLOPs each policy's recompute redoes."""
+    for u in checkpointable(units):
+        if u.path in writes.inputs_written or u.path in writes.buffers_written:
+            memory[u.path]["no_checkpoint"] = 1
+        elif u.path not in writes.kept_written:  # else offered none or full only
+            memory[u.path]["sac"] = (memory[u.path]["ckpt"] + kept_by_selective.bytes.get(u.path, 0)
+                                     + memory[u.path].get("unrun", 0))
+            memory[u.path]["sac_unsaved"] = kept_by_selective.unsaved_bytes(u.path, saved.first_saver)
+        for policy, redone in kept_by_selective.recompute_flops.items():
+            memory[u.path][f"{policy}_recompute_flops"] = redone.get(u.path, 0)
+
+
 def _segments_pass(
     model: nn.Module, units: Sequence[Unit], batch: Any, loss_fn, also: Callable[[str, str], None] | None = None,
     routed: Sequence[str] = (),
@@ -294,15 +309,7 @@ def _segments_pass(
                 memory[holder]["act"] += extra
                 memory[holder]["unrun"] = extra
             root_total = saved.live.get(ROOT, 0)
-            for u in checkpointable(units):  # what selective checkpointing keeps: the inputs and SAVED_OPS' outputs
-                if u.path in writes.inputs_written or u.path in writes.buffers_written:
-                    memory[u.path]["no_checkpoint"] = 1
-                elif u.path not in writes.kept_written:  # else offered none or full only
-                    memory[u.path]["sac"] = (memory[u.path]["ckpt"] + kept_by_selective.bytes.get(u.path, 0)
-                                             + memory[u.path].get("unrun", 0))
-                    memory[u.path]["sac_unsaved"] = kept_by_selective.unsaved_bytes(u.path, saved.first_saver)
-                for policy, redone in kept_by_selective.recompute_flops.items():
-                    memory[u.path][f"{policy}_recompute_flops"] = redone.get(u.path, 0)
+            _checkpoint_memory(memory, units, writes, kept_by_selective, saved)
 
         try:
             with segments, unrun, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), \
