@@ -261,8 +261,7 @@ def _segments_pass(
     last_root = root_total = 0
     # PyTorch's memory trackers (FSDPMemTracker, MemTracker) run a module tracker, whose hooks hold the gradients of a
     # module's inputs until all of them are computed: the peak they report is the peak under those hooks, so the
-    # working sets are measured under them too (at a GRU decoder's peak they hold 1.5 KiB, and without them a plan
-    # measured 512 B over its budget)
+    # working sets are measured under them too (without them a GRU decoder's plan measured over its budget)
     with LiveBytesTracker(model, *iter_tensors(batch)) as tracker, module_tracker():
 
         def on_close(owner: str, phase: str) -> None:
