@@ -256,7 +256,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     # when its backward ends FSDP copies the unsharded gradients (in the working set) into the reduce buffer
     post = costs.bwd_end_bytes.signed_bytes(b) + (blocks - 1) * block_grad - act + rs_input
     if late:  # nothing is reduced yet: the unsharded gradients in the working set are what it holds on (late)
-        post += -rs_input - dt * fsdp_full
+        post -= rs_input + dt * fsdp_full
     if policy == "selective" and costs.sac_unsaved_bytes is not None:  # kept beside the backward's working set
         unsaved = costs.sac_unsaved_bytes.signed_bytes(b)  # until the backward ends
         temp_bwd, post = temp_bwd + unsaved, post + unsaved

@@ -110,13 +110,12 @@ class Segments:
                 for t in tensors
                 if t.layout == torch.strided
             ]
-            if torch.is_grad_enabled():
-                self.ran_with_grad.add(path)
-                if any(t.requires_grad for t in tensors):
-                    self.took_grad_input.add(path)
-            if path != ROOT and torch.is_grad_enabled():
-                return self._on_input_gradients(path, args, kwargs)
-            return None
+            if not torch.is_grad_enabled():
+                return None
+            self.ran_with_grad.add(path)
+            if any(t.requires_grad for t in tensors):
+                self.took_grad_input.add(path)
+            return self._on_input_gradients(path, args, kwargs) if path != ROOT else None
 
         return hook
 
