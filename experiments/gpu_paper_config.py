@@ -81,15 +81,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def device_info_for(args, device: torch.device):
-    """The preset's collectives at ``--world-size``, this device's measured matmul FLOP/s, the budget."""
+    """The preset's collectives at ``--world-size``, this device's measured matmul FLOP/s and matmul
+    workspaces."""
     from osdp.machine.measure import measure_flops
     from osdp.machine.presets import device_preset
+    from osdp.machine.workspace import device_workspace_bytes
 
     info = device_preset(args.preset, args.world_size)
     flops = {"float32": measure_flops(device, torch.float32)}
     if args.mixed_precision == "bf16":
         flops["bfloat16"] = measure_flops(device, torch.bfloat16)
-    return dataclasses.replace(info, name=f"{info.name} collectives, {device.type} FLOP/s measured", flops=flops)
+    return dataclasses.replace(info, name=f"{info.name} collectives, {device.type} FLOP/s measured", flops=flops,
+                               workspace_bytes=device_workspace_bytes(device))
 
 
 def compute_only(info):

@@ -274,12 +274,16 @@ class _Pricing:
                 if fitting:
                     return max(fitting, key=lambda f: f.samples_per_s)
             step -= 1
-        # nothing on the grid: the plans of the least bound, if they fit (and what the error names); the lean
+        # nothing on the grid: the solver's plan at the budget (the grid can end above it: the next bound down
+        # fits nothing), and the plans of the least bound, if they fit (and what the error names); the lean
         # ones keep the least transient where it costs no memory, which the schedule's peak may need
+        if None not in at_budget:
+            at_budget[None] = self.solved(problems, self.budget)
         least_bound = [self.priced(p, min_peak(p, lean)[1], describe) for p in problems for lean in (False, True)]
         self.least_bound_plans.extend(least_bound)
-        return max((f for f in least_bound if f.prediction.peak_bytes <= self.budget),
-                   key=lambda f: f.samples_per_s, default=None)
+        fitting = [f for f in (self.fitting(at_budget[None], describe), *least_bound)
+                   if f is not None and f.prediction.peak_bytes <= self.budget]
+        return max(fitting, key=lambda f: f.samples_per_s, default=None)
 
 
 def _fastest_choice(problem: Problem) -> np.ndarray:

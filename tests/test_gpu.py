@@ -10,7 +10,13 @@ one-rank group.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import statistics
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +34,7 @@ from osdp.runtime import dcp as checkpoint
 pytestmark = pytest.mark.gpu
 
 MiB = 2**20
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cuda() -> torch.device:
@@ -103,6 +110,36 @@ def test_peak_memory_of_a_step_on_cuda_equals_the_cpu_trackers():
     on_cuda, on_cpu = extra_bytes(_cuda()), extra_bytes(torch.device("cpu"))
     assert on_cpu > 8 * MiB
     assert on_cuda == pytest.approx(on_cpu, rel=0.02, abs=256 * 1024)
+
+
+def test_a_training_step_holds_the_matmul_workspaces_the_cost_model_prices():
+    """In a fresh process (the workspaces live as long as it does), what a step of a model of Linears with
+    biases leaves allocated once its tensors are gone is cuBLAS's workspaces: the forward's thread's and
+    autograd's, cuBLASLt's beside them where a thread took that path; the cost model prices all four."""
+    script = textwrap.dedent("""
+        import json, torch, torch.nn as nn
+        from osdp.machine.device_info import DeviceInfo  # noqa: F401 (osdp importable: the priced figure below)
+        from osdp.machine.workspace import (cublas_workspace_bytes, cublaslt_workspace_bytes,
+                                            training_workspace_bytes)
+        device = torch.device("cuda", 0)
+        model = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512)).to(device)
+        x = torch.randn(256, 512, device=device)
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        model(x).square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        capability = torch.cuda.get_device_capability(device)
+        print(json.dumps({"held": torch.cuda.memory_allocated(device) - before,
+                          "cublas": cublas_workspace_bytes(capability), "cublaslt": cublaslt_workspace_bytes(),
+                          "priced": training_workspace_bytes(capability)}))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["held"] >= 2 * got["cublas"]  # one cuBLAS workspace per thread: the forward's and autograd's
+    assert got["held"] <= got["priced"] == 2 * (got["cublas"] + got["cublaslt"])
 
 
 # --------------------------------------------------------------------------- the measured description

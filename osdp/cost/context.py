@@ -132,4 +132,6 @@ def _options_of(
 
 
 def _base(ctx: _Context) -> int:
-    return int(ctx.calibration.margin_bytes) + ctx.held_bytes
+    """What every moment of every plan holds: the calibration's margin, the batch and the model's output, the
+    math libraries' workspaces."""
+    return int(ctx.calibration.margin_bytes) + ctx.held_bytes + ctx.device.workspace_bytes

@@ -33,12 +33,18 @@ class DeviceInfo:
     # nodes x ranks per node and the links of each level, for a job spanning several nodes; None: one
     # level (every group of the job priced as ``collectives``)
     topology: Topology | None = None
+    # bytes each rank's math libraries hold for the whole run, in every plan's peak (CUDA: the cuBLAS and
+    # cuBLASLt workspaces, ``osdp.machine.workspace``; 0 on the CPU)
+    workspace_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.memory_bytes is not None:
             object.__setattr__(self, "memory_bytes", parse_size(self.memory_bytes))
         if self.device_type not in ("cpu", "cuda"):
             raise ValueError(f"device_type must be 'cpu' or 'cuda', got {self.device_type!r}")
+        if isinstance(self.workspace_bytes, bool) or not isinstance(self.workspace_bytes, int) \
+                or self.workspace_bytes < 0:
+            raise ValueError(f"workspace_bytes must be a non-negative integer, got {self.workspace_bytes!r}")
         if self.collectives.world_size != self.world_size:
             raise ValueError(
                 f"collective model is for {self.collectives.world_size} ranks, device for {self.world_size}"
@@ -70,6 +76,7 @@ class DeviceInfo:
             "notes": self.notes,
             # only when there is one: descriptions of one level keep the dict (and the cache files) they had
             **({"topology": self.topology.to_dict()} if self.topology is not None else {}),
+            **({"workspace_bytes": self.workspace_bytes} if self.workspace_bytes else {}),
         }
 
     @classmethod
@@ -86,4 +93,5 @@ class DeviceInfo:
             flops={str(k): float(v) for k, v in d.get("flops", {}).items()},
             notes=str(d.get("notes", "")),
             topology=Topology.from_dict(d["topology"]) if d.get("topology") is not None else None,
+            workspace_bytes=int(d.get("workspace_bytes", 0)),
         )

@@ -16,6 +16,7 @@ from osdp import distributed
 from osdp.distributed import collectives as comm
 from osdp.machine.collective_model import COLLECTIVES, AlphaBeta, CollectiveModel, Topology
 from osdp.machine.device_info import DeviceInfo, _dtype_name
+from osdp.machine.workspace import device_workspace_bytes
 from osdp.machine.timing import StepTimer
 
 
@@ -239,6 +240,7 @@ def measure_device(
         device_type=device.type, collectives=collectives, flops=flops,
         notes="measured: collectives on the live process group, FLOP/s of a large matmul",
         topology=topology,
+        workspace_bytes=device_workspace_bytes(device),
     )
 
 

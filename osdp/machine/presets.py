@@ -9,6 +9,7 @@ from typing import Mapping
 
 from osdp.machine.collective_model import COLLECTIVES, CollectiveModel, Topology
 from osdp.machine.device_info import DeviceInfo
+from osdp.machine.workspace import training_workspace_bytes
 from osdp.sizes import parse_size
 
 
@@ -23,6 +24,7 @@ class DevicePreset:
     bus_bandwidth: Mapping[str, float]  # bytes/s, nccl-tests busbw convention
     latency_s: Mapping[str, float]
     max_world_size: int | None = None  # ranks one interconnect domain holds
+    capability: tuple[int, int] | None = None  # a GPU's compute capability: its matmul workspaces' size
 
     def device_info(self, name: str, world_size: int, memory: int | str | None = None) -> DeviceInfo:
         if world_size < 1:
@@ -41,6 +43,8 @@ class DevicePreset:
             collectives=CollectiveModel.ring(world_size, self.bus_bandwidth, self.latency_s, f"preset {name}"),
             flops=dict(self.flops),
             notes=self.description,
+            # PyTorch's defaults: the environment of the machine planning is not the cluster's
+            workspace_bytes=training_workspace_bytes(self.capability, env={}) if self.capability else 0,
         )
 
 
@@ -168,6 +172,7 @@ DEVICE_PRESETS: dict[str, DevicePreset | MultiNodePreset] = {
         # Small-message time of nccl-tests inside one NVLink node: ~10-30 us.
         _same(20e-6),
         max_world_size=8,
+        capability=(9, 0),
     ),
     "a100-80gb-nvlink": DevicePreset(
         "8x A100 SXM4 80GB, NVLink 3 + NVSwitch (600 GB/s bidirectional per GPU)",
@@ -178,6 +183,7 @@ DEVICE_PRESETS: dict[str, DevicePreset | MultiNodePreset] = {
         _same(230 * GB),
         _same(20e-6),
         max_world_size=8,
+        capability=(8, 0),
     ),
     "a100-40gb-nvlink": DevicePreset(
         "8x A100 SXM4 40GB, NVLink 3 + NVSwitch (600 GB/s bidirectional per GPU)",
@@ -186,6 +192,7 @@ DEVICE_PRESETS: dict[str, DevicePreset | MultiNodePreset] = {
         _same(230 * GB),  # same fabric as a100-80gb-nvlink
         _same(20e-6),
         max_world_size=8,
+        capability=(8, 0),
     ),
     "v100-32gb-nvlink": DevicePreset(
         "8x V100 SXM2 32GB, NVLink 2 hybrid cube mesh (DGX-1V: 6 links x 25 GB/s per direction)",
@@ -196,6 +203,7 @@ DEVICE_PRESETS: dict[str, DevicePreset | MultiNodePreset] = {
         _same(130 * GB),
         _same(25e-6),
         max_world_size=8,
+        capability=(7, 0),
     ),
     "h100-ib": DevicePreset(
         "H100 SXM5 80GB ranks talking over 400 Gb/s NDR InfiniBand, one NIC per GPU "
@@ -208,6 +216,7 @@ DEVICE_PRESETS: dict[str, DevicePreset | MultiNodePreset] = {
         _same(46 * GB),
         # nccl-tests small-message all-reduce over 2 nodes of NDR: ~46 us (NVIDIA/nccl#1244).
         _same(50e-6),
+        capability=(9, 0),
     ),
     "cpu-loopback": DevicePreset(
         "CPU ranks on one host, gloo over loopback TCP, one thread per rank "

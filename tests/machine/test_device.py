@@ -11,6 +11,7 @@ from osdp.machine.collective_model import COLLECTIVES, AlphaBeta, CollectiveMode
 from osdp.machine.device_info import DeviceInfo
 from osdp.machine.measure import combine_samples, measure_collectives, measure_device, measure_flops
 from osdp.machine.presets import DEVICE_PRESETS, device_preset, list_presets, multi_node_presets
+from osdp.machine.workspace import cublas_workspace_bytes, cublaslt_workspace_bytes, training_workspace_bytes
 from osdp.sizes import format_bytes, parse_size
 
 # ----------------------------------------------------------------------------- sizes
@@ -250,6 +251,26 @@ def test_device_info_round_trips_through_json():
         DeviceInfo.from_dict({k: v for k, v in d.to_dict().items() if k != "collectives"})
 
 
+def test_the_matmul_workspaces_follow_pytorchs_rule_and_environment():
+    MiB, KiB = 2**20, 2**10
+    assert cublas_workspace_bytes((9, 0), env={}) == 32 * MiB  # Hopper
+    assert cublas_workspace_bytes((10, 0), env={}) == 32 * MiB  # Blackwell
+    assert cublas_workspace_bytes((8, 0), env={}) == 8 * MiB + 128 * KiB  # ":4096:2:16:8"
+    assert cublas_workspace_bytes((9, 0), env={"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == 128 * KiB  # deterministic runs
+    assert cublas_workspace_bytes((8, 0), env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}) == 32 * MiB
+    assert cublaslt_workspace_bytes({}) == MiB
+    assert cublaslt_workspace_bytes({"CUBLASLT_WORKSPACE_SIZE": "4096"}) == 4 * MiB
+    # two handles, the forward's thread and autograd's: 66 MiB, what an H200 held before each plan's model
+    assert training_workspace_bytes((9, 0), env={}) == 66 * MiB
+    assert device_preset("h100-nvlink", 8).workspace_bytes == 66 * MiB
+    assert device_preset("h100-nvlink-ndr400", 16).workspace_bytes == 66 * MiB
+    assert device_preset("a100-80gb-nvlink", 8).workspace_bytes == 2 * (8 * MiB + 128 * KiB + MiB)
+    assert device_preset("cpu-loopback", 2).workspace_bytes == 0
+    h100 = device_preset("h100-nvlink", 8)
+    assert DeviceInfo.from_dict(json.loads(json.dumps(h100.to_dict()))) == h100
+    assert "workspace_bytes" not in device_preset("cpu-loopback", 2).to_dict()  # CPU records stay as they were
+
+
 def test_device_info_validates():
     ring = CollectiveModel.zero()
     assert DeviceInfo("x", "1GiB", 1, "cpu", ring).memory_bytes == 2**30
@@ -257,6 +278,8 @@ def test_device_info_validates():
         DeviceInfo("x", 2**30, 2, "cpu", ring)
     with pytest.raises(ValueError, match="device_type"):
         DeviceInfo("x", 2**30, 1, "tpu", ring)
+    with pytest.raises(ValueError, match="workspace_bytes must be a non-negative integer, got -1"):
+        DeviceInfo("x", 2**30, 1, "cuda", ring, workspace_bytes=-1)
 
 
 # ----------------------------------------------------------------------------- nodes x ranks per node
