@@ -123,9 +123,10 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
     (``after_backward_bytes``; ``until_backward_ends_bytes`` instead until the whole backward ends, for a unit
     FSDP2 reduces only then); v works on what it holds until its backward (its transients on top), and
     as its backward ends reduces into what it keeps after; the optimizer step finds every unit after its
-    backward. Units enclosing others (the root) are counted at the larger of their two all step, their
-    working set at the fullest moment inside them. In forward, what the unit that gathered last left
-    lingers (FSDP2 frees an all-gather output when the next is waited for, or as the root's forward ends).
+    backward, with the foreach optimizer's temporaries (``optimizer_step_bytes``). Units enclosing others
+    (the root) are counted at the larger of their two all step, their working set at the fullest moment
+    inside them. In forward, what the unit that gathered last left lingers (FSDP2 frees an all-gather
+    output when the next is waited for, or as the root's forward ends).
     """
     by_path = dict(zip(description.paths, costs))
     order = sequence_order(description)
@@ -155,7 +156,10 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
         left = gathered or left
     forward = fixed + held_before + before  # with the unit's own activations (no gradients yet)
     backward = fixed + held_before + np.array([own(p) for p in order], dtype=np.int64) + held_after
-    optimizer = fixed + int(after.sum())
+    # every backward done: the enclosing units hold what they keep after theirs (no activations); the foreach
+    # optimizer's temporaries are every unit's at once, in its step alone
+    optimizer = (fixed - sum(own(p) - part(p, "after_backward_bytes") for p in enclosing) + int(after.sum())
+                 + sum(part(p, "optimizer_step_bytes") for p in description.paths))
     moments = [(optimizer, "the optimizer step")]
     final_reduce = max((part(p, "final_reduce_bytes") for p in order if part(p, "until_backward_ends_bytes")),
                        default=None)
@@ -172,11 +176,14 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
             (optimizer + max(int(before[i]) - int(after[i]), 0) + part(path, "optimizer_temp_bytes"),
              "the optimizer step"),
         ]
+    backward_ended = fixed + int(after_in_backward.sum())
     for path in enclosing:
         inside = [i for i, p in enumerate(order) if path == ROOT or p.startswith(path + ".")]
-        fullest = max([optimizer, *(int(backward[i]) for i in inside)])
-        working = max(part(path, k) for k in ("bwd_transient_bytes", "post_backward_bytes", "optimizer_temp_bytes"))
+        # its backward runs between its inner units' backwards, or before or after them all
+        fullest = max([backward_ended, *(int(backward[i]) for i in inside)])
+        working = max(part(path, "bwd_transient_bytes"), part(path, "post_backward_bytes"))
         moments.append((fullest + working, f"the working set of {display_path(path)}"))
+        moments.append((optimizer + part(path, "optimizer_temp_bytes"), "the optimizer step"))
         # its forward, at the latest with every unit inside holding its activations
         fullest_forward = max([fixed, *(int(forward[i]) + linger_forward[i] for i in inside)])
         working = part(path, "fwd_transient_bytes")

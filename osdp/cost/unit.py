@@ -231,13 +231,14 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     if ddp:  # DDP: parameters used in place, gradients are views into buckets that live all step
         held = 0
         grad += USED_FLAG_BYTES * len(unit.param_shapes)  # the reducer's flag per parameter, in its bucket
-        always, before, after = persistent + grad, act, foreach_temps
+        always, before, after = persistent + grad, act, 0
         rs_input = largest_shard  # a fresh gradient, before the reducer copies it into its bucket
     else:
         held = gathered if (mode != "zero3" and not enclosing) else 0
         # a unit enclosing others stays gathered through the whole step
-        always, before, after = persistent + (gathered if enclosing else 0), act + held, grad + foreach_temps
-    mem = always + max(before, after)
+        always, before, after = persistent + (gathered if enclosing else 0), act + held, grad
+    # the foreach optimizer's temporaries exist only in its step, every unit's at once: not in the backward
+    mem = always + max(before, after + foreach_temps)
     # FSDP2 reduces a unit's gradients when its inputs' gradients are computed; one whose inputs need none (token
     # ids, a frozen part's output) is reduced only in the root's final callback: from its backward to the end of the
     # whole backward it holds its unsharded parameters and gradients, instead of its reduced shard. Left out of the
@@ -349,6 +350,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         "held_bytes": held, "gradient_bytes": grad, "fwd_transient_bytes": fwd, "bwd_transient_bytes": bwd,
         "post_backward_bytes": post, "optimizer_temp_bytes": optimizer_temp,
         "always_bytes": always, "before_backward_bytes": before, "after_backward_bytes": after, "ddp": float(ddp),
+        "optimizer_step_bytes": foreach_temps,  # beside after_backward_bytes in the optimizer step only
         # held instead of after_backward_bytes until the whole backward ends, and what its reduce then adds
         "until_backward_ends_bytes": late, "final_reduce_bytes": max(rs_input - gathered, 0) if late else 0,
         "gather_output_bytes": flat,

@@ -47,7 +47,7 @@ def test_a_model_planned_again_on_another_network_is_described_once(tmp_path, ca
     """The analytic describe reads the device's FLOP/s only: planning the same model for another network or
     world size takes the description from the cache, and says so."""
     monkeypatch.setenv("OSDP_CACHE_DIR", str(tmp_path))
-    args = ["--model", "gpt2-tiny", "--device-mem", "64MiB", "--batch-size", "2"]
+    args = ["--model", "gpt2-tiny", "--device-mem", "128MiB", "--batch-size", "2"]
     assert main([*args, "--world-size", "8", "--device", "h100-nvlink"]) == 0
     assert "described in" in capsys.readouterr().out
     assert main([*args, "--nodes", "2", "--gpus-per-node", "8", "--device", "h100-nvlink-100gbe"]) == 0

@@ -64,7 +64,8 @@ def walked_peak(description, prediction) -> int:
     """The schedule's peak by walking the step (the reference for ``osdp.cost.schedule.schedule_peak``): forwards in
     order, each leaving its all-gather output until the next unit gathers or the root's forward ends; backwards
     in reverse, each on its activations and then reducing into what it keeps; the optimizer; the units enclosing
-    others held all step, their working sets at the fullest moment inside them; the units FSDP2 reduces only as the
+    others held all step, their working sets at the fullest moment inside them, but for their activations in the
+    optimizer step; the foreach optimizer's temporaries in its step alone; the units FSDP2 reduces only as the
     backward ends holding their unsharded states until then."""
     parts = prediction.breakdown["units"]
     leaves = sequence_order(description)
@@ -102,13 +103,16 @@ def walked_peak(description, prediction) -> int:
         moments.append(live + max(parts[p]["final_reduce_bytes"] for p in late))
     live_at_end = live
     live -= sum(kept_in_backward(p) - parts[p]["after_backward_bytes"] for p in leaves)
+    # the optimizer step: the enclosing units without their activations, and every unit's foreach temporaries
+    live -= sum(own(e) - parts[e]["after_backward_bytes"] for e in enclosing)
+    live += sum(parts[p]["optimizer_step_bytes"] for p in parts)
     moments.append(live)
     moments += [live + max(parts[p]["before_backward_bytes"] - parts[p]["after_backward_bytes"], 0)
                 + parts[p]["optimizer_temp_bytes"] for p in leaves]
     for e in enclosing:
         inside = [p for p in leaves if e == "" or p.startswith(e + ".")]
-        moments.append(max([live, live_at_end, *(backward_at[p] for p in inside)])
-                       + working(e, "bwd_transient", "post_backward", "optimizer_temp"))
+        moments.append(max([live_at_end, *(backward_at[p] for p in inside)]) + working(e, "bwd_transient", "post_backward"))
+        moments.append(live + parts[e]["optimizer_temp_bytes"])
         moments.append(max([prediction.breakdown["base_bytes"] + sum(parts[p]["always_bytes"] for p in parts)
                             + sum(own(p) for p in enclosing), *(forward_at[p] for p in inside)])
                        + working(e, "fwd_transient"))
