@@ -10,8 +10,8 @@ have let theirs go); it leaves out the all-gather output FSDP2 keeps in forward.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -155,6 +155,7 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
         linger_forward.append(0 if gathered else left)
         left = gathered or left
     forward = fixed + held_before + before  # with the unit's own activations (no gradients yet)
+    linger_forward = np.array(linger_forward, dtype=np.int64)
     backward = fixed + held_before + np.array([own(p) for p in order], dtype=np.int64) + held_after
     # every backward done: the enclosing units hold what they keep after theirs (no activations); the foreach
     # optimizer's temporaries are every unit's at once, in its step alone
@@ -176,22 +177,42 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
             (optimizer + max(int(before[i]) - int(after[i]), 0) + part(path, "optimizer_temp_bytes"),
              "the optimizer step"),
         ]
-    backward_ended = fixed + int(after_in_backward.sum())
+    timeline = _Timeline(order, fixed, before, forward + linger_forward, backward,
+                         fixed + int(after_in_backward.sum()), optimizer, left)
     for path in enclosing:
-        inside = [i for i, p in enumerate(order) if path == ROOT or p.startswith(path + ".")]
-        # its backward runs between its inner units' backwards, or before or after them all
-        fullest = max([backward_ended, *(int(backward[i]) for i in inside)])
-        working = max(part(path, "bwd_transient_bytes"), part(path, "post_backward_bytes"))
-        moments.append((fullest + working, f"the working set of {display_path(path)}"))
-        moments.append((optimizer + part(path, "optimizer_temp_bytes"), "the optimizer step"))
-        # its forward, at the latest with every unit inside holding its activations
-        fullest_forward = max([fixed, *(int(forward[i]) + linger_forward[i] for i in inside)])
-        working = part(path, "fwd_transient_bytes")
-        if path == ROOT:  # the head, after the last unit's forward: what was gathered last is freed as it ends
-            gathered = part(path, "gather_output_bytes")
-            fullest_forward = max(fullest_forward + working,
-                                  fixed + int(before.sum()) + working - gathered + (left or gathered))
-        else:
-            fullest_forward += working
-        moments.append((fullest_forward, f"the forward of {display_path(path)}"))
+        moments += _enclosing_moments(path, part, timeline)
     return max(moments, key=lambda m: m[0])
+
+
+@dataclass(frozen=True)
+class _Timeline:
+    """What the units that run one after another hold at the moments of the step (``schedule_peak``)."""
+
+    order: list[str]  # the units in forward order
+    fixed: int  # held all step: the base, every unit's always-held bytes, the enclosing units' larger holding
+    before: np.ndarray  # per unit, what it holds from its forward to its backward
+    forward: np.ndarray  # as each unit's forward runs, with what the last gather left
+    backward: np.ndarray  # as each unit's backward runs
+    backward_ended: int  # every backward done, before the final reduces
+    optimizer: int  # in the optimizer step
+    last_gathered: int  # the all-gather output the last unit to gather left in forward
+
+
+def _enclosing_moments(path: str, part: Callable[[str, str], int], t: _Timeline) -> list[tuple[int, str]]:
+    """The moments of a unit enclosing others (the root, a block at nested granularity): its working sets where
+    they meet what the units inside it hold."""
+    inside = [i for i, p in enumerate(t.order) if path == ROOT or p.startswith(path + ".")]
+    fullest = max([t.backward_ended, *(int(t.backward[i]) for i in inside)])
+    # its backward runs between its inner units' backwards, or before or after them all
+    working = max(part(path, "bwd_transient_bytes"), part(path, "post_backward_bytes"))
+    moments = [(fullest + working, f"the working set of {display_path(path)}")]
+    moments.append((t.optimizer + part(path, "optimizer_temp_bytes"), "the optimizer step"))
+    # its forward, at the latest with every unit inside holding its activations
+    working = part(path, "fwd_transient_bytes")
+    fullest_forward = max([t.fixed, *(int(t.forward[i]) for i in inside)]) + working
+    if path == ROOT:  # the head, after the last unit's forward: what was gathered last is freed as it ends
+        gathered = part(path, "gather_output_bytes")
+        fullest_forward = max(fullest_forward,
+                              t.fixed + int(t.before.sum()) + working - gathered + (t.last_gathered or gathered))
+    moments.append((fullest_forward, f"the forward of {display_path(path)}"))
+    return moments
