@@ -215,6 +215,7 @@ class _Saved:
         self._live = _LiveBytes()
         self._finalizers: list[weakref.finalize] = []
         self.added = 0  # every saved byte counted so far, freed or not: what a stretch of the forward saved
+        self.saved_again: set[int] = set()  # storages a later unit saved too (a ReLU's output, its consumer's input)
 
     @property
     def live(self) -> dict[str, int]:
@@ -230,7 +231,12 @@ class _Saved:
         if self.segments.phase == "fwd" and t.layout == torch.strided:
             key = _storage_key(t)
             known = self._storages.get(key)
-            if key not in self.param_keys and (known is None or known() is None):
+            if key in self.param_keys:
+                pass
+            elif known is not None and known() is not None:
+                if self.first_saver[key] != self.segments.running:
+                    self.saved_again.add(key)
+            else:
                 owner = self.segments.running
                 nbytes = t.untyped_storage().nbytes()
                 self.first_saver[key] = owner
@@ -258,7 +264,11 @@ class _Saved:
         checkpointed too (the root and units enclosing others never are): the
         first unit that takes it as input counts it, so
         that a plan checkpointing both stays within its prediction (one that
-        checkpoints only the borrower is over-predicted by those bytes).
+        checkpoints only the borrower is over-predicted by those bytes). What
+        a unit saved that a later unit saves too (its last ReLU's output, the
+        next convolution's input) stays alive when the unit is checkpointed:
+        its checkpoint keeps counting it (a plan checkpointing both is
+        over-predicted by those bytes).
         """
         out = {p: {"act": 0, "ckpt": 0} for p in paths}
         for key, owner in self.first_saver.items():
@@ -274,6 +284,12 @@ class _Saved:
                     if self.first_saver.get(k) in lenders and self.first_saver.get(k) != path and k not in borrowed}
             borrowed.update(lent)
             out[path]["ckpt"] = own + sum(dead.values()) + sum(lent.values())
+        # what a unit saved that a later unit saved too (a ReLU's output, the next convolution's input) stays alive
+        # when the unit is checkpointed, until that unit's backward: the checkpointed unit keeps counting it
+        for key in self.saved_again:
+            owner = self.first_saver[key]
+            if owner in lenders and self._storages[key]() is not None:
+                out[owner]["ckpt"] += self.nbytes[key]
         return out
 
 

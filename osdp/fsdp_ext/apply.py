@@ -296,6 +296,7 @@ def apply_plan(
     except PlanError as e:
         error = e
     check_same_plan_everywhere(plan, error, local_ranks)
+    make_contiguous(model)
 
     node_scoped = any(u.shard_scope == "node" for u in plan.units)
     meshes = Meshes(device.type, world_size, local_ranks, node_scoped)
@@ -363,6 +364,17 @@ def _reduce_unevenly_used(model: nn.Module, plan: Plan, replicated: set[nn.Param
     reducer = ReplicaReducer(model, in_order, group=dist.new_group() if plan.routed else None)
     setattr(model, _REPLICATED_ATTR, reducer)
     return reducer
+
+
+def make_contiguous(model: nn.Module) -> None:
+    """Lay every parameter out contiguously, in place (the same Parameter, the same values): FSDP2 shards only
+    contiguous parameters, and a model trained in channels_last has 4-D convolution weights that are not. Done
+    under every plan, so that no plan shows another layout; convolutions still give channels_last outputs for
+    channels_last inputs."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
 
 
 def not_shardable(params: list[nn.Parameter]) -> set[nn.Parameter]:

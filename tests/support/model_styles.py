@@ -594,6 +594,31 @@ def _cnn_loss(out, batch, step):
     return loss + 0.3 * F.cross_entropy(aux, batch[1]) if step % 2 == 0 else loss  # aux unused on odd steps
 
 
+class ChannelsLastNet(nn.Module):
+    """A small ResNet trained in channels_last, as performance guides write it (its 4-D convolution weights are then
+    not contiguous, which FSDP2 cannot shard): a stem whose ReLU saves its output, the next stage's convolution
+    its input (one storage saved by two units), residual stages, global pooling, a classifier."""
+
+    def __init__(self, memory_format: torch.memory_format = torch.channels_last):
+        super().__init__()
+        self.memory_format = memory_format
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU())
+        self.stages = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.GroupNorm(4, 16), nn.SiLU()) for _ in range(3))
+        self.head = nn.Linear(16, 2)
+        self.to(memory_format=memory_format)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.stem(images.contiguous(memory_format=self.memory_format))
+        for stage in self.stages:
+            x = x + stage(x)
+        return F.cross_entropy(self.head(x.mean((2, 3))), labels)
+
+
+def _labelled_images(rows, g):
+    return torch.randn(rows, 3, 16, 16, generator=g), torch.randint(0, 2, (rows,), generator=g)
+
+
 STYLES = {
     # name: (model class, batch maker, loss(output, batch, step), the example's inputs from a batch)
     "lambda_gpt": (LambdaGPT, _tokens, lambda out, batch, step: out[1], lambda b: b),
@@ -615,6 +640,7 @@ STYLES = {
     "layerdrop": (LayerDropEncoder, _tokens, lambda out, batch, step: out, lambda b: b),
     "scalar_params": (ScalarParams, _tokens, lambda out, batch, step: out, lambda b: b),
     "data_branch": (DataBranch, _one_special_row, lambda out, batch, step: out, lambda b: b),
+    "channels_last": (ChannelsLastNet, _labelled_images, lambda out, batch, step: out, lambda b: b),
     "gru_attention": (AttentionGRUSeq2Seq, _translation,
                       lambda out, batch, step: F.nll_loss(out.flatten(0, 1), batch[1].flatten()), lambda b: b),
 }
