@@ -168,7 +168,7 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
         moments.append((fixed + int(after_in_backward.sum()) + final_reduce, "the end of the backward"))
     for i, path in enumerate(order):
         moments += [
-            (int(forward[i]) + linger_forward[i] + part(path, "fwd_transient_bytes"),
+            (int(forward[i]) + int(linger_forward[i]) + part(path, "fwd_transient_bytes"),
              f"forward of {display_path(path)}"),
             # its backward works on what it held until then; as it ends it reduces into what it keeps after
             (int(backward[i]) - own(path) + int(before[i]) + part(path, "bwd_transient_bytes"),
@@ -181,7 +181,8 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
                          fixed + int(after_in_backward.sum()), optimizer, left)
     for path in enclosing:
         moments += _enclosing_moments(path, part, timeline)
-    return max(moments, key=lambda m: m[0])
+    peak, moment = max(moments, key=lambda m: m[0])
+    return int(peak), moment
 
 
 @dataclass(frozen=True)
