@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
 from dist_harness import run_ranks
 from toy_models import GPT
 from training_check import full_state
@@ -249,6 +250,12 @@ def _errors_on_every_rank(rank, world_size):
                                                device_mem="1GiB", example_input=torch.zeros(4, 3, dtype=torch.long))),
         "no_loss_fn": _message(lambda: osdp.wrap(TupleOut(), device_mem="1GiB", example_input=torch.randn(4, 8),
                                                  planning_device="cpu-loopback")),
+        "ddp": _message(lambda: osdp.wrap(nn.parallel.DistributedDataParallel(_seeded(Uneven)), strategy="fsdp")),
+        "inner_ddp": _message(lambda: osdp.wrap(nn.Sequential(nn.parallel.DistributedDataParallel(nn.Linear(7, 7)),
+                                                              nn.Linear(7, 3)), device_mem="1GiB",
+                                                example_input=torch.randn(4, 7))),
+        "fully_shard": _message(lambda: osdp.wrap(fully_shard(_seeded(Uneven)), strategy="ddp")),
+        "osdp_twice": _message(lambda: osdp.wrap(osdp.wrap(_seeded(Uneven), strategy="zero2"), strategy="fsdp")),
     }
 
 
@@ -326,7 +333,7 @@ def test_mismatched_plans_and_plans_for_another_model_fail_on_every_rank(on_2):
             "another module; use split=1"))
 
 
-def test_models_without_parameters_not_materialized_or_renormalizing_rows_are_refused_on_every_rank(on_2):
+def test_models_without_parameters_not_materialized_renormalizing_rows_or_already_distributed_are_refused(on_2):
     meta = ("PlanError", "the model is not materialized: 6 of its 6 parameters and buffers are on the meta device "
                          "(inp.weight, inp.bias, mid.0.weight, mid.0.bias and 2 more); build it on a real device, "
                          "or call model.to_empty(device=...) and initialise its parameters, before osdp.wrap")
@@ -348,6 +355,15 @@ def test_models_without_parameters_not_materialized_or_renormalizing_rows_are_re
         assert errors["lazy"][:2] == lazy and errors["lazy_budget"][:2] == lazy
         assert errors["max_norm"][0] == "PlanError" and errors["max_norm"][1].startswith(
             "0: an embedding with max_norm renormalizes in place"), errors["max_norm"]
+        for name, where, what in (("ddp", "the model", "DistributedDataParallel"),
+                                  ("inner_ddp", "its module '0'", "DistributedDataParallel"),
+                                  ("fully_shard", "the model", "fully_shard")):
+            assert errors[name][:2] == ("PlanError", (
+                f"{where} is already distributed by {what}: osdp replicates and shards the model itself, and two "
+                "of them would reduce the same gradients; pass the model as built, before DistributedDataParallel "
+                "or fully_shard (a DistributedDataParallel's model.module)")), errors[name]
+        assert errors["osdp_twice"][:2] == ("PlanError", "this model is already wrapped by osdp; wrap a fresh model "
+                                                         "(osdp.plan_of(model) shows its plan)")
     # only rank 1's model is on the meta device: rank 0 is told, not left waiting
     assert on_2[1][0]["meta_on_one_rank"][:2] == half
     assert on_2[0][0]["meta_on_one_rank"][:2] == ("PlanError", f"rank(s) [1] failed: PlanError: {half[1]}")

@@ -116,13 +116,27 @@ def complete_plan(model: nn.Module, plan: Plan) -> Plan:
 
 
 def check_model(model: nn.Module, device: torch.device) -> None:
-    """Raise PlanError unless the model has parameters, all materialized on one device that ``device`` can use,
-    none lazy (``nn.LazyLinear`` before its first forward), and no embedding that renormalizes its rows in its
-    forward (``max_norm``) when the job has several ranks.
+    """Raise PlanError unless the model is not yet distributed (by osdp, DistributedDataParallel or fully_shard),
+    has parameters, all materialized on one device that ``device`` can use, none lazy (``nn.LazyLinear`` before
+    its first forward), and no embedding that renormalizes its rows in its forward (``max_norm``) when the job has
+    several ranks.
 
     FSDP2 would accept a model on the meta device (or spread over devices) and
     fail only at the first forward, or worse; osdp says so before anything changes.
     """
+    if getattr(model, _PLAN_ATTR, None) is not None:
+        raise PlanError("this model is already wrapped by osdp; wrap a fresh model (osdp.plan_of(model) shows its plan)")
+    wrappers = [name for name, m in model.named_modules()
+                if isinstance(m, (nn.parallel.DistributedDataParallel, FSDPModule))]
+    if wrappers:
+        what = "DistributedDataParallel" if isinstance(model.get_submodule(wrappers[0]),
+                                                        nn.parallel.DistributedDataParallel) else "fully_shard"
+        where = "the model" if wrappers[0] == ROOT else f"its module '{wrappers[0]}'"
+        raise PlanError(
+            f"{where} is already distributed by {what}: osdp replicates and shards the model itself, and two of "
+            "them would reduce the same gradients; pass the model as built, before DistributedDataParallel or "
+            "fully_shard (a DistributedDataParallel's model.module)"
+        )
     if next(model.parameters(), None) is None:
         raise PlanError("the model has no parameters: there is nothing to shard or replicate")
     sparse = [name for name, m in model.named_modules()
