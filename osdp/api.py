@@ -121,6 +121,8 @@ def wrap(
     a peak over the budget warns on that rank (``BudgetExceededWarning``);
     ``check_budget=False`` turns that off.
 
+    A model compiled before (``torch.compile(model)``) is wrapped in its compiled module and returned compiled.
+
     Collective: every rank of the default process group calls it the same way.
     Returns the model, now managed by FSDP2; ``osdp.plan_of(model)`` gives the
     plan that was applied.
@@ -135,6 +137,8 @@ def wrap(
         raise ValueError(f"{sorted(plan_options)} only apply with device_mem=...")
     if device_mem is not None and example_input is None:
         raise ValueError("osdp.wrap(device_mem=...) needs example_input=... (one micro-batch) to measure the model")
+    compiled = model
+    model = compiled_module(model)  # torch.compile(model)'s module: wrapped in place, called through the compiled one
     ensure_process_group()
     error: PlanError | None = None
     try:  # before the search's collectives and any look at the units: a model that cannot be wrapped fails now
@@ -148,7 +152,16 @@ def wrap(
     if device_mem is not None and check_budget:
         check_first_step(model, torch.device(device) if device is not None else job_device(),
                          plan.meta["budget_bytes"], plan.predicted_peak_bytes)
-    return model
+    return model if compiled is model else compiled
+
+
+def compiled_module(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile(module)`` compiled, else ``model``: FSDP2's and osdp's hooks go on it, and the
+    compiled wrapper (which hands its attributes through: ``plan_of``, FSDP2's methods) runs its forward with them,
+    breaking its graph at FSDP2's hooks, as ``model.compile()`` on a wrapped model does."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return model._orig_mod if isinstance(model, OptimizedModule) else model
 
 
 __all__ = ["wrap", "plan_of", "set_requires_gradient_sync", "strategy_plan"]

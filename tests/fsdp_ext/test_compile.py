@@ -1,4 +1,5 @@
-"""torch.compile over a wrapped model, per unit (``osdp.compile_units``) and whole (``model.compile``): every
+"""torch.compile over a wrapped model, per unit (``osdp.compile_units``) and whole (``model.compile``), and a model
+compiled before it was wrapped (``osdp.wrap(torch.compile(model))``): every
 plan kind (DDP, zero2, FSDP, two mixed plans with checkpointing, split) trains equal to one process, with
 graphs really compiled; SplitLinear runs eagerly between them.
 
@@ -23,29 +24,34 @@ def train_compiled(rank, world_size, plans_json, how):
     results = []
     for plan_json in plans_json:
         torch._dynamo.reset()
-        model = build_toy()
-        osdp.wrap(model, plan=plan_json)
+        if how == "before":  # torch.compile first, as most scripts write it: osdp.wrap returns it compiled
+            model = osdp.wrap(torch.compile(build_toy(), backend="aot_eager"), plan=plan_json)
+            assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+            assert osdp.plan_of(model).hash == osdp.Plan.from_json(plan_json).hash
+        else:
+            model = build_toy()
+            osdp.wrap(model, plan=plan_json)
         if how == "units":
             compiled = osdp.compile_units(model, backend="aot_eager")
             assert compiled and "" not in compiled
-        else:
+        elif how == "model":
             model.compile(backend="aot_eager")
         counters.clear()
         losses = train(model, toy_batches(), rank, world_size)
         graphs = counters["stats"]["unique_graphs"]
-        state = full_state(model)  # collective: every rank takes part
+        state = full_state(getattr(model, "_orig_mod", model))  # collective: every rank takes part
         results.append((losses, state if rank == 0 else None, graphs))
     return results
 
 
-@pytest.mark.parametrize("how", ["units", "model"])
+@pytest.mark.parametrize("how", ["units", "model", "before"])
 def test_compiled_training_matches_single_process(how):
     plans = every_mode_plans(build_toy())
     assert {"mixed_a", "split"} <= set(plans)
     out = run_ranks(train_compiled, 2, [p.to_json() for p in plans.values()], how, timeout=600)
     assert_matches_reference(out, reference(build_toy, toy_batches()), list(plans))
     for i, (name, plan) in enumerate(plans.items()):
-        if how == "model" and plan.unit("").checkpoint:
+        if how in ("model", "before") and plan.unit("").checkpoint:
             # mixed_b checkpoints the root: one checkpointed region around the whole forward, which Dynamo
             # cannot break around FSDP2's hooks inside, so it runs eagerly (the search never checkpoints a
             # unit enclosing others; compile_units compiles the units inside it)
