@@ -351,8 +351,10 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         "post_backward_bytes": post, "optimizer_temp_bytes": optimizer_temp,
         "always_bytes": always, "before_backward_bytes": before, "after_backward_bytes": after, "ddp": float(ddp),
         "optimizer_step_bytes": foreach_temps,  # beside after_backward_bytes in the optimizer step only
-        # held instead of after_backward_bytes until the whole backward ends, and what its reduce then adds
-        "until_backward_ends_bytes": late, "final_reduce_bytes": max(rs_input - gathered, 0) if late else 0,
+        # held instead of after_backward_bytes until the whole backward ends, and what its reduce then adds: FSDP2
+        # reshards its parameters, then copies the unsharded gradients into the reduce-scatter input and reduces it
+        # into the new shard while both are alive
+        "until_backward_ends_bytes": late, "final_reduce_bytes": max(rs_input + grad - gathered, 0) if late else 0,
         "gather_output_bytes": flat,
         # what its neighbours meet of it in the plan (``plan_neighbours``): the all-gather output FSDP2 prefetches
         # in backward (a unit resharded after forward) and the reduce-scatter input FSDP2 keeps after its backward

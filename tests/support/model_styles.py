@@ -615,6 +615,28 @@ class ChannelsLastNet(nn.Module):
         return F.cross_entropy(self.head(x.mean((2, 3))), labels)
 
 
+class TaskHeads(nn.Module):
+    """Multi-task heads as a ParameterDict the forward picks from (no module of their own: the root holds them),
+    over a trunk of raw features (its input needs no gradient, so FSDP2 reduces it only as the backward ends) and a
+    middle Linear large enough to split."""
+
+    def __init__(self, h: int = 256):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(16, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU())
+        self.mid = nn.Sequential(nn.Linear(h, h), nn.Tanh())
+        self.heads = nn.ParameterDict({"a": nn.Parameter(torch.randn(h, 5) * 0.1),
+                                       "b": nn.Parameter(torch.randn(h, 3) * 0.1)})
+
+    def forward(self, features: torch.Tensor, labels_a: torch.Tensor, labels_b: torch.Tensor) -> torch.Tensor:
+        h = self.mid(self.trunk(features))
+        return F.cross_entropy(h @ self.heads["a"], labels_a) + F.cross_entropy(h @ self.heads["b"], labels_b)
+
+
+def _two_tasks(rows, g):
+    return (torch.randn(rows, 16, generator=g), torch.randint(0, 5, (rows,), generator=g),
+            torch.randint(0, 3, (rows,), generator=g))
+
+
 def _labelled_images(rows, g):
     return torch.randn(rows, 3, 16, 16, generator=g), torch.randint(0, 2, (rows,), generator=g)
 
@@ -641,6 +663,7 @@ STYLES = {
     "scalar_params": (ScalarParams, _tokens, lambda out, batch, step: out, lambda b: b),
     "data_branch": (DataBranch, _one_special_row, lambda out, batch, step: out, lambda b: b),
     "channels_last": (ChannelsLastNet, _labelled_images, lambda out, batch, step: out, lambda b: b),
+    "task_heads": (TaskHeads, _two_tasks, lambda out, batch, step: out, lambda b: b),
     "gru_attention": (AttentionGRUSeq2Seq, _translation,
                       lambda out, batch, step: F.nll_loss(out.flatten(0, 1), batch[1].flatten()), lambda b: b),
 }
