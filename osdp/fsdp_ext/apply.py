@@ -192,8 +192,6 @@ def validate_plan(model: nn.Module, plan: Plan, world_size: int) -> tuple[list[U
     groups (``fsdp_ext.groups.group_members``).
 
     Raises PlanError."""
-    if getattr(model, _PLAN_ATTR, None) is not None:
-        raise PlanError("this model is already wrapped by osdp; wrap a fresh model (osdp.plan_of(model) shows its plan)")
     if plan.world_size is not None and plan.world_size != world_size:
         raise PlanError(
             f"the plan was made for world size {plan.world_size} but this job has {world_size} ranks; "
