@@ -29,12 +29,12 @@ The measuring passes are ``describe.measure``'s, what a unit's bytes and seconds
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map_only
 
 from osdp.describe.attribution import synchronizer
 from osdp.describe.cache import PROFILE_VERSION, cache_key, cached_path, model_fingerprint, read_cached
@@ -219,26 +219,36 @@ def _measure_precision(model: nn.Module, units: Sequence[Unit], example_input: A
     """Every unit's workload at precision ``prec`` (memory and time at each micro-batch size, fitted linear in
     it; ``routed``: the routed containers, see ``memory_pass``), the timed steps' checks, and the order the units
     ran in."""
-    runnable = model if prec == "fp32" else _copy_in(model, PRECISIONS[prec])
-    runnable_units = build_units(runnable, [u.path for u in units])
+    with contextlib.ExitStack() as stack:
+        if prec != "fp32":
+            stack.enter_context(_in_precision(model, units, PRECISIONS[prec]))
+        return _measure(model, units, example_input, sizes, prec, loss_fn, repeats, time_budget_s, show, policies,
+                        routed)
+
+
+def _measure(model: nn.Module, units: Sequence[Unit], example_input: Any, sizes: tuple[int, ...], prec: str,
+             loss_fn, repeats: int | None, time_budget_s: float, show: Progress, policies: tuple[str, ...],
+             routed: Sequence[str]) -> tuple[dict[str, UnitWorkload], dict[str, Any], list[str]]:
+    """``_measure_precision``'s measurements, on the model as it is now."""
+    measured_units = build_units(model, [u.path for u in units])
     sync = synchronizer(next(model.parameters()).device)
     show(f"{prec}: warm-up")
-    step_s = _warm_up(runnable, resize_batch(example_input, sizes[-1]), loss_fn)
+    step_s = _warm_up(model, resize_batch(example_input, sizes[-1]), loss_fn)
     reps = repeats or max(2, min(7, int(time_budget_s / max(step_s, 1e-4) / 2.5 / len(sizes))))
     memory, seconds, checks, order = {}, {}, {}, []
-    policies = policies if checkpointable(runnable_units) else ()
+    policies = policies if checkpointable(measured_units) else ()
     recompute: dict[str, dict[int, dict[str, float]]] = {p: {} for p in policies}
     for i, b in enumerate(sizes):
         show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps")
         batch = resize_batch(example_input, b)
-        memory[b], order = memory_pass(runnable, runnable_units, batch, loss_fn, routed=routed)
-        takers = {p: may_checkpoint(runnable_units, memory[b], p) for p in policies}
-        timing = _time_at(runnable, runnable_units, batch, loss_fn, reps, sync, takers)
+        memory[b], order = memory_pass(model, measured_units, batch, loss_fn, routed=routed)
+        takers = {p: may_checkpoint(measured_units, memory[b], p) for p in policies}
+        timing = _time_at(model, measured_units, batch, loss_fn, reps, sync, takers)
         seconds[b] = timing["seconds"]
         checks[str(b)] = {k: timing[k] for k in ("step_s", "hooked_step_s")}
         for policy in policies:
             recompute[policy][b] = timing["recompute_seconds"][policy]
-    costs = fit_costs(runnable_units, sizes, memory, seconds, recompute_seconds=recompute or None)
+    costs = fit_costs(measured_units, sizes, memory, seconds, recompute_seconds=recompute or None)
     return costs, checks, order
 
 
@@ -266,9 +276,33 @@ def describe_once(model: nn.Module, example_input: Any, **settings: Any) -> Mode
     return payload
 
 
-def _copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A copy with floating parameters and buffers in ``dtype``: what FSDP's mixed precision computes with."""
-    return copy.deepcopy(model).to(dtype)
+@contextlib.contextmanager
+def _in_precision(model: nn.Module, units: Sequence[Unit], dtype: torch.dtype) -> Iterator[None]:
+    """The model as FSDP's mixed precision runs it, in place, restored after: floating parameters and buffers in
+    ``dtype`` (the same modules, so that a forward reaching one through a closure, as minGPT's ``mlpf`` lambda
+    does, computes in it too), and every unit's floating inputs cast to ``dtype`` as FSDP2 casts them
+    (``MixedPrecisionPolicy.cast_forward_inputs``: the root's images, a mask a forward builds in float)."""
+    kept = [(t, t.data) for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+
+    def cast(tree: Any) -> Any:
+        return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+    def cast_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return cast(args), cast(kwargs)
+
+    modules = dict(model.named_modules())
+    hooks = [modules[u.path].register_forward_pre_hook(cast_inputs, with_kwargs=True) for u in units]
+    try:
+        with torch.no_grad():
+            for t, data in kept:
+                t.data = data.to(dtype)
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+        for t, data in kept:
+            t.data = data
 
 
 def _warm_up(model: nn.Module, batch: Any, loss_fn) -> float:

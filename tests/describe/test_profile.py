@@ -499,3 +499,51 @@ def test_describing_a_model_keeps_nothing_of_it_alive(which):
     model_ref, param_ref = described()
     gc.collect()
     assert model_ref() is None and param_ref() is None
+
+
+class _ClosureMLP(nn.Module):
+    """minGPT's block: the MLP's Linears in a ModuleDict, called through a lambda that closes over it."""
+
+    def __init__(self, h: int = 32):
+        super().__init__()
+        self.mlp = nn.ModuleDict(dict(c_fc=nn.Linear(h, 4 * h), c_proj=nn.Linear(4 * h, h)))
+        m = self.mlp
+        self.mlpf = lambda x: m.c_proj(F.gelu(m.c_fc(x)))
+
+    def forward(self, x):
+        return x + self.mlpf(x)
+
+
+class _ImageNet(nn.Module):
+    """Float images in, as a vision model takes them: FSDP2's mixed precision casts them to bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.blocks = nn.ModuleList(_ClosureMLP(8) for _ in range(2))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, images):
+        x = self.conv(images).mean((2, 3))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+def test_bf16_is_described_as_fsdp_runs_it_in_place_with_float_inputs_cast():
+    """The bf16 description runs the model itself with its floating parameters in bf16 and every unit's float
+    inputs cast, as FSDP2's MixedPrecisionPolicy does: a forward reaching its Linears through a closure (minGPT's
+    ``mlpf``) and float images (both failed on a bf16 copy of the model: the closure reached the fp32 originals,
+    the images stayed fp32) are described; the model is left in fp32 as it was."""
+    torch.manual_seed(0)
+    model = _ImageNet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    images = torch.randn(8, 3, 8, 8)
+    d = describe(model, images, batch_sizes=(4, 8), precisions=("fp32", "bf16"), cache=False, progress=False,
+                 repeats=1)
+    assert {k: (v.dtype, v.tolist()) for k, v in model.state_dict().items()} == \
+        {k: (v.dtype, v.tolist()) for k, v in before.items()}
+    assert all(p.grad is None for p in model.parameters())
+    for path in ("blocks.0", "blocks.1"):
+        fp32, bf16 = (d.unit(path).costs[p].act_bytes.bytes(8) for p in ("fp32", "bf16"))
+        assert bf16 * 2 == fp32 > 0, (path, fp32, bf16)  # every saved activation in 2 bytes, not 4
