@@ -88,7 +88,7 @@ def describe(
     or a dict (keyword arguments), batch in dim 0. The model must return a
     scalar loss, or ``loss_fn(output)`` must. ``batch_sizes`` default to half
     the example's and the example's. ``precisions``: "fp32" and/or "bf16"
-    (measured on a bf16 copy, as FSDP's mixed precision computes). ``units``
+    (measured as FSDP's mixed precision computes: ``_in_precision``). ``units``
     default to ``osdp.discover_units`` at ``granularity`` with call counts, so
     a module that runs twice per forward is merged into its parent. ``checkpoint_policies``: the
     checkpointing whose recompute is timed (a unit not described for one is not offered it). ``uneven``: the
