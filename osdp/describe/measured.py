@@ -50,7 +50,7 @@ from osdp.describe.measure import (
     time_optimizers,
     unit_profiles,
 )
-from osdp.describe.units import Unit, build_units, checkpointable, structure_signature
+from osdp.describe.units import Unit, checkpointable, structure_signature
 from osdp.log import Progress
 from osdp.machine.identity import device_name
 from osdp.machine.timing import StepTimer
@@ -219,37 +219,26 @@ def _measure_precision(model: nn.Module, units: Sequence[Unit], example_input: A
     """Every unit's workload at precision ``prec`` (memory and time at each micro-batch size, fitted linear in
     it; ``routed``: the routed containers, see ``memory_pass``), the timed steps' checks, and the order the units
     ran in."""
-    with contextlib.ExitStack() as stack:
-        if prec != "fp32":
-            stack.enter_context(_in_precision(model, units, PRECISIONS[prec]))
-        return _measure(model, units, example_input, sizes, prec, loss_fn, repeats, time_budget_s, show, policies,
-                        routed)
-
-
-def _measure(model: nn.Module, units: Sequence[Unit], example_input: Any, sizes: tuple[int, ...], prec: str,
-             loss_fn, repeats: int | None, time_budget_s: float, show: Progress, policies: tuple[str, ...],
-             routed: Sequence[str]) -> tuple[dict[str, UnitWorkload], dict[str, Any], list[str]]:
-    """``_measure_precision``'s measurements, on the model as it is now."""
-    measured_units = build_units(model, [u.path for u in units])
-    sync = synchronizer(next(model.parameters()).device)
-    show(f"{prec}: warm-up")
-    step_s = _warm_up(model, resize_batch(example_input, sizes[-1]), loss_fn)
-    reps = repeats or max(2, min(7, int(time_budget_s / max(step_s, 1e-4) / 2.5 / len(sizes))))
-    memory, seconds, checks, order = {}, {}, {}, []
-    policies = policies if checkpointable(measured_units) else ()
-    recompute: dict[str, dict[int, dict[str, float]]] = {p: {} for p in policies}
-    for i, b in enumerate(sizes):
-        show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps")
-        batch = resize_batch(example_input, b)
-        memory[b], order = memory_pass(model, measured_units, batch, loss_fn, routed=routed)
-        takers = {p: may_checkpoint(measured_units, memory[b], p) for p in policies}
-        timing = _time_at(model, measured_units, batch, loss_fn, reps, sync, takers)
-        seconds[b] = timing["seconds"]
-        checks[str(b)] = {k: timing[k] for k in ("step_s", "hooked_step_s")}
-        for policy in policies:
-            recompute[policy][b] = timing["recompute_seconds"][policy]
-    costs = fit_costs(measured_units, sizes, memory, seconds, recompute_seconds=recompute or None)
-    return costs, checks, order
+    with _in_precision(model, units, PRECISIONS[prec]) if prec != "fp32" else contextlib.nullcontext():
+        sync = synchronizer(next(model.parameters()).device)
+        show(f"{prec}: warm-up")
+        step_s = _warm_up(model, resize_batch(example_input, sizes[-1]), loss_fn)
+        reps = repeats or max(2, min(7, int(time_budget_s / max(step_s, 1e-4) / 2.5 / len(sizes))))
+        memory, seconds, checks, order = {}, {}, {}, []
+        policies = policies if checkpointable(units) else ()
+        recompute: dict[str, dict[int, dict[str, float]]] = {p: {} for p in policies}
+        for i, b in enumerate(sizes):
+            show(f"{prec}: micro-batch {b} ({i + 1}/{len(sizes)}), {reps} timed steps")
+            batch = resize_batch(example_input, b)
+            memory[b], order = memory_pass(model, units, batch, loss_fn, routed=routed)
+            takers = {p: may_checkpoint(units, memory[b], p) for p in policies}
+            timing = _time_at(model, units, batch, loss_fn, reps, sync, takers)
+            seconds[b] = timing["seconds"]
+            checks[str(b)] = {k: timing[k] for k in ("step_s", "hooked_step_s")}
+            for policy in policies:
+                recompute[policy][b] = timing["recompute_seconds"][policy]
+        costs = fit_costs(units, sizes, memory, seconds, recompute_seconds=recompute or None)
+        return costs, checks, order
 
 
 def describe_once(model: nn.Module, example_input: Any, **settings: Any) -> ModelDescription:
