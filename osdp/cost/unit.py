@@ -206,12 +206,14 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     fsdp_padded = sum(_padded_numel(s, shard_n) for s in fsdp_shapes)
     fsdp_full = sum(math.prod(s) for s in fsdp_shapes)
     split_rows = []  # per split Linear: (rows per rank, largest slice's rows per rank, in_features, slices)
+    split_outputs = []  # per split Linear: (out_features, rows per rank, largest slice's rows per rank)
     if split:
         from osdp.split import split_layout
 
         for out_f, in_f in split:
             rows, pieces = split_layout(out_f, n, k)
             split_rows.append((rows, max(pieces), in_f, len(pieces)))
+            split_outputs.append((out_f, rows, max(pieces)))
     shard_numel = fsdp_padded // shard_n + sum(rows * in_f for rows, _, in_f, _ in split_rows)
 
     # -- memory ------------------------------------------------------------------
@@ -237,6 +239,10 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         held = gathered if (mode != "zero3" and not enclosing) else 0
         # a unit enclosing others stays gathered through the whole step
         always, before, after = persistent + (gathered if enclosing else 0), act + held, grad
+    # gloo has no reduce-scatter: on CPU osdp's is an all-reduce of a copy of its input
+    # (osdp.distributed.collectives.native_reduce_scatter), alive while it runs, after FSDP2 freed the unsharded
+    # gradients it copied into that input (as large in fp32; half as large in bf16). None over a group of one
+    reduce_copy = rs_input if (ctx.device.device_type == "cpu" and mode != "replicate" and group_n > 1) else 0
     # the foreach optimizer's temporaries exist only in its step, every unit's at once: not in the backward
     mem = always + max(before, after + foreach_temps)
     # FSDP2 reduces a unit's gradients when its inputs' gradients are computed; one whose inputs need none (token
@@ -258,6 +264,11 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     post = costs.bwd_end_bytes.signed_bytes(b) + (blocks - 1) * block_grad - act + rs_input
     if late:  # nothing is reduced yet: the unsharded gradients in the working set are what it holds on (late)
         post -= rs_input + dt * fsdp_full
+    else:
+        # FSDP2 reshards (frees what ``before`` holds beyond the activations) and frees the unsharded gradients
+        # before it reduces: then the input, its copy (on CPU) and the new shard are alive
+        reduce_out = _REDUCE_BYTES * fsdp_padded // shard_n
+        post += max(reduce_copy + reduce_out - dt * fsdp_full - (max(before, after) - act), 0)
     if policy == "selective" and costs.sac_unsaved_bytes is not None:  # kept beside the backward's working set
         unsaved = costs.sac_unsaved_bytes.signed_bytes(b)  # until the backward ends
         temp_bwd, post = temp_bwd + unsaved, post + unsaved
@@ -277,9 +288,16 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
             bwd += gathered
         post += prefetched
     if split_rows:
+        # the two gather buffers; in backward also a slice's weight gradient before and after its reduce
+        slice_copy = _REDUCE_BYTES if ctx.device.device_type == "cpu" else 0
         slice_fwd = max(2 * n * q * in_f * dt for _, q, in_f, _ in split_rows)
-        slice_bwd = max(2 * n * q * in_f * (dt + _REDUCE_BYTES) for _, q, in_f, _ in split_rows)
-        fwd, bwd = fwd + slice_fwd, bwd + slice_bwd
+        # (two in flight: each the product in the compute dtype, cast for the reduce, and the reduce's copy on CPU)
+        per_element = max(2 * (dt + _REDUCE_BYTES),
+                          2 * (_REDUCE_BYTES + slice_copy) + (dt if dt != _REDUCE_BYTES else 0))
+        slice_bwd = max(n * q * in_f * per_element for _, q, in_f, _ in split_rows)
+        tokens = costs.split_rows(b) if costs.split_rows is not None else 0.0
+        out_fwd, out_bwd = zip(*(_split_output_bytes(tokens * dt, n, *o) for o in split_outputs))
+        fwd, bwd = fwd + slice_fwd + max(out_fwd), bwd + slice_bwd + max(out_bwd)
     optimizer_temp = 0 if foreach else 2 * largest_shard
     transient = max(fwd, bwd, post, optimizer_temp)
 
@@ -354,7 +372,8 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         # held instead of after_backward_bytes until the whole backward ends, and what its reduce then adds: FSDP2
         # reshards its parameters, then copies the unsharded gradients into the reduce-scatter input and reduces it
         # into the new shard while both are alive
-        "until_backward_ends_bytes": late, "final_reduce_bytes": max(rs_input + grad - gathered, 0) if late else 0,
+        "until_backward_ends_bytes": late, "final_reduce_bytes": (
+            max(rs_input + grad + max(dt * fsdp_full, reduce_copy) - gathered - dt * fsdp_full, 0) if late else 0),
         "gather_output_bytes": flat,
         # what its neighbours meet of it in the plan (``plan_neighbours``): the all-gather output FSDP2 prefetches
         # in backward (a unit resharded after forward) and the reduce-scatter input FSDP2 keeps after its backward
@@ -363,6 +382,18 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         "kept_reduce_input_bytes": 0 if ddp else rs_input,
     }
     return OptionCost(time_s, int(mem), int(transient), parts)
+
+
+def _split_output_bytes(row_bytes: float, n: int, out_features: int, rows: int, q: int) -> tuple[int, int]:
+    """What a split Linear's loop (``osdp.split._loop``) holds beyond an ``nn.Linear``'s output and output gradient,
+    in its forward and its backward, for inputs of ``row_bytes`` per output column: each slice's product (every
+    rank's q columns, before it is copied into the output) and each slice's output gradient (copied out of the
+    whole); where the ranks' rows overhang ``out_features`` (padded tail ranks), the output in the padded layout,
+    copied into one without the padding as the forward ends, and the output gradient padded to that layout."""
+    padded = n * rows != out_features
+    fwd = max(n * q + n * rows - out_features, n * rows) if padded else n * q
+    bwd = n * q + (n * rows if padded else 0)
+    return math.ceil(row_bytes * fwd), math.ceil(row_bytes * bwd)
 
 
 def sqrt_segments(*seconds: float) -> float:

@@ -152,6 +152,32 @@ class Segments:
         return tuple(hooked(a) for a in args), {k: hooked(v) for k, v in kwargs.items()}
 
 
+class LinearRows:
+    """Per unit, the most rows (input elements over ``in_features``) a call of one of its ``nn.Linear`` modules took:
+    a split Linear's loop makes its per-slice temporaries that many rows tall (``UnitWorkload.split_rows``)."""
+
+    def __init__(self, model: nn.Module, segments: Segments):
+        self.linears = [m for m in model.modules() if type(m) is nn.Linear]
+        self.segments = segments
+        self.rows: dict[str, int] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "LinearRows":
+        self._handles = [m.register_forward_pre_hook(self._called) for m in self.linears]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _called(self, module: nn.Linear, args: tuple) -> None:
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1]:
+            owner = self.segments.running
+            self.rows[owner] = max(self.rows.get(owner, 0), x.numel() // x.shape[-1])
+
+
 def synchronizer(device: torch.device) -> Callable[[], None]:
     """Waits for the device's queued work: on CUDA a clock read without it times the kernel launches."""
     if device.type == "cuda":

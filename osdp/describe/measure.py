@@ -18,6 +18,7 @@ from osdp._torch_private import module_tracker
 from osdp.describe.attribution import (
     InPlaceWrites,
     KeptBySelective,
+    LinearRows,
     Segments,
     UnrunMembers,
     _Saved,
@@ -285,6 +286,7 @@ def _segments_pass(
                 also(owner, phase)
 
         segments = Segments(model, units, on_close)
+        linear_rows = LinearRows(model, segments)
         kept_by_selective = KeptBySelective(segments)
         writes = InPlaceWrites(segments, kept_by_selective)
 
@@ -308,10 +310,12 @@ def _segments_pass(
                 memory[holder]["act"] += extra
                 memory[holder]["unrun"] = extra
             root_total = saved.live.get(ROOT, 0)
+            for path, rows in linear_rows.rows.items():  # UnitWorkload.split_rows
+                memory.setdefault(path, {})["split_rows"] = rows
             _checkpoint_memory(memory, units, writes, kept_by_selective, saved)
 
         try:
-            with segments, unrun, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), \
+            with segments, linear_rows, unrun, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), \
                     kept_by_selective, writes:
                 _step(model, batch, loss_fn, segments, after_forward)
         finally:
@@ -510,6 +514,7 @@ def fit_costs(
             bwd_peak_bytes=fit(memory, p, "bwd_peak"),
             recompute_peak_bytes=fit(memory, p, "recompute_peak"),
             bwd_end_bytes=fit(memory, p, "bwd_end"),
+            split_rows=fit(memory, p, "split_rows"),
             fwd_flops=fit(counts, p, "fwd") if counts else None,
             bwd_flops=fit(counts, p, "bwd") if counts else None,
             recompute_s=recompute.get("full", {}).get(p),

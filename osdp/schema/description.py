@@ -69,6 +69,9 @@ class UnitWorkload:
     bwd_peak_bytes: Affine
     recompute_peak_bytes: Affine
     bwd_end_bytes: Affine  # the working set (likewise net) when its backward ends
+    # The most rows (tokens) one call of an nn.Linear of the unit took: a split Linear's loop makes each slice's
+    # output and output gradient that tall (osdp.cost.unit prices them). None: older descriptions
+    split_rows: Affine | None = None
     fwd_flops: Affine | None = None  # analytic descriptions only
     bwd_flops: Affine | None = None
     # What checkpointing adds to the unit's backward: its forward redone, measured (the recompute

@@ -393,40 +393,80 @@ def test_the_final_reduce_of_a_unit_reduced_as_the_backward_ends_holds_its_new_s
             assert abs(measured - predicted) <= 1024, (units, measured, predicted)
 
 
-# bf16: every unit replicated, on FSDP2 with a shard group of one, the GRU checkpointed or not
-BF16_REPLICATED_PLANS = tuple({"gru": ("replicate", gru_ckpt), "rnn": ("replicate", False), "": ("replicate", False)}
-                              for gru_ckpt in (True, False))
+# bf16 plans against PyTorch's tracker: (style, units as path -> (mode, checkpoint))
+BF16_PLANS = (
+    # every unit replicated, on FSDP2 with a shard group of one: a reduce-scatter input kept as a sharded unit's
+    ("recurrent", {"gru": ("replicate", True), "rnn": ("replicate", False), "": ("replicate", False)}),
+    ("recurrent", {"gru": ("replicate", False), "rnn": ("replicate", False), "": ("replicate", False)}),
+    # every unit sharded: gloo's reduce-scatter copies its fp32 input, twice the bf16 gradients freed before it
+    ("task_heads", {"trunk": ("zero3", False), "mid": ("zero3", False), "": ("zero3", False)}),
+    ("gru_attention", {"encoder": ("zero3", False), "decoder": ("zero3", False), "": ("zero3", False)}),
+    ("gru_attention", {"encoder": ("replicate", False), "decoder": ("zero2", True), "": ("replicate", False)}),
+)
 
 
-def _bf16_replicated_peaks(rank, world_size):
+def _bf16_peaks(rank, world_size):
     from osdp.calibration.measured import calibrate
     from osdp.cost.schedule import predict
     from osdp.planner import planning_description
     from osdp.schema.plan import Plan, UnitPlan
 
-    steps = styles.batches("recurrent", 2 * ROWS, STEPS)
-    example = tuple(t[rank * ROWS:(rank + 1) * ROWS] for t in steps[0])
     machine = calibrate()
-    description = planning_description(styles.build("recurrent"), example, loss_fn=PLANNING_LOSS["recurrent"],
-                                       mixed_precision="bf16")
-    out = []
-    for units in BF16_REPLICATED_PLANS:
+    out, descriptions = [], {}
+    for style, units in BF16_PLANS:
+        steps = styles.batches(style, 2 * ROWS, STEPS)
+        if style not in descriptions:
+            example = styles.inputs_of(style, tuple(t[rank * ROWS:(rank + 1) * ROWS] for t in steps[0]))
+            descriptions[style] = planning_description(styles.build(style), example, loss_fn=PLANNING_LOSS[style],
+                                                       mixed_precision="bf16")
         plan = Plan(units=[UnitPlan(p, mode=m, checkpoint=c) for p, (m, c) in units.items()], batch_size=ROWS,
                     world_size=world_size, mixed_precision="bf16")
-        predicted = predict(description, plan, machine.device_info, optimizer="sgd-momentum",
+        predicted = predict(descriptions[style], plan, machine.device_info, optimizer="sgd-momentum",
                             calibration=machine.calibration).peak_bytes
-        model = styles.build("recurrent")
+        model = styles.build(style)
         osdp.wrap(model, plan=plan)
-        _, peaks = _train(model, "recurrent", steps, rank, world_size, measure=True)
+        _, peaks = _train(model, style, steps, rank, world_size, measure=True)
         out.append((predicted, max(peaks)))
     return out
 
 
-def test_a_replicated_unit_on_fsdp2_keeps_its_reduce_scatter_input_as_a_sharded_one_does():
-    """In bf16 a replicated unit runs on FSDP2 with a shard group of one, and FSDP2 keeps its reduce-scatter input
-    (its whole gradient, in fp32) until the next unit's backward ends, as it keeps a sharded unit's. Priced as DDP's
-    reducer (which keeps none), these plans measured 13,688 and 24,312 B over their predictions (4%: the GRU's
-    gradient, in the LSTM's backward)."""
-    for rank in run_ranks(_bf16_replicated_peaks, 2, timeout=300):
-        for units, (predicted, measured) in zip(BF16_REPLICATED_PLANS, rank):
-            assert measured <= predicted <= 1.01 * measured, (units, measured, predicted)
+def test_bf16_plans_are_priced_with_what_fsdp2_and_gloo_hold_as_they_reduce():
+    """A replicated unit in bf16 runs on FSDP2 with a shard group of one, and FSDP2 keeps its reduce-scatter input
+    (its whole gradient, in fp32) until the next unit reduces, as a sharded unit's; and on CPU osdp's reduce-scatter
+    is gloo's all-reduce of a copy of that fp32 input, alive after FSDP2 freed the bf16 gradients (in fp32 the two
+    are as large). Priced without them, these plans measured 24,312 B (4%), 13,688 B, 136,060 B (10%), 181,294 B
+    (15%) and 106,694 B (8%) over their predictions."""
+    for rank in run_ranks(_bf16_peaks, 2, timeout=400):
+        for (style, units), (predicted, measured) in zip(BF16_PLANS, rank):
+            assert measured <= predicted <= 1.05 * measured, (style, units, measured, predicted)
+
+
+def _split_head_peaks(rank, world_size):
+    from osdp.calibration.measured import calibrate
+    from osdp.cost.schedule import predict
+    from osdp.planner import planning_description
+    from osdp.schema.plan import Plan, UnitPlan
+
+    steps = styles.batches("shared_layer", 2 * ROWS, STEPS)
+    example = tuple(t[rank * ROWS:(rank + 1) * ROWS] for t in steps[0])
+    machine = calibrate()
+    description = planning_description(styles.build("shared_layer"), example, loss_fn=PLANNING_LOSS["shared_layer"])
+    plan = Plan(units=[UnitPlan("emb", "zero2", checkpoint=True), UnitPlan("head", "zero3", split=2),
+                       UnitPlan("proj", "replicate"), UnitPlan("", "zero3")], batch_size=ROWS, world_size=world_size)
+    prediction = predict(description, plan, machine.device_info, optimizer="sgd-momentum",
+                         calibration=machine.calibration)
+    model = styles.build("shared_layer")
+    osdp.wrap(model, plan=plan)
+    _, peaks = _train(model, "shared_layer", steps, rank, world_size, measure=True)
+    head = next(u for u in description.units if u.path == "head")
+    return prediction.peak_bytes, max(peaks), head.costs["fp32"].split_rows(ROWS), example[0].numel()
+
+
+def test_a_split_linear_is_priced_with_its_slices_of_the_output_and_of_its_gradient():
+    """The split loop makes each slice's product before copying it into the output, and copies each slice of the
+    output gradient out of the whole: rows x every rank's slice columns, for as many rows as the Linear's input
+    has (the describe records them). Without them the ALBERT-like model with its head split in two measured
+    1,008 B over its prediction (the head's backward 12.5 KB over, masked by the root's working set)."""
+    for predicted, measured, rows, tokens in run_ranks(_split_head_peaks, 2, timeout=300):
+        assert rows == tokens  # the head runs on every token of the micro-batch
+        assert measured <= predicted <= 1.02 * measured, (measured, predicted)
