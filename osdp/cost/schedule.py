@@ -177,7 +177,13 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
             (optimizer + max(int(before[i]) - int(after[i]), 0) + part(path, "optimizer_temp_bytes"),
              "the optimizer step"),
         ]
-    timeline = _Timeline(order, fixed, before, forward + linger_forward, backward,
+    # between unit i's backward and the next one's (the previous unit in forward order): i holds what it keeps
+    # after, FSDP2 keeps its reduce-scatter input and has prefetched the next unit's parameters
+    kept_input = np.array([part(p, "kept_reduce_input_bytes") for p in order], dtype=np.int64)
+    prefetch = np.array([part(p, "backward_gather_bytes") for p in order], dtype=np.int64)
+    between = (fixed + held_before + after_in_backward + held_after + kept_input
+               + np.concatenate([[0], prefetch[:-1]]).astype(np.int64))
+    timeline = _Timeline(order, fixed, before, forward + linger_forward, backward, between,
                          fixed + int(after_in_backward.sum()), optimizer, left)
     for path in enclosing:
         moments += _enclosing_moments(path, part, timeline)
@@ -194,6 +200,7 @@ class _Timeline:
     before: np.ndarray  # per unit, what it holds from its forward to its backward
     forward: np.ndarray  # as each unit's forward runs, with what the last gather left
     backward: np.ndarray  # as each unit's backward runs
+    between: np.ndarray  # as each unit's backward has ended, before the next one's begins
     backward_ended: int  # every backward done, before the final reduces
     optimizer: int  # in the optimizer step
     last_gathered: int  # the all-gather output the last unit to gather left in forward
@@ -203,7 +210,7 @@ def _enclosing_moments(path: str, part: Callable[[str, str], int], t: _Timeline)
     """The moments of a unit enclosing others (the root, a block at nested granularity): its working sets where
     they meet what the units inside it hold."""
     inside = [i for i, p in enumerate(t.order) if path == ROOT or p.startswith(path + ".")]
-    fullest = max([t.backward_ended, *(int(t.backward[i]) for i in inside)])
+    fullest = max([t.backward_ended, *(int(t.backward[i]) for i in inside), *(int(t.between[i]) for i in inside)])
     # its backward runs between its inner units' backwards, or before or after them all
     working = max(part(path, "bwd_transient_bytes"), part(path, "post_backward_bytes"))
     moments = [(fullest + working, f"the working set of {display_path(path)}")]

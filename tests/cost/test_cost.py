@@ -65,8 +65,9 @@ def walked_peak(description, prediction) -> int:
     order, each leaving its all-gather output until the next unit gathers or the root's forward ends; backwards
     in reverse, each on its activations and then reducing into what it keeps; the optimizer; the units enclosing
     others held all step, their working sets at the fullest moment inside them, but for their activations in the
-    optimizer step; the foreach optimizer's temporaries in its step alone; the units FSDP2 reduces only as the
-    backward ends holding their unsharded states until then."""
+    optimizer step, and between two backwards with the reduce-scatter input kept and the next unit prefetched; the
+    foreach optimizer's temporaries in its step alone; the units FSDP2 reduces only as the backward ends holding
+    their unsharded states until then."""
     parts = prediction.breakdown["units"]
     leaves = sequence_order(description)
     enclosing = [u.path for u in description.units if u.path not in leaves]
@@ -82,7 +83,7 @@ def walked_peak(description, prediction) -> int:
 
     live = prediction.breakdown["base_bytes"] + sum(parts[p]["always_bytes"] for p in parts)
     live += sum(own(p) for p in enclosing)
-    moments, forward_at, backward_at = [], {}, {}
+    moments, forward_at, backward_at, between_at = [], {}, {}, {}
     lingering = parts[""]["gather_output_bytes"] if "" in parts else 0  # the root gathers first
     for p in leaves:
         gathered = parts[p]["gather_output_bytes"]
@@ -98,6 +99,10 @@ def walked_peak(description, prediction) -> int:
         backward_at[p] = live + own(p)
         moments.append(backward_at[p] + parts[p]["post_backward_bytes"])
         live += kept_in_backward(p)
+        # until the next backward: its reduce-scatter input kept, the next unit's parameters prefetched
+        earlier = leaves[leaves.index(p) - 1] if leaves.index(p) else None
+        between_at[p] = (live + parts[p]["kept_reduce_input_bytes"]
+                         + (parts[earlier]["backward_gather_bytes"] if earlier else 0))
     late = [p for p in leaves if parts[p]["until_backward_ends_bytes"]]
     if late:  # FSDP2's final callback reduces them
         moments.append(live + max(parts[p]["final_reduce_bytes"] for p in late))
@@ -111,7 +116,8 @@ def walked_peak(description, prediction) -> int:
                 + parts[p]["optimizer_temp_bytes"] for p in leaves]
     for e in enclosing:
         inside = [p for p in leaves if e == "" or p.startswith(e + ".")]
-        moments.append(max([live_at_end, *(backward_at[p] for p in inside)]) + working(e, "bwd_transient", "post_backward"))
+        fullest = max([live_at_end, *(backward_at[p] for p in inside), *(between_at[p] for p in inside)])
+        moments.append(fullest + working(e, "bwd_transient", "post_backward"))
         moments.append(live + parts[e]["optimizer_temp_bytes"])
         moments.append(max([prediction.breakdown["base_bytes"] + sum(parts[p]["always_bytes"] for p in parts)
                             + sum(own(p) for p in enclosing), *(forward_at[p] for p in inside)])
