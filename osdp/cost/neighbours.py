@@ -33,13 +33,14 @@ def unit_neighbours(description: ModelDescription, precision: str, world_size: i
         before = _DTYPE_BYTES[precision] * padded[order[i - 1]] if i > 0 else 0
         after = _REDUCE_BYTES * padded[order[i + 1]] if i + 1 < len(order) else 0
         neighbours[path] = (before, after)
-    if order:  # the root's backward comes first and prefetches the last unit
-        neighbours[ROOT] = (_DTYPE_BYTES[precision] * padded[order[-1]], 0)
+    if order:  # the root's backward may run between any two units': one's input kept, the next one prefetched
+        neighbours[ROOT] = (max(_DTYPE_BYTES[precision] * padded[p] for p in order),
+                            max(_REDUCE_BYTES * padded[p] for p in order))
     within = _within(order)
     for unit in description.units:  # another enclosing unit's backward runs between those of the units inside it
-        inside = [neighbours[p][0] for p in within.get(unit.path, [])] if unit.path != ROOT else []
+        inside = [neighbours[p] for p in within.get(unit.path, [])] if unit.path != ROOT else []
         if inside:
-            neighbours[unit.path] = (max(inside), 0)
+            neighbours[unit.path] = (max(b for b, _ in inside), max(a for _, a in inside))
     return neighbours
 
 
@@ -70,6 +71,7 @@ def plan_neighbours(description: ModelDescription, costs: Sequence[OptionCost]) 
     span = {p: 0 if p == ROOT else min(first_end[p], first_inside.get(p, first_end[p])) for p in ends}
     begins = sorted(ends, key=lambda p: (span[p], -len(ends) if p == ROOT else p.count(".")))
     fsdp = {p for p in ends if not by_path[p].parts["ddp"]}
+    enclosing = {ROOT, *_within(ends)}
     neighbours = dict.fromkeys(description.paths, (0, 0))
     for path in ends:
         i, j = ends.index(path), begins.index(path)
@@ -80,7 +82,8 @@ def plan_neighbours(description: ModelDescription, costs: Sequence[OptionCost]) 
         prefetched = path in fsdp or any(q in fsdp for q in ends[i + 1:])
         before = int(by_path[earlier].parts["backward_gather_bytes"]) if earlier and prefetched else 0
         after = int(by_path[later].parts["kept_reduce_input_bytes"]) if later else 0
-        neighbours[path] = (before, after)
+        # a unit enclosing others meets the inner units' buffers where the schedule places its working set
+        neighbours[path] = (before, 0 if path in enclosing else after)
     return neighbours
 
 
@@ -101,5 +104,5 @@ def nested_neighbours(coarse: ModelDescription, nested: ModelDescription, precis
         out[first] = (max(out[first][0], whole[block][0]), out[first][1])
         out[last] = (out[last][0], max(out[last][1], whole[block][1]))
         if block in parts:  # the block itself, its backward among its parts'
-            out[block] = (max(out[p][0] for p in running), 0)
+            out[block] = (max(out[p][0] for p in running), max(out[p][1] for p in running))
     return out

@@ -278,7 +278,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         fwd = temp_fwd + flat
         # the root stays gathered into backward (any mode), and FSDP2 dropped its flat buffer after the
         # copy-out in forward (on gloo too: osdp.distributed.collectives.Lent)
-        bwd = temp_bwd + prefetched
+        bwd = temp_bwd + prefetched + rs_previous
     else:
         fwd = temp_fwd + own + flat
         bwd = temp_bwd + own + prefetched + rs_previous
