@@ -31,10 +31,10 @@ so planning a model again (other budgets, node counts) skips the trace.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from osdp.describe.batch import ProfileError, batch_size_of, input_bytes_per_sample, input_spec, resize_batch
-from osdp.describe.measure import fit_costs, memory_pass, resolve_units, unit_profiles
+from osdp.describe.measure import fit_costs, in_precision, memory_pass, resolve_units, unit_profiles
 from osdp.describe.cache import PROFILE_VERSION, cache_key, cached_path, model_fingerprint, read_cached
 from osdp.describe.units import Unit, build_units, checkpointable, structure_signature
 from osdp.log import Progress
@@ -53,20 +53,33 @@ from osdp.schema.description import PRECISIONS, ModelDescription, UnitWorkload
 from osdp.store import write_atomically
 
 
-def fake_copy(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None = None) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are fake CPU tensors (ties kept, nothing allocated)."""
+@contextlib.contextmanager
+def faked(model: nn.Module, mode: FakeTensorMode) -> Iterator[nn.Module]:
+    """``model`` itself with its parameters and buffers swapped for fake CPU tensors (ties kept, nothing
+    allocated), restored after. The same modules, so that a forward reaching one through a closure (minGPT's
+    ``mlpf`` lambda) runs on fakes too; a copy left those on the real tensors and the forward failed."""
 
     def fake(t: torch.Tensor) -> torch.Tensor:
-        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
         with mode:
-            return torch.empty(t.shape, dtype=target, device="cpu")
+            return torch.empty(t.shape, dtype=t.dtype, device="cpu")
 
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(fake(p), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = fake(b)
-    return copy.deepcopy(model, memo)
+    fakes: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+    try:
+        for module in model.modules():
+            for kind in ("_parameters", "_buffers"):
+                for name, t in list(getattr(module, kind).items()):
+                    if t is None:
+                        continue
+                    if id(t) not in fakes:
+                        fakes[id(t)] = (nn.Parameter(fake(t), requires_grad=t.requires_grad)
+                                        if kind == "_parameters" else fake(t))
+                    swapped.append((module, name, t))
+                    setattr(module, name, fakes[id(t)])  # through __setattr__: an RNN's flat weights follow
+        yield model
+    finally:
+        for module, name, t in reversed(swapped):
+            setattr(module, name, t)
 
 
 def _fake_batch(example_input: Any, mode: FakeTensorMode) -> Any:
@@ -145,16 +158,16 @@ def describe_analytic(
     mode = FakeTensorMode()
     fake_input = _fake_batch(example_input, mode)
     costs: dict[str, dict[str, UnitWorkload]] = {}
-    with mode:
-        fake_model = fake_copy(model, mode)
+    with mode, faked(model, mode):
         show("checking the forward")
-        units, routed, held = resolve_units(fake_model, resize_batch(fake_input, sizes[0]), loss_fn, units,
+        units, routed, held = resolve_units(model, resize_batch(fake_input, sizes[0]), loss_fn, units,
                                             granularity, uneven)
-        for prec in precisions:
-            runnable = fake_model if prec == "fp32" else fake_copy(model, mode, PRECISIONS[prec])
-            costs[prec], order = _costs_at(runnable, build_units(runnable, [u.path for u in units]), fake_input,
-                                           sizes, prec, info.flops_for(PRECISIONS[prec]), loss_fn, show, routed)
-        profiles = unit_profiles(fake_model, units, costs, routed)
+        for prec in precisions:  # bf16 as FSDP2's mixed precision computes it (``in_precision``)
+            dtype = PRECISIONS[prec]
+            with in_precision(model, units, dtype) if prec != "fp32" else contextlib.nullcontext():
+                costs[prec], order = _costs_at(model, build_units(model, [u.path for u in units]), fake_input,
+                                               sizes, prec, info.flops_for(dtype), loss_fn, show, routed)
+        profiles = unit_profiles(model, units, costs, routed)
     description = ModelDescription(
         model=name,
         signature=structure_signature(model),

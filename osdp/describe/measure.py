@@ -9,10 +9,11 @@ import contextlib
 import math
 import statistics
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map_only
 
 from osdp._torch_private import module_tracker
 from osdp.describe.attribution import (
@@ -407,6 +408,35 @@ def _checkpointed(model: nn.Module, units: Sequence[Unit], policy: str = "full")
             undo_checkpoint(m)
         for handle in no_cache:
             handle.remove()
+
+
+@contextlib.contextmanager
+def in_precision(model: nn.Module, units: Sequence[Unit], dtype: torch.dtype) -> Iterator[None]:
+    """The model as FSDP's mixed precision runs it, in place, restored after: floating parameters and buffers in
+    ``dtype`` (the same modules, so that a forward reaching one through a closure, as minGPT's ``mlpf`` lambda
+    does, computes in it too), and every unit's floating inputs cast to ``dtype`` as FSDP2 casts them
+    (``MixedPrecisionPolicy.cast_forward_inputs``: the root's images, a mask a forward builds in float)."""
+    kept = [(t, t.data) for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+
+    def cast(tree: Any) -> Any:
+        return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+    def cast_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return cast(args), cast(kwargs)
+
+    modules = dict(model.named_modules())
+    hooks = [modules[u.path].register_forward_pre_hook(cast_inputs, with_kwargs=True) for u in units]
+    try:
+        with torch.no_grad():
+            for t, data in kept:
+                t.data = data.to(dtype)
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+        for t, data in kept:
+            t.data = data
 
 
 def time_optimizers(params: Sequence[torch.Tensor], names: Iterable[str], repeats: int = 3) -> dict[str, float]:

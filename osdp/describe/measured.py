@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map_only
 
 from osdp.describe.attribution import synchronizer
 from osdp.describe.cache import PROFILE_VERSION, cache_key, cached_path, model_fingerprint, read_cached
@@ -44,6 +43,7 @@ from osdp.describe.measure import (
     _step,
     _time_at,
     fit_costs,
+    in_precision,
     may_checkpoint,
     memory_pass,
     resolve_units,
@@ -88,7 +88,7 @@ def describe(
     or a dict (keyword arguments), batch in dim 0. The model must return a
     scalar loss, or ``loss_fn(output)`` must. ``batch_sizes`` default to half
     the example's and the example's. ``precisions``: "fp32" and/or "bf16"
-    (measured as FSDP's mixed precision computes: ``_in_precision``). ``units``
+    (measured as FSDP's mixed precision computes: ``osdp.describe.measure.in_precision``). ``units``
     default to ``osdp.discover_units`` at ``granularity`` with call counts, so
     a module that runs twice per forward is merged into its parent. ``checkpoint_policies``: the
     checkpointing whose recompute is timed (a unit not described for one is not offered it). ``uneven``: the
@@ -219,7 +219,7 @@ def _measure_precision(model: nn.Module, units: Sequence[Unit], example_input: A
     """Every unit's workload at precision ``prec`` (memory and time at each micro-batch size, fitted linear in
     it; ``routed``: the routed containers, see ``memory_pass``), the timed steps' checks, and the order the units
     ran in."""
-    with _in_precision(model, units, PRECISIONS[prec]) if prec != "fp32" else contextlib.nullcontext():
+    with in_precision(model, units, PRECISIONS[prec]) if prec != "fp32" else contextlib.nullcontext():
         sync = synchronizer(next(model.parameters()).device)
         show(f"{prec}: warm-up")
         step_s = _warm_up(model, resize_batch(example_input, sizes[-1]), loss_fn)
@@ -263,35 +263,6 @@ def describe_once(model: nn.Module, example_input: Any, **settings: Any) -> Mode
     if kind == "error":
         raise payload
     return payload
-
-
-@contextlib.contextmanager
-def _in_precision(model: nn.Module, units: Sequence[Unit], dtype: torch.dtype) -> Iterator[None]:
-    """The model as FSDP's mixed precision runs it, in place, restored after: floating parameters and buffers in
-    ``dtype`` (the same modules, so that a forward reaching one through a closure, as minGPT's ``mlpf`` lambda
-    does, computes in it too), and every unit's floating inputs cast to ``dtype`` as FSDP2 casts them
-    (``MixedPrecisionPolicy.cast_forward_inputs``: the root's images, a mask a forward builds in float)."""
-    kept = [(t, t.data) for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
-
-    def cast(tree: Any) -> Any:
-        return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
-
-    def cast_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return cast(args), cast(kwargs)
-
-    modules = dict(model.named_modules())
-    hooks = [modules[u.path].register_forward_pre_hook(cast_inputs, with_kwargs=True) for u in units]
-    try:
-        with torch.no_grad():
-            for t, data in kept:
-                t.data = data.to(dtype)
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
-        model.zero_grad(set_to_none=True)
-        for t, data in kept:
-            t.data = data
 
 
 def _warm_up(model: nn.Module, batch: Any, loss_fn) -> float:

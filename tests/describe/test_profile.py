@@ -547,3 +547,26 @@ def test_bf16_is_described_as_fsdp_runs_it_in_place_with_float_inputs_cast():
     for path in ("blocks.0", "blocks.1"):
         fp32, bf16 = (d.unit(path).costs[p].act_bytes.bytes(8) for p in ("fp32", "bf16"))
         assert bf16 * 2 == fp32 > 0, (path, fp32, bf16)  # every saved activation in 2 bytes, not 4
+
+
+def test_the_analytic_describe_runs_the_model_itself_as_the_measured_one_does():
+    """The analytic describe swaps the model's own parameters and buffers for fake tensors, in place, so a forward
+    reaching its Linears through a closure (minGPT's ``mlpf``) runs on fakes too (on a fake copy it reached the
+    real originals and failed, in fp32 as in bf16), and bf16 is traced as the measured describe runs it: every
+    byte of every unit's memory equals the measured description's, in both precisions; the model is left as it
+    was."""
+    torch.manual_seed(0)
+    model = _ImageNet()
+    before = {k: (v.dtype, v.tolist()) for k, v in model.state_dict().items()}
+    images = torch.randn(8, 3, 8, 8)
+    settings = dict(batch_sizes=(4, 8), precisions=("fp32", "bf16"), cache=False, progress=False)
+    analytic = describe_analytic(model, images, "h100-nvlink", world_size=8, **settings)
+    assert {k: (v.dtype, v.tolist()) for k, v in model.state_dict().items()} == before
+    assert all(type(p) is nn.Parameter and p.grad is None for p in model.parameters())
+    measured = describe(model, images, repeats=1, **settings)
+    assert analytic.paths == measured.paths
+    for a, m in zip(analytic.units, measured.units):
+        for precision in ("fp32", "bf16"):
+            for field in ("act_bytes", "ckpt_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes"):
+                got, want = (getattr(d.costs[precision], field).signed_bytes(8) for d in (a, m))
+                assert got == want, (a.path, precision, field, got, want)
