@@ -179,8 +179,7 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
         ]
     # between unit i's backward and the next one's (the previous unit in forward order): i holds what it keeps
     # after, FSDP2 keeps its reduce-scatter input and has prefetched the next unit's parameters
-    kept_input = np.array([0 if part(p, "until_backward_ends_bytes") else part(p, "kept_reduce_input_bytes")
-                           for p in order], dtype=np.int64)  # a unit reduced as the backward ends keeps none yet
+    kept_input = np.array([part(p, "kept_reduce_input_bytes") for p in order], dtype=np.int64)
     prefetch = np.array([part(p, "backward_gather_bytes") for p in order], dtype=np.int64)
     between = (fixed + held_before + after_in_backward + held_after + kept_input
                + np.concatenate([[0], prefetch[:-1]]).astype(np.int64))

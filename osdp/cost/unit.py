@@ -378,8 +378,9 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         # what its neighbours meet of it in the plan (``plan_neighbours``): the all-gather output FSDP2 prefetches
         # in backward (a unit resharded after forward) and the reduce-scatter input FSDP2 keeps after its backward
         "backward_gather_bytes": flat if reshards_after_forward(unit.path, mode) else 0,
-        # (a replicated unit's too where FSDP2 runs it, on a shard group of one: DDP's reducer keeps no input)
-        "kept_reduce_input_bytes": 0 if ddp else rs_input,
+        # (a replicated unit's too where FSDP2 runs it, on a shard group of one: DDP's reducer keeps no input; a
+        # unit reduced as the backward ends keeps none in backward)
+        "kept_reduce_input_bytes": 0 if (ddp or late) else rs_input,
     }
     return OptionCost(time_s, int(mem), int(transient), parts)
 

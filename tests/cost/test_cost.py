@@ -101,7 +101,7 @@ def walked_peak(description, prediction) -> int:
         live += kept_in_backward(p)
         # until the next backward: its reduce-scatter input kept, the next unit's parameters prefetched
         earlier = leaves[leaves.index(p) - 1] if leaves.index(p) else None
-        between_at[p] = (live + (0 if parts[p]["until_backward_ends_bytes"] else parts[p]["kept_reduce_input_bytes"])
+        between_at[p] = (live + parts[p]["kept_reduce_input_bytes"]
                          + (parts[earlier]["backward_gather_bytes"] if earlier else 0))
     late = [p for p in leaves if parts[p]["until_backward_ends_bytes"]]
     if late:  # FSDP2's final callback reduces them
