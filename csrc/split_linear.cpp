@@ -140,6 +140,58 @@ class PairwiseAllGather : public c10d::Work {
   bool done_ = false;
 };
 
+// The group's own reduce-scatter on CPU, as osdp.comm.native_reduce_scatter runs it: gloo's reduce-scatter is an
+// all-reduce of a copy of its input that gloo's worker thread frees whenever it next runs, after wait() returned,
+// so in some steps one slice more was alive at the peak. Here the copy is made, all-reduced and, once gloo has
+// let go of it, freed in wait(): at the same point of every step.
+class CopiedReduceScatter : public c10d::Work {
+ public:
+  CopiedReduceScatter(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in)
+      : out_(out), n_(pg->getSize()), rank_(pg->getRank()) {
+    TORCH_CHECK(in.numel() == n_ * out.numel() && in.scalar_type() == out.scalar_type(),
+                "reduce-scatter: the input must hold world size x the output's elements, of the same dtype");
+    copy_ = in.clone(at::MemoryFormat::Contiguous);
+    holders_ = holders();
+    std::vector<at::Tensor> tensors{copy_};
+    work_ = pg->allreduce(tensors);  // a sum: gloo's all-reduce has no mean
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (done_) return true;
+    work_->wait(timeout);
+    work_.reset();
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);  // as LET_GO_TIMEOUT_S
+    while (held_more(holders()) && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::yield();  // let the worker thread drop the copy and its views of it
+    }
+    auto chunk = copy_.view({n_, -1})[rank_];
+    if (n_ > 1) chunk.div_(n_);  // data-parallel mean, as FSDP2's
+    out_.view({-1}).copy_(chunk);
+    copy_.reset();
+    out_.reset();
+    done_ = true;
+    return true;
+  }
+
+  bool isCompleted() override { return done_; }
+
+ private:
+  // Who holds the copy (its handle) and its memory (views).
+  std::pair<size_t, size_t> holders() const {
+    return {c10::raw::intrusive_ptr::use_count(copy_.unsafeGetTensorImpl()),
+            c10::raw::intrusive_ptr::use_count(copy_.storage().unsafeGetStorageImpl())};
+  }
+  bool held_more(const std::pair<size_t, size_t>& now) const {
+    return now.first > holders_.first || now.second > holders_.second;
+  }
+
+  at::Tensor out_, copy_;
+  int64_t n_, rank_;
+  std::pair<size_t, size_t> holders_;
+  WorkPtr work_;
+  bool done_ = false;
+};
+
 // Tags of the op's pairwise collectives: the same sequence on every rank (every rank runs the same
 // ops in the same order); osdp/comm.py counts its own from 1 << 24, so the two never meet.
 std::atomic<int64_t> pairwise_calls{0};
@@ -153,6 +205,7 @@ WorkPtr all_gather(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in, b
 
 WorkPtr reduce_scatter(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in, bool pairwise) {
   if (pairwise) return c10::make_intrusive<PairwiseReduceScatter>(pg, out, in, next_pairwise_tag());
+  if (in.is_cpu()) return c10::make_intrusive<CopiedReduceScatter>(pg, out, in);
   c10d::ReduceScatterOptions opts;
   // Data-parallel mean, like FSDP2 (which also avoids AVG on a single rank).
   opts.reduceOp = pg->getSize() > 1 ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;

@@ -364,12 +364,6 @@ def _final_reduce_peaks(rank, world_size):
     from osdp.planner import planning_description
     from osdp.schema.plan import Plan, UnitPlan
 
-    import osdp.split
-
-    # the PyTorch loop, whose reduce-scatter frees its copy where it lets go of it: in one of three clean-clone
-    # suite runs the C++ loop's (gloo's own reduce-scatter, whose copy gloo's worker thread frees whenever it next
-    # runs) left one slice of mid's weight gradient (65,536 B) alive at this plan's peak (an open issue)
-    osdp.split.set_backend("python")
     steps = styles.batches("task_heads", 2 * ROWS, STEPS)
     example = tuple(t[rank * ROWS:(rank + 1) * ROWS] for t in steps[0])
     machine = calibrate()
