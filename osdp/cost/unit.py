@@ -288,13 +288,10 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
             bwd += gathered
         post += prefetched
     if split_rows:
-        # the two gather buffers; in backward also a slice's weight gradient before and after its reduce
         slice_copy = _REDUCE_BYTES if ctx.device.device_type == "cpu" else 0
-        slice_fwd = max(2 * n * q * in_f * dt for _, q, in_f, _ in split_rows)
-        # (two in flight: each the product in the compute dtype, cast for the reduce, and the reduce's copy on CPU)
-        per_element = max(2 * (dt + _REDUCE_BYTES),
-                          2 * (_REDUCE_BYTES + slice_copy) + (dt if dt != _REDUCE_BYTES else 0))
-        slice_bwd = max(n * q * in_f * per_element for _, q, in_f, _ in split_rows)
+        slice_fwd = max(2 * n * q * in_f * dt for _, q, in_f, _ in split_rows)  # the two gather buffers
+        slice_bwd = max(_split_backward_bytes(n, dt, rows, q, in_f, out_f, slice_copy)
+                        for (rows, q, in_f, _), (out_f, _, _) in zip(split_rows, split_outputs))
         tokens = costs.split_rows(b) if costs.split_rows is not None else 0.0
         out_fwd, out_bwd = zip(*(_split_output_bytes(tokens * dt, n, *o) for o in split_outputs))
         fwd, bwd = fwd + slice_fwd + max(out_fwd), bwd + slice_bwd + max(out_bwd)
@@ -383,6 +380,19 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         "kept_reduce_input_bytes": 0 if (ddp or late) else rs_input,
     }
     return OptionCost(time_s, int(mem), int(transient), parts)
+
+
+def _split_backward_bytes(n: int, dt: int, rows: int, q: int, in_f: int, out_f: int, copy: int) -> int:
+    """What a split Linear's backward loop (``osdp.split._loop.backward``) holds beyond an ``nn.Linear``'s backward
+    (whose working set the describe measured): the two gather buffers; two slices' weight gradients in flight,
+    each cast for the reduce and, on CPU, copied by it (``copy`` bytes per element), the newer one's product
+    still in the compute dtype before its cast; and this rank's rows of the weight gradient (fp32) instead of
+    the whole weight's gradient (in the compute dtype)."""
+    slice_numel = n * q * in_f
+    buffers = 2 * dt * slice_numel
+    cast = dt if dt != _REDUCE_BYTES else 0
+    in_flight = slice_numel * (2 * _REDUCE_BYTES + copy + max(copy, cast))
+    return buffers + in_flight + 4 * rows * in_f - dt * out_f * in_f
 
 
 def _split_output_bytes(row_bytes: float, n: int, out_features: int, rows: int, q: int) -> tuple[int, int]:
