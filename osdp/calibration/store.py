@@ -23,7 +23,7 @@ from osdp.machine.identity import cpu_model, host
 from osdp.schema.plan import MODES
 from osdp.store import cache_dir, write_atomically
 
-CALIBRATION_VERSION = 14  # bump when what is measured changes: older cache entries are not read
+CALIBRATION_VERSION = 15  # bump when what is measured changes: older cache entries are not read
 
 
 # --------------------------------------------------------------------------- the cached record

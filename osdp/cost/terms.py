@@ -26,6 +26,18 @@ _REDUCE_BYTES = 4  # gradients are reduced in fp32 (MixedPrecisionPolicy(reduce_
 USED_FLAG_BYTES = 4
 
 
+def reduce_scatter_buffer_bytes(device: DeviceInfo, input_bytes: int, group_size: int) -> int:
+    """What a reduce-scatter of ``input_bytes`` over ``group_size`` ranks holds beside its input and output while
+    it runs on ``device`` (a ``DeviceInfo``): gloo has none, so on CPU osdp's native one all-reduces a copy of
+    the input, and the pairwise one receives N-2 chunks into buffers of their own
+    (``osdp.distributed.collectives``); NCCL's holds nothing of its own."""
+    if device.device_type != "cpu" or group_size <= 1:
+        return 0
+    if device.reduce_scatter == "pairwise":
+        return input_bytes * (group_size - 2) // group_size
+    return input_bytes
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Runtime costs of FSDP2 on one machine and world size, measured once (not per model).

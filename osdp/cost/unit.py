@@ -83,6 +83,7 @@ from osdp.cost.terms import (
     OptionCost,
     _padded_numel,
     _remove,
+    reduce_scatter_buffer_bytes,
 )
 from osdp.machine.collective_model import CollectiveModel
 from osdp.machine.device_info import DeviceInfo
@@ -239,10 +240,9 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         held = gathered if (mode != "zero3" and not enclosing) else 0
         # a unit enclosing others stays gathered through the whole step
         always, before, after = persistent + (gathered if enclosing else 0), act + held, grad
-    # gloo has no reduce-scatter: on CPU osdp's is an all-reduce of a copy of its input
-    # (osdp.distributed.collectives.native_reduce_scatter), alive while it runs, after FSDP2 freed the unsharded
-    # gradients it copied into that input (as large in fp32; half as large in bf16). None over a group of one
-    reduce_copy = rs_input if (ctx.device.device_type == "cpu" and mode != "replicate" and group_n > 1) else 0
+    # on CPU the reduce-scatter's own buffers (native: a copy of its input) are alive while it runs, after FSDP2
+    # freed the unsharded gradients it copied into that input (as large in fp32; half as large in bf16)
+    reduce_copy = reduce_scatter_buffer_bytes(ctx.device, rs_input, group_n) if mode != "replicate" else 0
     # the foreach optimizer's temporaries exist only in its step, every unit's at once: not in the backward
     mem = always + max(before, after + foreach_temps)
     # FSDP2 reduces a unit's gradients when its inputs' gradients are computed; one whose inputs need none (token
@@ -288,10 +288,11 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
             bwd += gathered
         post += prefetched
     if split_rows:
-        slice_copy = _REDUCE_BYTES if ctx.device.device_type == "cpu" else 0
         slice_fwd = max(2 * n * q * in_f * dt for _, q, in_f, _ in split_rows)  # the two gather buffers
-        slice_bwd = max(_split_backward_bytes(n, dt, rows, q, in_f, out_f, slice_copy)
-                        for (rows, q, in_f, _), (out_f, _, _) in zip(split_rows, split_outputs))
+        slice_bwd = max(
+            _split_backward_bytes(n, dt, rows, q, in_f, out_f,
+                                  reduce_scatter_buffer_bytes(ctx.device, _REDUCE_BYTES * n * q * in_f, n))
+            for (rows, q, in_f, _), (out_f, _, _) in zip(split_rows, split_outputs))
         tokens = costs.split_rows(b) if costs.split_rows is not None else 0.0
         out_fwd, out_bwd = zip(*(_split_output_bytes(tokens * dt, n, *o) for o in split_outputs))
         fwd, bwd = fwd + slice_fwd + max(out_fwd), bwd + slice_bwd + max(out_bwd)
@@ -382,16 +383,16 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     return OptionCost(time_s, int(mem), int(transient), parts)
 
 
-def _split_backward_bytes(n: int, dt: int, rows: int, q: int, in_f: int, out_f: int, copy: int) -> int:
+def _split_backward_bytes(n: int, dt: int, rows: int, q: int, in_f: int, out_f: int, reduce_buffers: int) -> int:
     """What a split Linear's backward loop (``osdp.split._loop.backward``) holds beyond an ``nn.Linear``'s backward
     (whose working set the describe measured): the two gather buffers; two slices' weight gradients in flight,
-    each cast for the reduce and, on CPU, copied by it (``copy`` bytes per element), the newer one's product
-    still in the compute dtype before its cast; and this rank's rows of the weight gradient (fp32) instead of
-    the whole weight's gradient (in the compute dtype)."""
+    each cast for the reduce and with its reduce-scatter's own buffers (``reduce_buffers`` bytes on CPU), the
+    newer one's product still in the compute dtype before its cast; and this rank's rows of the weight gradient
+    (fp32) instead of the whole weight's gradient (in the compute dtype)."""
     slice_numel = n * q * in_f
     buffers = 2 * dt * slice_numel
-    cast = dt if dt != _REDUCE_BYTES else 0
-    in_flight = slice_numel * (2 * _REDUCE_BYTES + copy + max(copy, cast))
+    cast = dt * slice_numel if dt != _REDUCE_BYTES else 0
+    in_flight = 2 * _REDUCE_BYTES * slice_numel + reduce_buffers + max(reduce_buffers, cast)
     return buffers + in_flight + 4 * rows * in_f - dt * out_f * in_f
 
 

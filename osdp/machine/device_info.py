@@ -36,6 +36,9 @@ class DeviceInfo:
     # bytes each rank's math libraries hold for the whole run, in every plan's peak (CUDA: the cuBLAS and
     # cuBLASLt workspaces, ``osdp.machine.workspace``; 0 on the CPU)
     workspace_bytes: int = 0
+    # the reduce-scatter CPU ranks run (``osdp.distributed.collectives``): "native", gloo's all-reduce of a copy
+    # of its input, or "pairwise", whose extra buffers are (N-2)/N of it: what it holds beside its input
+    reduce_scatter: str = "native"
 
     def __post_init__(self) -> None:
         if self.memory_bytes is not None:
@@ -45,6 +48,8 @@ class DeviceInfo:
         if isinstance(self.workspace_bytes, bool) or not isinstance(self.workspace_bytes, int) \
                 or self.workspace_bytes < 0:
             raise ValueError(f"workspace_bytes must be a non-negative integer, got {self.workspace_bytes!r}")
+        if self.reduce_scatter not in ("native", "pairwise"):
+            raise ValueError(f"reduce_scatter must be 'native' or 'pairwise', got {self.reduce_scatter!r}")
         if self.collectives.world_size != self.world_size:
             raise ValueError(
                 f"collective model is for {self.collectives.world_size} ranks, device for {self.world_size}"
@@ -77,6 +82,7 @@ class DeviceInfo:
             # only when there is one: descriptions of one level keep the dict (and the cache files) they had
             **({"topology": self.topology.to_dict()} if self.topology is not None else {}),
             **({"workspace_bytes": self.workspace_bytes} if self.workspace_bytes else {}),
+            **({"reduce_scatter": self.reduce_scatter} if self.reduce_scatter != "native" else {}),
         }
 
     @classmethod
@@ -94,4 +100,5 @@ class DeviceInfo:
             notes=str(d.get("notes", "")),
             topology=Topology.from_dict(d["topology"]) if d.get("topology") is not None else None,
             workspace_bytes=int(d.get("workspace_bytes", 0)),
+            reduce_scatter=str(d.get("reduce_scatter", "native")),
         )

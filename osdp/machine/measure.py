@@ -241,6 +241,7 @@ def measure_device(
         notes="measured: collectives on the live process group, FLOP/s of a large matmul",
         topology=topology,
         workspace_bytes=device_workspace_bytes(device),
+        reduce_scatter=comm.reduce_scatter_impl(),
     )
 
 

@@ -409,15 +409,17 @@ BF16_PLANS = (
 )
 
 
-def _bf16_peaks(rank, world_size):
+def _bf16_peaks(rank, world_size, plans=BF16_PLANS, reduce_scatter="native"):
     from osdp.calibration.measured import calibrate
     from osdp.cost.schedule import predict
+    from osdp.distributed import collectives
     from osdp.planner import planning_description
     from osdp.schema.plan import Plan, UnitPlan
 
+    collectives.set_reduce_scatter(reduce_scatter)
     machine = calibrate()
     out, descriptions = [], {}
-    for style, units in BF16_PLANS:
+    for style, units in plans:
         steps = styles.batches(style, 2 * ROWS, STEPS)
         if style not in descriptions:
             example = styles.inputs_of(style, tuple(t[rank * ROWS:(rank + 1) * ROWS] for t in steps[0]))
@@ -444,6 +446,16 @@ def test_bf16_plans_are_priced_with_what_fsdp2_and_gloo_hold_as_they_reduce():
     for rank in run_ranks(_bf16_peaks, 2, timeout=400):
         for (style, units), (predicted, measured) in zip(BF16_PLANS, rank):
             assert measured <= predicted <= 1.10 * measured, (style, units, measured, predicted)
+
+
+def test_a_pairwise_reduce_scatter_is_priced_with_its_own_buffers_not_the_native_ones_copy():
+    """osdp's pairwise reduce-scatter receives N-2 chunks into buffers of its own (none on 2 ranks) where the
+    native one all-reduces a copy of its whole input. Priced with that copy, the bf16 plan sharding every unit of
+    the task-heads model measured 12% under its prediction with the pairwise one."""
+    plans = [plan for plan in BF16_PLANS if plan[0] == "task_heads"]
+    for rank in run_ranks(_bf16_peaks, 2, plans, "pairwise", timeout=300):
+        for (style, units), (predicted, measured) in zip(plans, rank):
+            assert measured <= predicted <= 1.03 * measured, (style, units, measured, predicted)
 
 
 def _split_head_peaks(rank, world_size):

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 import random
@@ -249,6 +250,22 @@ def test_device_info_round_trips_through_json():
     assert DeviceInfo.from_dict(json.loads(json.dumps(d.to_dict()))) == d
     with pytest.raises(ValueError, match="missing \\['collectives'\\]"):
         DeviceInfo.from_dict({k: v for k, v in d.to_dict().items() if k != "collectives"})
+    pairwise = dataclasses.replace(d, reduce_scatter="pairwise")
+    assert DeviceInfo.from_dict(json.loads(json.dumps(pairwise.to_dict()))) == pairwise
+    assert "reduce_scatter" not in d.to_dict()  # older descriptions and caches read as the native one
+    with pytest.raises(ValueError, match="reduce_scatter must be 'native' or 'pairwise', got 'ring'"):
+        dataclasses.replace(d, reduce_scatter="ring")
+
+
+def test_a_reduce_scatter_is_priced_with_the_buffers_its_implementation_holds_beside_its_input():
+    from osdp.cost.terms import reduce_scatter_buffer_bytes
+
+    cpu = device_preset("cpu-loopback", 4)
+    assert reduce_scatter_buffer_bytes(cpu, 4096, 4) == 4096  # gloo's all-reduce of a copy of the input
+    assert reduce_scatter_buffer_bytes(dataclasses.replace(cpu, reduce_scatter="pairwise"), 4096, 4) == 2048
+    assert reduce_scatter_buffer_bytes(dataclasses.replace(cpu, reduce_scatter="pairwise"), 4096, 2) == 0
+    assert reduce_scatter_buffer_bytes(cpu, 4096, 1) == 0  # a group of one reduces nothing
+    assert reduce_scatter_buffer_bytes(device_preset("h100-nvlink", 8), 4096, 8) == 0  # NCCL's own
 
 
 def test_the_matmul_workspaces_follow_pytorchs_rule_and_environment():
