@@ -94,6 +94,7 @@ from osdp.schema.plan import (
     PlanError,
     UnitPlan,
     replicates_with_ddp,
+    runs_as,
     reshards_after_forward,
 )
 from osdp.search.problem import Option
@@ -194,6 +195,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     reason = _impossible(unit, option)
     if reason:
         raise PlanError(reason)
+    mode = runs_as(unit.path, mode, ctx.precision)
     n, b, dt = ctx.n, ctx.b, ctx.compute_bytes
     cal, opt = ctx.calibration, ctx.optimizer
     costs = unit.costs[ctx.precision]

@@ -17,9 +17,14 @@ the root, as ``fully_shard`` expects:
   plain tensors, which optimizers, state dicts and DCP handle beside the
   sharded units' DTensors. The unit is still ``fully_shard``-ed, with those
   parameters ignored, so that it answers FSDP2's methods
-  (``fsdp_ext.module_api``). In bf16 plans replicated units are FSDP2's on an
-  (N, 1) mesh (HSDP with a shard group of one), whose ``MixedPrecisionPolicy``
-  makes the bf16 copy that compute needs;
+  (``fsdp_ext.module_api``). In bf16 plans replicated units are FSDP2's
+  ``replicate`` on the same 1-D mesh as the sharded ones, whose
+  ``MixedPrecisionPolicy`` makes the bf16 copy that compute needs: their
+  parameters are DTensors replicated on the mesh the sharded ones are sharded
+  on, which ``torch.nn.utils.clip_grad_norm_`` and the optimizers take
+  together. A replicated root runs as zero2 in bf16: FSDP2's root, which
+  drives every unit's hooks, must be ``fully_shard``-ed, and zero2 holds less
+  and moves less than replicating it would (``schema.plan.runs_as``);
 * ``split: k``: the unit's large Linears become ``SplitLinear`` (k slices,
   gathered one at a time); FSDP2 leaves their weights alone;
 * ``group``: k consecutive identical units as one FSDP2 unit, ``fully_shard``
@@ -47,6 +52,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.nn.parameter import is_lazy
 
 from osdp.describe.forward_caches import disable_caches_in_training
@@ -82,24 +88,19 @@ REPLICATE_DIM = "replicate"
 
 
 class Meshes:
-    """The meshes a plan needs: 1-D for units sharded over the world, (N, 1) for replicated ones, and
+    """The meshes a plan needs: 1-D over the world, for units sharded or replicated over it, and
     (nodes, ranks_per_node) for units sharded within their node (made only for plans that have one)."""
 
     def __init__(self, device_type: str, world_size: int, ranks_per_node: int, node_scoped: bool):
         # Always explicit: with a gloo group on a machine with GPUs the default mesh would pick CUDA.
-        self.shard: DeviceMesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=(SHARD_DIM,))
-        self.replicate: DeviceMesh = init_device_mesh(
-            device_type, (world_size, 1), mesh_dim_names=(REPLICATE_DIM, SHARD_DIM)
-        )
+        self.world: DeviceMesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=(SHARD_DIM,))
         self.node: DeviceMesh | None = None
         if node_scoped:
             self.node = init_device_mesh(device_type, (world_size // ranks_per_node, ranks_per_node),
                                          mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
 
     def for_unit(self, decision: UnitPlan) -> DeviceMesh:
-        if decision.mode == "replicate":
-            return self.replicate
-        return self.node if decision.shard_scope == "node" else self.shard
+        return self.node if decision.shard_scope == "node" else self.world
 
 
 def mixed_precision_policy(setting: str) -> MixedPrecisionPolicy:
@@ -325,7 +326,7 @@ def apply_plan(
             continue  # sharded with its group
         decision = plan.unit(unit.path)
         members = grouped.get(unit.path, [unit.path])  # a group's units share its settings (Plan checks)
-        group = _split_and_checkpoint(model, plan, unit, members, decision, meshes.shard, mp_policy)
+        group = _split_and_checkpoint(model, plan, unit, members, decision, meshes.world, mp_policy)
         module = model.get_submodule(unit.path)  # a unit that is itself a Linear was just replaced
         by_ddp = decision.mode == "replicate" and replicate_with_ddp
         own = [p for path in members for p in owned[path]]
@@ -333,16 +334,16 @@ def apply_plan(
         replicated.update(to_reducer)
         if not by_ddp:
             fsdp_held.update(members)
+        ignored = (split_parameters(module) | replicated) or None
+        target = group if len(group) > 1 else module
         # Every unit is FSDP2's, a replicated one holding none of its parameters (the reducer has them): it
         # answers FSDP2's methods, and the root stays the root (otherwise every top-level sharded unit would
         # be a root of its own, keeping its parameters gathered after forward and prefetching nothing).
-        fully_shard(
-            group if len(group) > 1 else module,
-            mesh=meshes.shard if by_ddp else meshes.for_unit(decision),
-            reshard_after_forward=decision.reshards_after_forward,
-            mp_policy=mp_policy,
-            ignored_params=(split_parameters(module) | replicated) or None,
-        )
+        if decision.mode == "replicate" and not by_ddp and unit.path != ROOT:
+            replicate(target, mesh=meshes.world, mp_policy=mp_policy, ignored_params=ignored)
+        else:  # a replicated root in bf16 runs as zero2 (schema.plan.runs_as)
+            fully_shard(target, mesh=meshes.for_unit(decision), reshard_after_forward=decision.reshards_after_forward,
+                        mp_policy=mp_policy, ignored_params=ignored)
         for path in members:
             extras[path] = UnitExtras(
                 replicated=[p for p in owned[path] if p in to_reducer],

@@ -60,9 +60,20 @@ def display_path(path: str) -> str:
 
 
 def replicates_with_ddp(mixed_precision: str) -> bool:
-    """Whether a plan's replicated units run on osdp's reducer, DDP's way (fp32: ``fsdp_ext.replicate``), or on
-    FSDP2 with a shard group of one (bf16, whose MixedPrecisionPolicy makes the bf16 copy compute needs)."""
+    """Whether a plan's replicated units run on osdp's reducer, DDP's way (fp32: ``fsdp_ext.replicate``), or as
+    FSDP2's ``replicate`` (bf16, whose MixedPrecisionPolicy makes the bf16 copy compute needs)."""
     return mixed_precision == "fp32"
+
+
+def runs_as(path: str, mode: str, mixed_precision: str) -> str:
+    """The mode a unit runs in: its plan's, but a replicated root in bf16 runs as zero2. FSDP2's root must be
+    ``fully_shard``-ed, on the mesh the other units are sharded or (``replicate``) replicated on, so that their
+    parameters take part in one ``clip_grad_norm_``; and as the root keeps its parameters gathered all step and
+    reduces as the backward ends, zero2 holds less (fp32 shards) and moves less (a bf16 gather and a
+    reduce-scatter, not an fp32 all-reduce) than replicating it would."""
+    if mode == "replicate" and path == ROOT and not replicates_with_ddp(mixed_precision):
+        return "zero2"
+    return mode
 
 
 def reshards_after_forward(path: str, mode: str) -> bool:
