@@ -28,6 +28,10 @@ __all__ = [
     "checkpoint_wrapper",
     "fsdp_device",
     "fsdp_pre_backward",
+    "fsdp_refresh_reduce_dtype",
+    "fsdp_skip_post_backward_if_never_gathered",
+    "fsdp_replicate",
+    "has_fsdp_replicate",
     "fsdp_before_reduce",
     "fsdp_collective_comm",
     "output_tensors",
@@ -183,6 +187,35 @@ def fsdp_before_reduce(module: Any, hook: Any) -> None:
         group.post_backward = post_backward
 
 
+def fsdp_refresh_reduce_dtype(module: Any) -> None:
+    """Set again the dtypes of a ``fully_shard``-ed module's parameter groups none of whose parameters required a
+    gradient when FSDP2 set them (its first forward) and one does now: FSDP2 keeps no reduce dtype for such a
+    group, so under a ``MixedPrecisionPolicy`` it reduced the unfrozen parameters' bf16 gradients in bf16 and
+    failed to assign them to the fp32 parameters."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        if getattr(group, "_orig_dtype", False) is None and any(p.sharded_param.requires_grad for p in group.fsdp_params):
+            group._init_mp_dtypes()
+
+
+def fsdp_skip_post_backward_if_never_gathered(module: Any) -> None:
+    """Make a ``fully_shard``-ed module's parameter groups skip the post-backward FSDP2's final callback runs on
+    a group whose parameters were never gathered (a module no forward has called yet): there is no gradient to
+    reduce or accumulate, and under a ``MixedPrecisionPolicy`` with gradient sync off FSDP2 reads the unsharded
+    parameters it never made, and fails."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        if getattr(group, "_osdp_skips_ungathered", False):
+            continue
+        group._osdp_skips_ungathered = True
+        original = group.post_backward
+
+        def post_backward(*args: Any, group: Any = group, original: Any = original) -> Any:
+            if not any(hasattr(p, "_unsharded_param") for p in group.fsdp_params):
+                return None
+            return original(*args)
+
+        group.post_backward = post_backward
+
+
 def fsdp_collective_comm(module: Any, collective: str) -> Any:
     """The ``all_gather`` or ``reduce_scatter`` object of a ``fully_shard``-ed module's parameter group (None
     if it has none)."""
@@ -192,6 +225,22 @@ def fsdp_collective_comm(module: Any, collective: str) -> Any:
         return None
     groups = module._get_fsdp_state()._fsdp_param_groups
     return getattr(groups[0], f"_{collective}_comm") if groups else None
+
+
+def has_fsdp_replicate() -> bool:
+    """Whether this torch has FSDP2's ``replicate`` on a 1-D mesh (2.10 on; 2.9's takes an (N, 1) one)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    return hasattr(_fsdp_common, "DDPMeshInfo")
+
+
+def fsdp_replicate(module: Any, **kwargs: Any) -> Any:
+    """FSDP2's ``replicate`` (``torch.distributed._composable.replicate_with_fsdp``): FSDP2's machinery with the
+    parameters replicated on a 1-D mesh (DTensors, ``Replicate()``), an ``FSDPModule``; ``kwargs`` as
+    ``fully_shard``'s but ``reshard_after_forward`` (``has_fsdp_replicate``)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return replicate(module, **kwargs)
 
 
 def checkpoint_wrapper(module: Any, **checkpoint_kwargs: Any) -> Any:

@@ -52,7 +52,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.nn.parameter import is_lazy
 
 from osdp.describe.forward_caches import disable_caches_in_training
@@ -70,11 +69,12 @@ from osdp.distributed import all_gather_objects, ranks_per_node, world
 from osdp.distributed import collectives as comm
 from osdp.distributed.group import ensure_process_group, job_device
 from osdp.fsdp_ext.groups import group_members
+from osdp.fsdp_ext.mixed_precision import keep_mixed_precision_current
 from osdp.fsdp_ext.module_api import UnitExtras, extend_unit
 from osdp.fsdp_ext.replicate import ReplicaReducer
 from osdp.fsdp_ext.state_dict import load_under_any_plan
 from osdp.fsdp_ext.unused import reduce_where_any_rank_has_gradients
-from osdp._torch_private import fsdp_pre_backward
+from osdp._torch_private import fsdp_pre_backward, fsdp_replicate, has_fsdp_replicate
 from osdp.machine.memory import iter_tensors, register_gradient_storages
 from osdp.report import first_few
 from osdp.schema.plan import ROOT, Plan, PlanError, UnitPlan, display_path, replicates_with_ddp
@@ -94,6 +94,10 @@ class Meshes:
     def __init__(self, device_type: str, world_size: int, ranks_per_node: int, node_scoped: bool):
         # Always explicit: with a gloo group on a machine with GPUs the default mesh would pick CUDA.
         self.world: DeviceMesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=(SHARD_DIM,))
+        # torch 2.9 has no FSDP2 replicate on a 1-D mesh: replicated units in bf16 are fully_shard-ed on an
+        # (N, 1) mesh there, a mesh of their own
+        self.replicated: DeviceMesh | None = None if has_fsdp_replicate() else init_device_mesh(
+            device_type, (world_size, 1), mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
         self.node: DeviceMesh | None = None
         if node_scoped:
             self.node = init_device_mesh(device_type, (world_size // ranks_per_node, ranks_per_node),
@@ -336,14 +340,17 @@ def apply_plan(
             fsdp_held.update(members)
         ignored = (split_parameters(module) | replicated) or None
         target = group if len(group) > 1 else module
-        # Every unit is FSDP2's, a replicated one holding none of its parameters (the reducer has them): it
-        # answers FSDP2's methods, and the root stays the root (otherwise every top-level sharded unit would
-        # be a root of its own, keeping its parameters gathered after forward and prefetching nothing).
-        if decision.mode == "replicate" and not by_ddp and unit.path != ROOT:
-            replicate(target, mesh=meshes.world, mp_policy=mp_policy, ignored_params=ignored)
-        else:  # a replicated root in bf16 runs as zero2 (schema.plan.runs_as)
-            fully_shard(target, mesh=meshes.for_unit(decision), reshard_after_forward=decision.reshards_after_forward,
-                        mp_policy=mp_policy, ignored_params=ignored)
+        # Every unit is FSDP2's, a replicated one in fp32 holding none of its parameters (the reducer has them):
+        # it answers FSDP2's methods, and the root stays the root (otherwise every top-level sharded unit would
+        # be a root of its own, keeping its parameters gathered after forward and prefetching nothing). So a
+        # replicated root in bf16 runs as zero2 (schema.plan.runs_as).
+        by_fsdp_replicate = decision.mode == "replicate" and not by_ddp and unit.path != ROOT
+        if by_fsdp_replicate and meshes.replicated is None:
+            fsdp_replicate(target, mesh=meshes.world, mp_policy=mp_policy, ignored_params=ignored)
+        else:
+            fully_shard(target, mesh=meshes.replicated if by_fsdp_replicate else meshes.for_unit(decision),
+                        reshard_after_forward=decision.reshards_after_forward, mp_policy=mp_policy,
+                        ignored_params=ignored)
         for path in members:
             extras[path] = UnitExtras(
                 replicated=[p for p in owned[path] if p in to_reducer],
@@ -355,6 +362,8 @@ def apply_plan(
         extra.reducer = reducer
         extend_unit(model.get_submodule(path), extra)
     _reshard_when_evaluating(model, groups)
+    if plan.mixed_precision == "bf16":
+        keep_mixed_precision_current(model)
     if any(d.checkpoint for d in plan.units):
         disable_caches_in_training(model)  # a recomputed forward must save what the first one saved
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
