@@ -140,7 +140,12 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
 
     sequence = set(order)
     enclosing = [p for p in description.paths if p not in sequence]
-    fixed = base + sum(part(p, "always_bytes") for p in description.paths) + sum(own(p) for p in enclosing)
+    # the root (enclosing every unit) at the larger of its two holdings all step; a unit enclosing others (a block
+    # with its sub-blocks as units) where it runs: by the moments of the units inside it and around it
+    always = base + sum(part(p, "always_bytes") for p in description.paths)
+    fixed = always + sum(own(p) for p in enclosing if not _spans(p, order))
+    enclosed = _EnclosedHoldings(order, {p: (part(p, "before_backward_bytes"), own(p), part(p, "after_backward_bytes"))
+                                         for p in enclosing if _spans(p, order)})
     before = np.array([part(p, "before_backward_bytes") for p in order], dtype=np.int64)
     after = np.array([part(p, "after_backward_bytes") for p in order], dtype=np.int64)
     # in backward: a unit reduced only as the backward ends holds its unsharded parameters and gradients till then
@@ -154,18 +159,21 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
         gathered = part(path, "gather_output_bytes")
         linger_forward.append(0 if gathered else left)
         left = gathered or left
-    forward = fixed + held_before + before  # with the unit's own activations (no gradients yet)
+    # with the unit's own activations (no gradients yet)
+    forward = fixed + enclosed.in_forward + held_before + before
     linger_forward = np.array(linger_forward, dtype=np.int64)
-    backward = fixed + held_before + np.array([own(p) for p in order], dtype=np.int64) + held_after
+    backward = (fixed + enclosed.in_backward + held_before + np.array([own(p) for p in order], dtype=np.int64)
+                + held_after)
     # every backward done: the enclosing units hold what they keep after theirs (no activations); the foreach
     # optimizer's temporaries are every unit's at once, in its step alone
-    optimizer = (fixed - sum(own(p) - part(p, "after_backward_bytes") for p in enclosing) + int(after.sum())
+    optimizer = (always + sum(part(p, "after_backward_bytes") for p in enclosing) + int(after.sum())
                  + sum(part(p, "optimizer_step_bytes") for p in description.paths))
+    backward_ended = fixed + enclosed.after_backward + int(after_in_backward.sum())
     moments = [(optimizer, "the optimizer step")]
     final_reduce = max((part(p, "final_reduce_bytes") for p in order if part(p, "until_backward_ends_bytes")),
                        default=None)
     if final_reduce is not None:  # FSDP2's final callback reduces them one by one, every backward done
-        moments.append((fixed + int(after_in_backward.sum()) + final_reduce, "the end of the backward"))
+        moments.append((backward_ended + final_reduce, "the end of the backward"))
     for i, path in enumerate(order):
         moments += [
             (int(forward[i]) + int(linger_forward[i]) + part(path, "fwd_transient_bytes"),
@@ -181,10 +189,10 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
     # after, FSDP2 keeps its reduce-scatter input and has prefetched the next unit's parameters
     kept_input = np.array([part(p, "kept_reduce_input_bytes") for p in order], dtype=np.int64)
     prefetch = np.array([part(p, "backward_gather_bytes") for p in order], dtype=np.int64)
-    between = (fixed + held_before + after_in_backward + held_after + kept_input
+    between = (fixed + enclosed.in_backward + held_before + after_in_backward + held_after + kept_input
                + np.concatenate([[0], prefetch[:-1]]).astype(np.int64))
-    timeline = _Timeline(order, fixed, before, forward + linger_forward, backward, between,
-                         fixed + int(after_in_backward.sum()), optimizer, left)
+    timeline = _Timeline(order, fixed, before, forward + linger_forward, backward, between, backward_ended,
+                         optimizer, left, enclosed.activations)
     for path in enclosing:
         moments += _enclosing_moments(path, part, timeline)
     peak, moment = max(moments, key=lambda m: m[0])
@@ -204,6 +212,32 @@ class _Timeline:
     backward_ended: int  # every backward done, before the final reduces
     optimizer: int  # in the optimizer step
     last_gathered: int  # the all-gather output the last unit to gather left in forward
+    enclosed_activations: int  # what the units enclosing others, but the root, keep until their backward
+
+
+def _spans(path: str, order: list[str]) -> bool:
+    """Whether a unit enclosing others is placed by the units inside it (all but the root, which encloses all)."""
+    return path != ROOT and any(p.startswith(path + ".") for p in order)
+
+
+class _EnclosedHoldings:
+    """What the units enclosing others but the root hold at each moment of the units in ``order``, from each one's
+    (before backward, larger of the two, after backward) bytes: nothing in forward before its first unit inside,
+    its activations from there (all of them already, at the latest) until the backward reaches its units, the
+    larger of its two holdings while they run their backwards, what it keeps after its backward once they have."""
+
+    def __init__(self, order: list[str], holdings: dict[str, tuple[int, int, int]]):
+        n = len(order)
+        self.in_forward = np.zeros(n, dtype=np.int64)
+        self.in_backward = np.zeros(n, dtype=np.int64)
+        self.after_backward = sum(after for _, _, after in holdings.values())
+        self.activations = sum(before for before, _, _ in holdings.values())
+        index = np.arange(n)
+        for path, (before, larger, after) in holdings.items():
+            inside = [i for i, p in enumerate(order) if p.startswith(path + ".")]
+            first, last = min(inside), max(inside)
+            self.in_forward += np.where(index >= first, before, 0)
+            self.in_backward += np.where(index > last, before, np.where(index >= first, larger, after))
 
 
 def _enclosing_moments(path: str, part: Callable[[str, str], int], t: _Timeline) -> list[tuple[int, str]]:
@@ -220,7 +254,7 @@ def _enclosing_moments(path: str, part: Callable[[str, str], int], t: _Timeline)
     fullest_forward = max([t.fixed, *(int(t.forward[i]) for i in inside)]) + working
     if path == ROOT:  # the head, after the last unit's forward: what was gathered last is freed as it ends
         gathered = part(path, "gather_output_bytes")
-        fullest_forward = max(fullest_forward,
-                              t.fixed + int(t.before.sum()) + working - gathered + (t.last_gathered or gathered))
+        fullest_forward = max(fullest_forward, t.fixed + int(t.before.sum()) + t.enclosed_activations + working
+                              - gathered + (t.last_gathered or gathered))
     moments.append((fullest_forward, f"the forward of {display_path(path)}"))
     return moments

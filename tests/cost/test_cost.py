@@ -63,14 +63,19 @@ CALIBRATION = Calibration(
 def walked_peak(description, prediction) -> int:
     """The schedule's peak by walking the step (the reference for ``osdp.cost.schedule.schedule_peak``): forwards in
     order, each leaving its all-gather output until the next unit gathers or the root's forward ends; backwards
-    in reverse, each on its activations and then reducing into what it keeps; the optimizer; the units enclosing
-    others held all step, their working sets at the fullest moment inside them, but for their activations in the
+    in reverse, each on its activations and then reducing into what it keeps; the optimizer; the root held all step
+    at the larger of its two holdings, a unit enclosing others holding its activations from the forward of its
+    first unit inside, the larger of its two holdings while its units run their backwards and what it keeps after
+    from there; their working sets at the fullest moment inside them, but for their activations in the
     optimizer step, and between two backwards with the reduce-scatter input kept and the next unit prefetched; the
     foreach optimizer's temporaries in its step alone; the units FSDP2 reduces only as the backward ends holding
     their unsharded states until then."""
     parts = prediction.breakdown["units"]
     leaves = sequence_order(description)
     enclosing = [u.path for u in description.units if u.path not in leaves]
+    spans = {e: [p for p in leaves if p.startswith(e + ".")] for e in enclosing if e}
+    spans = {e: inside for e, inside in spans.items() if inside}
+    all_step = [e for e in enclosing if e not in spans]
 
     def kept_in_backward(p):
         return max(parts[p]["after_backward_bytes"], parts[p]["until_backward_ends_bytes"])
@@ -82,10 +87,11 @@ def walked_peak(description, prediction) -> int:
         return max(parts[p][f"{phase}_bytes"] for phase in phases)
 
     live = prediction.breakdown["base_bytes"] + sum(parts[p]["always_bytes"] for p in parts)
-    live += sum(own(p) for p in enclosing)
+    live += sum(own(p) for p in all_step)
     moments, forward_at, backward_at, between_at = [], {}, {}, {}
     lingering = parts[""]["gather_output_bytes"] if "" in parts else 0  # the root gathers first
     for p in leaves:
+        live += sum(parts[e]["before_backward_bytes"] for e, inside in spans.items() if p == inside[0])
         gathered = parts[p]["gather_output_bytes"]
         forward_at[p] = live + parts[p]["before_backward_bytes"] + (0 if gathered else lingering)
         moments.append(forward_at[p] + parts[p]["fwd_transient_bytes"])
@@ -94,6 +100,7 @@ def walked_peak(description, prediction) -> int:
     if "" in parts:  # the head: every unit's activations, and what was gathered last
         moments.append(live + working("", "fwd_transient") - parts[""]["gather_output_bytes"] + lingering)
     for p in reversed(leaves):
+        live += sum(own(e) - parts[e]["before_backward_bytes"] for e, inside in spans.items() if p == inside[-1])
         live -= parts[p]["before_backward_bytes"]
         moments.append(live + parts[p]["before_backward_bytes"] + parts[p]["bwd_transient_bytes"])
         backward_at[p] = live + own(p)
@@ -103,13 +110,14 @@ def walked_peak(description, prediction) -> int:
         earlier = leaves[leaves.index(p) - 1] if leaves.index(p) else None
         between_at[p] = (live + parts[p]["kept_reduce_input_bytes"]
                          + (parts[earlier]["backward_gather_bytes"] if earlier else 0))
+        live += sum(parts[e]["after_backward_bytes"] - own(e) for e, inside in spans.items() if p == inside[0])
     late = [p for p in leaves if parts[p]["until_backward_ends_bytes"]]
     if late:  # FSDP2's final callback reduces them
         moments.append(live + max(parts[p]["final_reduce_bytes"] for p in late))
     live_at_end = live
     live -= sum(kept_in_backward(p) - parts[p]["after_backward_bytes"] for p in leaves)
     # the optimizer step: the enclosing units without their activations, and every unit's foreach temporaries
-    live -= sum(own(e) - parts[e]["after_backward_bytes"] for e in enclosing)
+    live -= sum(own(e) - parts[e]["after_backward_bytes"] for e in all_step)
     live += sum(parts[p]["optimizer_step_bytes"] for p in parts)
     moments.append(live)
     moments += [live + max(parts[p]["before_backward_bytes"] - parts[p]["after_backward_bytes"], 0)
@@ -120,7 +128,7 @@ def walked_peak(description, prediction) -> int:
         moments.append(fullest + working(e, "bwd_transient", "post_backward"))
         moments.append(live + parts[e]["optimizer_temp_bytes"])
         moments.append(max([prediction.breakdown["base_bytes"] + sum(parts[p]["always_bytes"] for p in parts)
-                            + sum(own(p) for p in enclosing), *(forward_at[p] for p in inside)])
+                            + sum(own(p) for p in all_step), *(forward_at[p] for p in inside)])
                        + working(e, "fwd_transient"))
     return int(max(moments))
 
@@ -215,6 +223,28 @@ def test_every_plan_holds_the_devices_matmul_workspaces(analytic_tiny):
         assert peaks[0] - peaks[1] == workspaces
     least = [min_peak(build_problem(analytic_tiny, d, B, calibration=CALIBRATION))[0] for d in (with_workspaces, without)]
     assert least[0] - least[1] == workspaces
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_blocks_enclosing_their_sub_blocks_hold_their_activations_only_where_they_run(precision):
+    """At nested granularity a block is a unit enclosing its attention and MLP units: it holds its activations from
+    its first unit's forward to the backward of its units, not all step. Counted all step, nanoGPT's nested plans
+    on 2 gloo ranks measured up to 34% under their predictions (FSDPMemTracker); the walk and the schedule agree
+    on random nested plans, and a block's activations are not in its earlier neighbours' forwards."""
+    torch.manual_seed(0)
+    model = models.build("gpt2-tiny", seq_len=T)
+    batch = synthetic_batch(model.config, B, T, generator=torch.Generator().manual_seed(0))
+    nested = describe_analytic(model, batch, device(), batch_sizes=(B,), precisions=(precision,), progress=False,
+                               granularity="nested")
+    assert any(u.nested and u.path for u in nested.units)
+    problem = build_problem(nested, device(), B, precision=precision, calibration=CALIBRATION)
+    rng = np.random.default_rng(1)
+    for _ in range(25):
+        choice = np.array([rng.choice(np.flatnonzero(row)) for row in problem.allowed])
+        plan = plan_from_choice(problem, choice, mixed_precision=precision)
+        pred = predict(nested, plan, device(), calibration=CALIBRATION)
+        assert pred.peak_bytes == walked_peak(nested, pred)
+        assert pred.peak_bytes <= pred.breakdown["bound_peak_bytes"]
 
 
 def test_the_solver_optimum_is_predicted_exactly(tiny):
