@@ -191,10 +191,11 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
     prefetch = np.array([part(p, "backward_gather_bytes") for p in order], dtype=np.int64)
     between = (fixed + enclosed.in_backward + held_before + after_in_backward + held_after + kept_input
                + np.concatenate([[0], prefetch[:-1]]).astype(np.int64))
-    timeline = _Timeline(order, fixed, before, forward + linger_forward, backward, between, backward_ended,
-                         optimizer, left, enclosed.activations)
+    backward_started = fixed + enclosed.activations + int(before.sum())
+    timeline = _Timeline(order, fixed, before, forward + linger_forward, backward, between, backward_started,
+                         backward_ended, optimizer, left, enclosed.activations)
     for path in enclosing:
-        moments += _enclosing_moments(path, part, timeline)
+        moments += _enclosing_moments(path, part, lambda p, name: name in by_path[p].parts, timeline)
     peak, moment = max(moments, key=lambda m: m[0])
     return int(peak), moment
 
@@ -209,6 +210,7 @@ class _Timeline:
     forward: np.ndarray  # as each unit's forward runs, with what the last gather left
     backward: np.ndarray  # as each unit's backward runs
     between: np.ndarray  # as each unit's backward has ended, before the next one's begins
+    backward_started: int  # every forward done, before any unit's backward
     backward_ended: int  # every backward done, before the final reduces
     optimizer: int  # in the optimizer step
     last_gathered: int  # the all-gather output the last unit to gather left in forward
@@ -240,14 +242,26 @@ class _EnclosedHoldings:
             self.in_backward += np.where(index > last, before, np.where(index >= first, larger, after))
 
 
-def _enclosing_moments(path: str, part: Callable[[str, str], int], t: _Timeline) -> list[tuple[int, str]]:
+def _enclosing_moments(path: str, part: Callable[[str, str], int], has_part: Callable[[str, str], bool],
+                       t: _Timeline) -> list[tuple[int, str]]:
     """The moments of a unit enclosing others (the root, a block at nested granularity): its working sets where
     they meet what the units inside it hold."""
     inside = [i for i, p in enumerate(t.order) if path == ROOT or p.startswith(path + ".")]
-    fullest = max([t.backward_ended, *(int(t.backward[i]) for i in inside), *(int(t.between[i]) for i in inside)])
-    # its backward runs between its inner units' backwards, or before or after them all
-    working = max(part(path, "bwd_transient_bytes"), part(path, "post_backward_bytes"))
-    moments = [(fullest + working, f"the working set of {display_path(path)}")]
+    running = max([*(int(t.backward[i]) for i in inside), *(int(t.between[i]) for i in inside)], default=0)
+    fullest = max(t.backward_ended, running)
+    name = f"the working set of {display_path(path)}"
+    if has_part(path, "bwd_head_bytes"):
+        # the root's backward where it runs: before the units' (every unit's activations held, no gradient yet),
+        # between two of theirs, after them all; it reduces as the backward ends
+        moments = [
+            (t.backward_started + part(path, "bwd_head_bytes"), name),
+            (running + part(path, "bwd_between_bytes") if inside else 0, name),
+            (t.backward_ended + max(part(path, "bwd_tail_bytes"), part(path, "post_backward_bytes")), name),
+        ]
+    else:
+        # its backward runs between its inner units' backwards, or before or after them all
+        working = max(part(path, "bwd_transient_bytes"), part(path, "post_backward_bytes"))
+        moments = [(fullest + working, name)]
     moments.append((t.optimizer + part(path, "optimizer_temp_bytes"), "the optimizer step"))
     # its forward, at the latest with every unit inside holding its activations
     working = part(path, "fwd_transient_bytes")

@@ -298,6 +298,16 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         tokens = costs.split_rows(b) if costs.split_rows is not None else 0.0
         out_fwd, out_bwd = zip(*(_split_output_bytes(tokens * dt, n, *o) for o in split_outputs))
         fwd, bwd = fwd + slice_fwd + max(out_fwd), bwd + slice_bwd + max(out_bwd)
+    # the root's backward working set by where it runs (older descriptions: none, priced at bwd wherever it runs):
+    # before any unit's backward nothing is reduced yet, after them all nothing is prefetched
+    by_place = {}
+    if unit.path == ROOT and costs.bwd_head_bytes is not None:
+        split_extra = bwd - (temp_bwd + prefetched + rs_previous)
+        by_place = {
+            "bwd_head_bytes": costs.bwd_head_bytes.signed_bytes(b) - act + prefetched + split_extra,
+            "bwd_between_bytes": costs.bwd_between_bytes.signed_bytes(b) - act + prefetched + rs_previous + split_extra,
+            "bwd_tail_bytes": costs.bwd_tail_bytes.signed_bytes(b) - act + rs_previous + split_extra,
+        }
     optimizer_temp = 0 if foreach else 2 * largest_shard
     transient = max(fwd, bwd, post, optimizer_temp)
 
@@ -381,6 +391,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         # (a replicated unit's too where FSDP2 runs it, on a shard group of one: DDP's reducer keeps no input; a
         # unit reduced as the backward ends keeps none in backward)
         "kept_reduce_input_bytes": 0 if (ddp or late) else rs_input,
+        **by_place,
     }
     return OptionCost(time_s, int(mem), int(transient), parts)
 

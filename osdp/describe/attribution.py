@@ -14,6 +14,8 @@ so the units add up to the timed step (``ModelDescription.checks`` records both)
 
 from __future__ import annotations
 
+import math
+
 import functools
 import time
 import weakref
@@ -397,6 +399,23 @@ def _working_sets(
         both = max(raw.get(("fwd", path), 0), raw.get(("bwd", path), 0))
         m["recompute_peak"] = both - credit_bwd.get(path, 0)
         m["bwd_end"] = end.get(path, 0)
+    if ROOT in memory:
+        memory[ROOT].update(_root_backward_parts(segments))
+
+
+def _root_backward_parts(segments: Sequence[tuple[str, str, int, int, int, int]]) -> dict[str, int]:
+    """The root's backward working set where it runs: before any other unit's backward (the loss, and the
+    head after the last unit), between two of theirs, and after them all (before the first unit: the embedding);
+    the cost model meets each with what the units hold there (``UnitWorkload.bwd_head_bytes``)."""
+    backward = [(i, owner, working) for i, (phase, owner, working, *_) in enumerate(segments) if phase == "bwd"]
+    inner = [i for i, owner, _ in backward if owner != ROOT]
+    first, last = (min(inner), max(inner)) if inner else (math.inf, -math.inf)
+    root = [(i, working) for i, owner, working in backward if owner == ROOT]
+    return {
+        "bwd_head": max((w for i, w in root if i < first), default=0),
+        "bwd_between": max((w for i, w in root if first < i < last), default=0),
+        "bwd_tail": max((w for i, w in root if i > last), default=0),
+    }
 
 
 class KeptBySelective(TorchDispatchMode):

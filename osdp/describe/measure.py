@@ -544,6 +544,8 @@ def fit_costs(
             bwd_peak_bytes=fit(memory, p, "bwd_peak"),
             recompute_peak_bytes=fit(memory, p, "recompute_peak"),
             bwd_end_bytes=fit(memory, p, "bwd_end"),
+            **({f"bwd_{part}_bytes": fit(memory, p, f"bwd_{part}") for part in ("head", "between", "tail")}
+               if p == ROOT else {}),
             split_rows=fit(memory, p, "split_rows"),
             fwd_flops=fit(counts, p, "fwd") if counts else None,
             bwd_flops=fit(counts, p, "bwd") if counts else None,

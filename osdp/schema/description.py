@@ -69,6 +69,13 @@ class UnitWorkload:
     bwd_peak_bytes: Affine
     recompute_peak_bytes: Affine
     bwd_end_bytes: Affine  # the working set (likewise net) when its backward ends
+    # The root's backward working set by where it runs (bwd_peak_bytes is their largest): before any other unit's
+    # backward (the loss, and the head after the last unit), between two of theirs, and after them all (the
+    # embedding before the first unit). None: other units, and older descriptions (priced at bwd_peak_bytes
+    # wherever the root's backward may run)
+    bwd_head_bytes: Affine | None = None
+    bwd_between_bytes: Affine | None = None
+    bwd_tail_bytes: Affine | None = None
     # The most rows (tokens) one call of an nn.Linear of the unit took: a split Linear's loop makes each slice's
     # output and output gradient that tall (osdp.cost.unit prices them). None: older descriptions
     split_rows: Affine | None = None

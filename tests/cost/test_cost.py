@@ -99,6 +99,7 @@ def walked_peak(description, prediction) -> int:
         live += parts[p]["before_backward_bytes"]
     if "" in parts:  # the head: every unit's activations, and what was gathered last
         moments.append(live + working("", "fwd_transient") - parts[""]["gather_output_bytes"] + lingering)
+    started = live  # every forward done, no backward yet
     for p in reversed(leaves):
         live += sum(own(e) - parts[e]["before_backward_bytes"] for e, inside in spans.items() if p == inside[-1])
         live -= parts[p]["before_backward_bytes"]
@@ -124,8 +125,13 @@ def walked_peak(description, prediction) -> int:
                 + parts[p]["optimizer_temp_bytes"] for p in leaves]
     for e in enclosing:
         inside = [p for p in leaves if e == "" or p.startswith(e + ".")]
-        fullest = max([live_at_end, *(backward_at[p] for p in inside), *(between_at[p] for p in inside)])
-        moments.append(fullest + working(e, "bwd_transient", "post_backward"))
+        running = max([*(backward_at[p] for p in inside), *(between_at[p] for p in inside)], default=0)
+        if "bwd_head_bytes" in parts[e]:  # the root's backward where it runs: before, between and after the units'
+            moments.append(started + parts[e]["bwd_head_bytes"])
+            moments.append(running + parts[e]["bwd_between_bytes"] if inside else 0)
+            moments.append(live_at_end + working(e, "bwd_tail", "post_backward"))
+        else:
+            moments.append(max(live_at_end, running) + working(e, "bwd_transient", "post_backward"))
         moments.append(live + parts[e]["optimizer_temp_bytes"])
         moments.append(max([prediction.breakdown["base_bytes"] + sum(parts[p]["always_bytes"] for p in parts)
                             + sum(own(p) for p in all_step), *(forward_at[p] for p in inside)])
