@@ -123,10 +123,11 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
     (``after_backward_bytes``; ``until_backward_ends_bytes`` instead until the whole backward ends, for a unit
     FSDP2 reduces only then); v works on what it holds until its backward (its transients on top), and
     as its backward ends reduces into what it keeps after; the optimizer step finds every unit after its
-    backward, with the foreach optimizer's temporaries (``optimizer_step_bytes``). Units enclosing others
-    (the root) are counted at the larger of their two all step, their working set at the fullest moment
-    inside them. In forward, what the unit that gathered last left lingers (FSDP2 frees an all-gather
-    output when the next is waited for, or as the root's forward ends).
+    backward, with the foreach optimizer's temporaries (``optimizer_step_bytes``). The root is counted at the
+    larger of its two holdings all step, a unit enclosing others below it where it runs (``_EnclosedHoldings``);
+    their working sets meet the moments inside them (``_enclosing_moments``). In forward, what the unit that
+    gathered last left lingers (FSDP2 frees an all-gather output when the next is waited for, or as the root's
+    forward ends).
     """
     by_path = dict(zip(description.paths, costs))
     order = sequence_order(description)
@@ -152,16 +153,9 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
     after_in_backward = np.maximum(after, [part(p, "until_backward_ends_bytes") for p in order])
     held_before = np.cumsum(before) - before  # by the units earlier in forward order
     held_after = int(after_in_backward.sum()) - np.cumsum(after_in_backward)  # by the units later in forward order
-    # In forward FSDP2 keeps a unit's all-gather output until the next unit's all-gather is waited for, or the
-    # root's forward ends: what the unit that gathered last left lingers while units that gather nothing run
-    left, linger_forward = 0, []
-    for path in order:
-        gathered = part(path, "gather_output_bytes")
-        linger_forward.append(0 if gathered else left)
-        left = gathered or left
+    linger_forward, left = _lingering_gathers([part(p, "gather_output_bytes") for p in order])
     # with the unit's own activations (no gradients yet)
     forward = fixed + enclosed.in_forward + held_before + before
-    linger_forward = np.array(linger_forward, dtype=np.int64)
     backward = (fixed + enclosed.in_backward + held_before + np.array([own(p) for p in order], dtype=np.int64)
                 + held_after)
     # every backward done: the enclosing units hold what they keep after theirs (no activations); the foreach
@@ -198,6 +192,18 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
         moments += _enclosing_moments(path, part, lambda p, name: name in by_path[p].parts, timeline)
     peak, moment = max(moments, key=lambda m: m[0])
     return int(peak), moment
+
+
+def _lingering_gathers(gathered: list[int]) -> tuple[np.ndarray, int]:
+    """Per unit in forward order (each gathering ``gathered`` bytes), the all-gather output another unit left as
+    it runs, and what the last one to gather leaves: FSDP2 keeps a unit's all-gather output until the next
+    unit's all-gather is waited for, or the root's forward ends, so it lingers while units that gather nothing
+    run."""
+    left, lingering = 0, []
+    for nbytes in gathered:
+        lingering.append(0 if nbytes else left)
+        left = nbytes or left
+    return np.array(lingering, dtype=np.int64), left
 
 
 @dataclass(frozen=True)

@@ -338,19 +338,8 @@ def apply_plan(
         replicated.update(to_reducer)
         if not by_ddp:
             fsdp_held.update(members)
-        ignored = (split_parameters(module) | replicated) or None
-        target = group if len(group) > 1 else module
-        # Every unit is FSDP2's, a replicated one in fp32 holding none of its parameters (the reducer has them):
-        # it answers FSDP2's methods, and the root stays the root (otherwise every top-level sharded unit would
-        # be a root of its own, keeping its parameters gathered after forward and prefetching nothing). So a
-        # replicated root in bf16 runs as zero2 (schema.plan.runs_as).
-        by_fsdp_replicate = decision.mode == "replicate" and not by_ddp and unit.path != ROOT
-        if by_fsdp_replicate and meshes.replicated is None:
-            fsdp_replicate(target, mesh=meshes.world, mp_policy=mp_policy, ignored_params=ignored)
-        else:
-            fully_shard(target, mesh=meshes.replicated if by_fsdp_replicate else meshes.for_unit(decision),
-                        reshard_after_forward=decision.reshards_after_forward, mp_policy=mp_policy,
-                        ignored_params=ignored)
+        _make_fsdp_unit(group if len(group) > 1 else module, unit.path, decision, by_ddp, meshes, mp_policy,
+                        ignored=(split_parameters(module) | replicated) or None)
         for path in members:
             extras[path] = UnitExtras(
                 replicated=[p for p in owned[path] if p in to_reducer],
@@ -370,6 +359,23 @@ def apply_plan(
     load_under_any_plan(model)
     setattr(model, _PLAN_ATTR, plan)
     return model
+
+
+def _make_fsdp_unit(target: nn.Module | list[nn.Module], path: str, decision: UnitPlan, by_ddp: bool, meshes: Meshes,
+                    mp_policy: MixedPrecisionPolicy, ignored: set[nn.Parameter] | None) -> None:
+    """``fully_shard`` the unit's module (or its group's), or, replicated by FSDP2 (bf16), ``replicate`` it.
+
+    Every unit is FSDP2's, a replicated one in fp32 holding none of its parameters (``by_ddp``: the reducer has
+    them): it answers FSDP2's methods, and the root stays the root (otherwise every top-level sharded unit would
+    be a root of its own, keeping its parameters gathered after forward and prefetching nothing). So a replicated
+    root in bf16 runs as zero2 (``schema.plan.runs_as``)."""
+    by_fsdp_replicate = decision.mode == "replicate" and not by_ddp and path != ROOT
+    if by_fsdp_replicate and meshes.replicated is None:
+        fsdp_replicate(target, mesh=meshes.world, mp_policy=mp_policy, ignored_params=ignored)
+    else:
+        fully_shard(target, mesh=meshes.replicated if by_fsdp_replicate else meshes.for_unit(decision),
+                    reshard_after_forward=decision.reshards_after_forward, mp_policy=mp_policy,
+                    ignored_params=ignored)
 
 
 def _reduce_unevenly_used(model: nn.Module, plan: Plan, replicated: set[nn.Parameter],
