@@ -169,22 +169,32 @@ class FSDPGradient:
         self._param.unsharded_param.grad = torch.zeros_like(self._param.unsharded_param)
 
 
+def _around_post_backward(module: Any, flag: str, around: Any) -> None:
+    """Make each parameter group of a ``fully_shard``-ed module run ``around(group, post_backward, *args)`` in place
+    of its post-backward, once per group (``flag`` marks it), however many modules share it."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        if getattr(group, flag, False):
+            continue
+        setattr(group, flag, True)
+        original = group.post_backward
+
+        def post_backward(*args: Any, group: Any = group, original: Any = original) -> Any:
+            return around(group, original, *args)
+
+        group.post_backward = post_backward
+
+
 def fsdp_before_reduce(module: Any, hook: Any) -> None:
     """Call ``hook(gradients)`` wherever FSDP2 is about to reduce a ``fully_shard``-ed module's gradients (its
     post-backward with gradient sync on); ``gradients``: an ``FSDPGradient`` per parameter that requires one.
     Once per parameter group, however many modules share it."""
-    for group in module._get_fsdp_state()._fsdp_param_groups:
-        if getattr(group, "_osdp_before_reduce", False):
-            continue
-        group._osdp_before_reduce = True
-        original = group.post_backward
 
-        def post_backward(*args: Any, group: Any = group, original: Any = original) -> Any:
-            if group.reduce_grads:
-                hook([FSDPGradient(p) for p in group.fsdp_params if p.sharded_param.requires_grad])
-            return original(*args)
+    def around(group: Any, post_backward: Any, *args: Any) -> Any:
+        if group.reduce_grads:
+            hook([FSDPGradient(p) for p in group.fsdp_params if p.sharded_param.requires_grad])
+        return post_backward(*args)
 
-        group.post_backward = post_backward
+    _around_post_backward(module, "_osdp_before_reduce", around)
 
 
 def fsdp_refresh_reduce_dtype(module: Any) -> None:
@@ -202,18 +212,13 @@ def fsdp_skip_post_backward_if_never_gathered(module: Any) -> None:
     a group whose parameters were never gathered (a module no forward has called yet): there is no gradient to
     reduce or accumulate, and under a ``MixedPrecisionPolicy`` with gradient sync off FSDP2 reads the unsharded
     parameters it never made, and fails."""
-    for group in module._get_fsdp_state()._fsdp_param_groups:
-        if getattr(group, "_osdp_skips_ungathered", False):
-            continue
-        group._osdp_skips_ungathered = True
-        original = group.post_backward
 
-        def post_backward(*args: Any, group: Any = group, original: Any = original) -> Any:
-            if not any(hasattr(p, "_unsharded_param") for p in group.fsdp_params):
-                return None
-            return original(*args)
+    def around(group: Any, post_backward: Any, *args: Any) -> Any:
+        if not any(hasattr(p, "_unsharded_param") for p in group.fsdp_params):
+            return None
+        return post_backward(*args)
 
-        group.post_backward = post_backward
+    _around_post_backward(module, "_osdp_skips_ungathered", around)
 
 
 def fsdp_collective_comm(module: Any, collective: str) -> Any:

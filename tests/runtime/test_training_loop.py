@@ -75,7 +75,11 @@ def test_accumulation_with_split_weights_reduces_once_per_window_and_equals_one_
     assert all(sorted(step) == sorted(one[0]) for step in one + three), traffic
 
 
-def _clip(rank, world_size, plans_json, max_norm):
+def _clip(rank, world_size, plans_json, max_norm, clip="osdp"):
+    """Each plan trained with gradients clipped every step: by ``osdp.clip_grad_norm_`` on the model, or (``clip=
+    "torch"``) by ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()``, as users write it."""
+    from torch.distributed.tensor import DTensor
+
     results = []
     for plan_json in plans_json:
         model = build_toy()
@@ -85,12 +89,26 @@ def _clip(rank, world_size, plans_json, max_norm):
         for inputs, targets in toy_batches():
             n = inputs.shape[0] // world_size
             model(inputs[rank * n:(rank + 1) * n], targets[rank * n:(rank + 1) * n]).backward()
-            norms.append(float(osdp.clip_grad_norm_(model, max_norm)))
+            if clip == "torch":
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            else:
+                norm = osdp.clip_grad_norm_(model, max_norm)
+            norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
             opt.step()
             opt.zero_grad()
         state = full_state(model)  # collective: every rank takes part
         results.append((norms, state if rank == 0 else None))
     return results
+
+
+def _assert_clipped_as_one_process(out, names, ref_norms, ref_state):
+    for i, name in enumerate(names):
+        for rank_results in out:  # every rank returns the global norm
+            torch.testing.assert_close(torch.tensor(rank_results[i][0]), torch.tensor(ref_norms), atol=1e-5,
+                                       rtol=1e-5, msg=name)
+        state = out[0][i][1]
+        for key, ref in ref_state.items():
+            torch.testing.assert_close(state[key], ref, atol=1e-5, rtol=0, msg=f"{name}: {key}")
 
 
 def _clip_reference(max_norm):
@@ -112,13 +130,7 @@ def test_clip_grad_norm_across_replicated_sharded_and_split_units_equals_one_pro
     assert min(ref_norms) > max_norm
     names = ["ddp", "mixed_a", "split"]
     out = run_ranks(_clip, 2, [plans[n].to_json() for n in names], max_norm, timeout=180)
-    for i, name in enumerate(names):
-        for rank_results in out:  # every rank returns the global norm
-            torch.testing.assert_close(torch.tensor(rank_results[i][0]), torch.tensor(ref_norms), atol=1e-5,
-                                       rtol=1e-5, msg=name)
-        state = out[0][i][1]
-        for key, ref in ref_state.items():
-            torch.testing.assert_close(state[key], ref, atol=1e-5, rtol=0, msg=f"{name}: {key}")
+    _assert_clipped_as_one_process(out, names, ref_norms, ref_state)
 
 
 # Attention's key bias has a gradient of exactly zero (softmax ignores a shift), computed as rounding noise
@@ -266,27 +278,6 @@ def _bf16_reference(batches, world_size, max_norm=None):
     return (losses if max_norm is None else norms), cloned(model.state_dict())
 
 
-def _torch_clip(rank, world_size, plans_json, batches, max_norm):
-    """Each plan trained with ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()``, as users write it."""
-    from torch.distributed.tensor import DTensor
-
-    results = []
-    for plan_json in plans_json:
-        model = build_toy()
-        osdp.wrap(model, plan=plan_json)
-        opt, norms = sgd(model), []
-        for inputs, targets in batches:
-            n = inputs.shape[0] // world_size
-            model(inputs[rank * n:(rank + 1) * n], targets[rank * n:(rank + 1) * n]).backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
-            opt.step()
-            opt.zero_grad()
-        state = full_state(model)  # collective: every rank takes part
-        results.append((norms, state if rank == 0 else None))
-    return results
-
-
 def test_torch_clip_grad_norm_takes_every_bf16_plan_and_equals_one_process():
     """In bf16 replicated units are FSDP2's ``replicate`` on the mesh the sharded units are sharded on: their
     gradients and the sharded units' take part in one ``torch.nn.utils.clip_grad_norm_``, which refused a plan
@@ -300,17 +291,11 @@ def test_torch_clip_grad_norm_takes_every_bf16_plan_and_equals_one_process():
         plans[name] = Plan.from_dict({**settings, "mixed_precision": "bf16"})
     assert any(u.mode == "replicate" for u in plans["mixed_a"].units)
     assert any(u.mode != "replicate" for u in plans["mixed_a"].units)
-    batches, max_norm = toy_batches(), 0.5
-    ref_norms, ref_state = _bf16_reference(batches, 2, max_norm)
+    max_norm = 0.5
+    ref_norms, ref_state = _bf16_reference(toy_batches(), 2, max_norm)
     assert min(ref_norms) > max_norm  # every step clips
-    out = run_ranks(_torch_clip, 2, [p.to_json() for p in plans.values()], batches, max_norm, timeout=180)
-    for i, name in enumerate(plans):
-        for rank_results in out:  # every rank holds the global norm
-            torch.testing.assert_close(torch.tensor(rank_results[i][0]), torch.tensor(ref_norms), atol=1e-5,
-                                       rtol=1e-5, msg=name)
-        state = out[0][i][1]
-        for key, ref in ref_state.items():
-            torch.testing.assert_close(state[key], ref, atol=1e-5, rtol=0, msg=f"{name}: {key}")
+    out = run_ranks(_clip, 2, [p.to_json() for p in plans.values()], max_norm, "torch", timeout=180)
+    _assert_clipped_as_one_process(out, list(plans), ref_norms, ref_state)
 
 
 def test_bf16_parameters_with_fp32_reduction_train_as_one_process_in_bf16():
