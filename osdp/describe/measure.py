@@ -192,8 +192,9 @@ def memory_pass(
     memory, segments_seen, root_total, segments = _segments_pass(model, units, batch, loss_fn, also, routed)
     _working_sets(memory, segments_seen, root_total)
     for m in memory.values():
-        for key in ("fwd_peak", "bwd_peak", "recompute_peak"):
-            m[key] += m.get("unrun", 0)
+        for key in ("fwd_peak", "bwd_peak", "recompute_peak", "bwd_head", "bwd_between", "bwd_tail"):
+            if key in m:  # the root's backward by where it runs: the root only
+                m[key] += m.get("unrun", 0)
     for path in segments.run_in_backward:  # UnitWorkload.run_in_backward
         memory[path]["run_in_backward"] = 1
     for path in segments.reduced_at_end:  # UnitWorkload.reduced_at_end

@@ -289,10 +289,11 @@ def test_analytic_matches_measured_memory_byte_for_byte(tiny):
     analytic = describe_analytic(gpt_tiny(), gpt_batch(), "h100-nvlink", world_size=8, progress=False, cache=False)
     assert analytic.paths == tiny.paths and analytic.forward_order == tiny.forward_order
     fields = ("act_bytes", "ckpt_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes", "sac_bytes",
-              "sac_unsaved_bytes")
+              "sac_unsaved_bytes", "bwd_head_bytes", "bwd_between_bytes", "bwd_tail_bytes")
     for a, m in zip(analytic.units, tiny.units):
         for f in fields:
-            if f.startswith("sac") and not a.path:  # the root: never checkpointed, not described for it
+            # the root: never checkpointed, not described for it; the others: the root's backward parts are its own
+            if (f.startswith("sac") and not a.path) or (f.startswith("bwd_") and f != "bwd_peak_bytes" and a.path):
                 assert getattr(a.costs["fp32"], f) is None and getattr(m.costs["fp32"], f) is None
                 continue
             assert getattr(a.costs["fp32"], f).signed_bytes(B) == getattr(m.costs["fp32"], f).signed_bytes(B), (a.path, f)
@@ -300,6 +301,27 @@ def test_analytic_matches_measured_memory_byte_for_byte(tiny):
     C = 64
     assert mlp.fwd_flops(B) == 2 * 2 * B * T * C * 4 * C  # two matmuls of B*T x C x 4C
     assert mlp.fwd_s(B) == pytest.approx(mlp.fwd_flops(B) / analytic_rate("h100-nvlink"))
+
+
+@pytest.mark.parametrize("style", ["lambda_gpt", "moe"])
+def test_the_roots_backward_is_described_where_it_runs(style):
+    """The root's backward working set in three parts, before, between and after the units' backwards (the cost
+    model meets each with what the units hold there), whose largest is its whole backward's; the routed experts
+    the example left uncalled (held by the root) priced in each, as in the whole."""
+    import model_styles as styles
+
+    from osdp.planner import planning_description
+
+    steps = styles.batches(style, B, 1)
+    description = planning_description(styles.build(style), styles.inputs_of(style, steps[0]),
+                                       loss_fn=lambda out: out[1] if style == "lambda_gpt" else out, progress=False)
+    assert bool(description.routed) == (style == "moe")
+    root = description.unit("").costs["fp32"]
+    parts = [root.bwd_head_bytes.signed_bytes(B), root.bwd_between_bytes.signed_bytes(B),
+             root.bwd_tail_bytes.signed_bytes(B)]
+    assert max(parts) == root.bwd_peak_bytes.signed_bytes(B), parts
+    assert parts[0] > 0 and parts[2] > 0  # the loss and head before the units, the embedding after them
+    assert all(u.costs["fp32"].bwd_head_bytes is None for u in description.units if u.path)
 
 
 def analytic_rate(preset):
