@@ -254,7 +254,6 @@ def _enclosing_moments(path: str, part: Callable[[str, str], int], has_part: Cal
     they meet what the units inside it hold."""
     inside = [i for i, p in enumerate(t.order) if path == ROOT or p.startswith(path + ".")]
     running = max([*(int(t.backward[i]) for i in inside), *(int(t.between[i]) for i in inside)], default=0)
-    fullest = max(t.backward_ended, running)
     name = f"the working set of {display_path(path)}"
     if has_part(path, "bwd_head_bytes"):
         # the root's backward where it runs: before the units' (every unit's activations held, no gradient yet),
@@ -267,7 +266,7 @@ def _enclosing_moments(path: str, part: Callable[[str, str], int], has_part: Cal
     else:
         # its backward runs between its inner units' backwards, or before or after them all
         working = max(part(path, "bwd_transient_bytes"), part(path, "post_backward_bytes"))
-        moments = [(fullest + working, name)]
+        moments = [(max(t.backward_ended, running) + working, name)]
     moments.append((t.optimizer + part(path, "optimizer_temp_bytes"), "the optimizer step"))
     # its forward, at the latest with every unit inside holding its activations
     working = part(path, "fwd_transient_bytes")
