@@ -341,14 +341,13 @@ def apply_plan(
         _make_fsdp_unit(group if len(group) > 1 else module, unit.path, decision, by_ddp, meshes, mp_policy,
                         ignored=(split_parameters(module) | replicated) or None)
         for path in members:
-            extras[path] = UnitExtras(
-                replicated=[p for p in owned[path] if p in to_reducer],
-                split_linears=[m for m in _own_modules(module, {modules[p] for p in unit.nested})
-                               if isinstance(m, SplitLinear)],
-            )
+            extras[path] = UnitExtras(split_linears=[m for m in _own_modules(module, {modules[p] for p in unit.nested})
+                                                     if isinstance(m, SplitLinear)])
     reducer = _reduce_unevenly_used(model, plan, replicated, fsdp_held)
     for path, extra in extras.items():
-        extra.reducer = reducer
+        if reducer is not None:
+            own = set(owned[path])
+            extra.reducer, extra.replicated = reducer, [s for s in reducer.slots if s.param in own]
         extend_unit(model.get_submodule(path), extra)
     _reshard_when_evaluating(model, groups)
     if plan.mixed_precision == "bf16":

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from osdp.fsdp_ext.replicate import ReplicaReducer
+from osdp.fsdp_ext.replicate import ReplicaReducer, Slot
 
 
 @dataclass
@@ -39,7 +39,7 @@ class UnitExtras:
     """What a unit holds outside FSDP2."""
 
     reducer: ReplicaReducer | None = None
-    replicated: list[nn.Parameter] = field(default_factory=list)  # its own, in the reducer
+    replicated: list[Slot] = field(default_factory=list)  # where its own parameters in the reducer are
     split_linears: list[nn.Module] = field(default_factory=list)  # its own SplitLinears
 
 
@@ -61,7 +61,7 @@ def _replicated(module: nn.Module, recurse: bool) -> dict[ReplicaReducer, list[n
     by_reducer: dict[ReplicaReducer, list[nn.Parameter]] = {}
     for e in _reached(module, recurse):
         if e.reducer is not None and e.replicated:
-            by_reducer.setdefault(e.reducer, []).extend(e.replicated)
+            by_reducer.setdefault(e.reducer, []).extend(slot.param for slot in e.replicated)
     return by_reducer
 
 

@@ -20,6 +20,10 @@ does that FSDP2 allows stays allowed here (DESIGN.md section 9):
 * ``requires_grad`` changed after wrapping (either way) rebuilds the buckets at
   the next forward or backward, so unfrozen parameters are reduced too; a change
   in the middle of a backward raises on every rank;
+* a parameter replaced in its module (``load_state_dict(..., assign=True)``, as
+  FSDP2's tutorial loads, or an attribute set) is followed at the next forward:
+  the reducer reduces what the model holds now, with the settings the old one
+  had, as FSDP2 adopts the tensors a load assigns;
 * a model called twice before one backward, parameters used outside their
   unit's forward, several backwards per step: every gradient that arrives is
   reduced once, and the all-reduce is linear, so what was reduced before stays;
@@ -89,6 +93,26 @@ def _gradient_hook(reducer: "ReplicaReducer") -> Callable[[nn.Parameter], None]:
     return hook
 
 
+@dataclass(eq=False)
+class Slot:
+    """Where a parameter is registered: ``module._parameters[name]`` (``path``: its name in the model)."""
+
+    module: nn.Module
+    name: str
+    path: str
+    param: nn.Parameter  # what the reducer last saw there
+
+    def now(self) -> nn.Parameter | None:
+        return self.module._parameters.get(self.name)
+
+
+def _slots(model: nn.Module, params: set[nn.Parameter]) -> list[Slot]:
+    """Every place ``params`` are registered in ``model``, in ``model.parameters()`` order (a tied weight: each)."""
+    return [Slot(module, name, f"{prefix}.{name}" if prefix else name, p)
+            for prefix, module in model.named_modules()
+            for name, p in module._parameters.items() if p is not None and p in params]
+
+
 class ReplicaReducer:
     """One reducer over ``params`` (name -> parameter, in ``model.parameters()`` order) of ``model``'s
     replicated units. Collective to build (every replica starts from rank 0's values, as DDP's do)."""
@@ -96,6 +120,7 @@ class ReplicaReducer:
     def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], group: dist.ProcessGroup | None = None):
         self.names = {p: name for name, p in params.items()}
         self.params = list(params.values())
+        self.slots = _slots(model, set(self.params))
         self.group = group if group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group)
         self._fake = dist.get_backend(self.group) == "fake"  # collectives do nothing (memory planning)
@@ -203,6 +228,27 @@ class ReplicaReducer:
                 offset += p.numel()
         return _Bucket(params, views, buffer[numel:], buffer)
 
+    def _follow_replaced(self) -> None:
+        """Reduce the parameters the model holds now where some were replaced in their modules since (a load
+        that assigns): each takes the old one's settings and place in the gradients' order."""
+        replaced = {}
+        for slot in self.slots:
+            now = slot.now()
+            if now is not slot.param and now is not None:
+                replaced[slot.param] = now
+                slot.param = now
+        if not replaced:
+            return
+        current = list(dict.fromkeys(slot.param for slot in self.slots))
+        self.names = {slot.param: slot.path for slot in reversed(self.slots)}  # a tied weight: its first name
+        self.params = current
+        for old, new in replaced.items():
+            if old in self._settings:
+                self._settings[new] = dict(self._settings[old])
+        self._settings = {p: setting for p, setting in self._settings.items() if p in self.names}
+        self._order = {replaced.get(p, p): None for p in self._order}
+        self._build()
+
     def _requires_grad_now(self) -> tuple[bool, ...]:
         return tuple(p.requires_grad for p in self.params)
 
@@ -216,6 +262,7 @@ class ReplicaReducer:
         if not self._in_backward:
             if self._mixed:
                 close_implicit_replication()
+            self._follow_replaced()
             self._follow_requires_grad()
 
     def _post_forward(self, _module, _args, output):

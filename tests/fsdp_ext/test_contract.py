@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from dist_harness import run_ranks
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
 from training_check import full_state
 
 import osdp
@@ -121,6 +122,9 @@ def run_behaviour(model, name, steps, rank=0, world_size=1, check=None):
         return t[rank * n:(rank + 1) * n]
 
     for step, micro_batches in enumerate(steps):
+        if name == "load_assigned" and step == 1:  # FSDP2's tutorial: load by assign, then make the optimizer
+            _load_assigned(model, wrapped)
+            opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
         if name == "unfreeze" and step == 1:
             model.blocks[0].attn.requires_grad_(True)
         if name == "freeze" and step == 1:
@@ -163,7 +167,21 @@ def run_behaviour(model, name, steps, rank=0, world_size=1, check=None):
     return losses
 
 
-BEHAVIOURS = ["plain", "unfreeze", "freeze", "accumulate", "accumulate_units", "all_reduce", "unshard", "twice",
+def _load_assigned(model, wrapped):
+    """Another model's weights, loaded as FSDP2's tutorial loads a full state dict: each value laid out as the
+    model's own state dict shows it (``distribute_tensor`` on its mesh and placements), assigned in place."""
+    torch.manual_seed(5)
+    full = ContractNet().state_dict()
+    if wrapped:
+        laid_out = {}
+        for key, like in model.state_dict().items():
+            laid_out[key] = (distribute_tensor(full[key], like.device_mesh, like.placements)
+                             if isinstance(like, DTensor) else full[key])
+        full = laid_out
+    model.load_state_dict(full, assign=True)
+
+
+BEHAVIOURS = ["plain", "load_assigned", "unfreeze", "freeze", "accumulate", "accumulate_units", "all_reduce", "unshard", "twice",
               "unused_output", "clip_norm", "clip_value"]
 
 
