@@ -42,3 +42,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind():
+    """A test that made the default process group in this process (``osdp.wrap`` makes a one-rank group when
+    there is none) destroys it after, so that the next test starts as a fresh process would."""
+    import torch.distributed as dist
+
+    had = dist.is_available() and dist.is_initialized()
+    yield
+    if not had and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
