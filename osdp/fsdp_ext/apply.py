@@ -14,8 +14,9 @@ the root, as ``fully_shard`` expects:
 * ``replicate``: the parameters of every replicated unit go to one reducer
   (``fsdp_ext.replicate``): bucketed all-reduces overlapped with backward and
   no second copy of the parameters, as ``DistributedDataParallel``; they stay
-  plain tensors, which optimizers, state dicts and DCP handle beside the
-  sharded units' DTensors. The unit is still ``fully_shard``-ed, with those
+  plain tensors, which optimizers and DCP handle beside the sharded units'
+  DTensors (state dicts show them as replicated DTensors: ``fsdp_ext.
+  state_dict``). The unit is still ``fully_shard``-ed, with those
   parameters ignored, so that it answers FSDP2's methods
   (``fsdp_ext.module_api``). In bf16 plans replicated units are FSDP2's
   ``replicate`` on the same 1-D mesh as the sharded ones, whose
@@ -72,7 +73,7 @@ from osdp.fsdp_ext.groups import group_members
 from osdp.fsdp_ext.mixed_precision import keep_mixed_precision_current
 from osdp.fsdp_ext.module_api import UnitExtras, extend_unit
 from osdp.fsdp_ext.replicate import ReplicaReducer
-from osdp.fsdp_ext.state_dict import load_under_any_plan
+from osdp.fsdp_ext.state_dict import load_under_any_plan, show_replicated_as_dtensors
 from osdp.fsdp_ext.unused import reduce_where_any_rank_has_gradients
 from osdp._torch_private import fsdp_pre_backward, fsdp_replicate, has_fsdp_replicate
 from osdp.machine.memory import iter_tensors, register_gradient_storages
@@ -356,6 +357,8 @@ def apply_plan(
         disable_caches_in_training(model)  # a recomputed forward must save what the first one saved
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     load_under_any_plan(model)
+    if reducer is not None:
+        show_replicated_as_dtensors(model, reducer.slots, meshes.world)
     setattr(model, _PLAN_ATTR, plan)
     return model
 

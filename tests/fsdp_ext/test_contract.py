@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from dist_harness import run_ranks
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 from training_check import full_state
 
 import osdp
@@ -168,15 +168,19 @@ def run_behaviour(model, name, steps, rank=0, world_size=1, check=None):
 
 
 def _load_assigned(model, wrapped):
-    """Another model's weights, loaded as FSDP2's tutorial loads a full state dict: each value laid out as the
-    model's own state dict shows it (``distribute_tensor`` on its mesh and placements), assigned in place."""
+    """FSDP2's tutorial, under every plan: save the parameters' full values (``full_tensor()`` of every
+    parameter's state-dict value), then load another model's weights by assigning them, each laid out as the
+    model's own state dict shows it (``distribute_tensor`` on its mesh and placements). Buffers are plain
+    tensors in FSDP2's state dicts too."""
     torch.manual_seed(5)
     full = ContractNet().state_dict()
     if wrapped:
+        params = {name for name, _ in model.named_parameters()}
+        saved = {k: v.full_tensor() for k, v in model.state_dict().items() if k in params}
+        assert set(saved) == params
         laid_out = {}
         for key, like in model.state_dict().items():
-            laid_out[key] = (distribute_tensor(full[key], like.device_mesh, like.placements)
-                             if isinstance(like, DTensor) else full[key])
+            laid_out[key] = distribute_tensor(full[key], like.device_mesh, like.placements) if key in params else full[key]
         full = laid_out
     model.load_state_dict(full, assign=True)
 
