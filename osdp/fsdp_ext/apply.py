@@ -73,6 +73,7 @@ from osdp.fsdp_ext.groups import group_members
 from osdp.fsdp_ext.mixed_precision import keep_mixed_precision_current
 from osdp.fsdp_ext.module_api import UnitExtras, extend_unit
 from osdp.fsdp_ext.replicate import ReplicaReducer
+from osdp.fsdp_ext.replicated_view import ReplicatedView
 from osdp.fsdp_ext.state_dict import load_under_any_plan, show_replicated_as_dtensors
 from osdp.fsdp_ext.unused import reduce_where_any_rank_has_gradients
 from osdp._torch_private import fsdp_pre_backward, fsdp_replicate, has_fsdp_replicate
@@ -359,6 +360,7 @@ def apply_plan(
     load_under_any_plan(model)
     if reducer is not None:
         show_replicated_as_dtensors(model, reducer.slots, meshes.world)
+        reducer.view = ReplicatedView(reducer.slots, meshes.world)
     setattr(model, _PLAN_ATTR, plan)
     return model
 

@@ -135,6 +135,7 @@ class ReplicaReducer:
         self._in_backward = False
         self._next = 0  # the next bucket to all-reduce in this backward: in bucket order, on every rank
         self._mixed = any(isinstance(p, DTensor) for p in model.parameters())
+        self.view = None  # fsdp_ext.replicated_view: the parameters shown as DTensors between steps
         self._broadcast_from_rank0()
         self._build()
         _step_mixed_optimizers_with_implicit_replication()
@@ -262,6 +263,8 @@ class ReplicaReducer:
         if not self._in_backward:
             if self._mixed:
                 close_implicit_replication()
+            if self.view is not None:
+                self.view.to_compute()
             self._follow_replaced()
             self._follow_requires_grad()
 
@@ -272,15 +275,18 @@ class ReplicaReducer:
             open_implicit_replication()
         # A rank whose backward gives none of these parameters a gradient must still join the others'
         # all-reduces: the backward through the output arms the reducer too.
-        if torch.is_grad_enabled() and self._state:
-            grads_from = [t for t in output_tensors(output) if t.requires_grad]
-            if grads_from:
-                register_multi_grad_hook(grads_from, self._arm, mode="any")
+        grads_from = [t for t in output_tensors(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        if grads_from and self._state:
+            register_multi_grad_hook(grads_from, self._arm, mode="any")
+        elif not grads_from and self.view is not None and not self._in_backward:
+            self.view.to_rest()  # no backward through this forward: the step's parameters are the views again
         return output
 
     def _arm(self, *_) -> None:
         if self._in_backward:
             return
+        if self.view is not None:
+            self.view.carry_grads()
         self._follow_requires_grad()
         self._in_backward = True
         self._next = 0
@@ -369,6 +375,8 @@ class ReplicaReducer:
                 built = [p for b in self._buckets for p in b.params]
                 if len(built) != len(self._order) or any(a is not b for a, b in zip(self._order, built)):
                     self._build()
+            if self.view is not None:  # after any rebuild: the views show the gradients where they now live
+                self.view.to_rest()
 
     def _rank0_order(self) -> dict[nn.Parameter, None]:
         """The order gradients first arrived in on rank 0, which every rank buckets by (as DDP rebuilds its

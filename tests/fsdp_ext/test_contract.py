@@ -153,6 +153,8 @@ def run_behaviour(model, name, steps, rank=0, world_size=1, check=None):
                 loss = ce(logits, y)
                 if name != "unused_output" or step != 1:  # the auxiliary output unused in step 1
                     loss = loss + 0.5 * ce(aux, y)
+            if name == "zero_after_forward" and m == 0:  # as Lightning's step: forward, zero_grad, backward
+                opt.zero_grad()
             (loss / len(micro_batches)).backward()
             total += loss.item() / len(micro_batches)
         if name == "clip_norm":
@@ -160,7 +162,8 @@ def run_behaviour(model, name, steps, rank=0, world_size=1, check=None):
         if name == "clip_value":
             torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
         opt.step()
-        opt.zero_grad()
+        if name != "zero_after_forward":
+            opt.zero_grad()
         losses.append(total)
         if check is not None:
             check(model)
@@ -185,7 +188,7 @@ def _load_assigned(model, wrapped):
     model.load_state_dict(full, assign=True)
 
 
-BEHAVIOURS = ["plain", "load_assigned", "unfreeze", "freeze", "accumulate", "accumulate_units", "all_reduce", "unshard", "twice",
+BEHAVIOURS = ["plain", "load_assigned", "zero_after_forward", "unfreeze", "freeze", "accumulate", "accumulate_units", "all_reduce", "unshard", "twice",
               "unused_output", "clip_norm", "clip_value"]
 
 
@@ -349,8 +352,7 @@ def _drift(rank, world_size, plan_json):
     osdp.check_replicas(model)
     if rank == 1:
         with torch.no_grad():
-            model.head.bias.add_(1e-7 if not isinstance(model.head.bias, torch.distributed.tensor.DTensor)
-                                 else 0.0)
+            model.head.bias.add_(1e-7)  # a DTensor replicated on the world mesh: this rank's copy only
     try:
         osdp.check_replicas(model)
     except osdp.ReplicaDivergence as e:

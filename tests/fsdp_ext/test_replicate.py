@@ -12,7 +12,7 @@ import torch
 from cases import build_toy, toy_batches
 from dist_harness import run_ranks
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate, Shard
 from training_check import assert_matches_reference, full_state, reference, sgd
 
 import osdp
@@ -34,7 +34,7 @@ def _what_runs_each_unit(rank, world_size):
     modules = dict(model.named_modules())
     owned = unit_parameters(model, plan.paths)
     return {
-        u.path: (u.mode, isinstance(modules[u.path], FSDPModule), [isinstance(p, DTensor) for p in owned[u.path]])
+        u.path: (u.mode, isinstance(modules[u.path], FSDPModule), [p.placements for p in owned[u.path]])
         for u in plan.units
     }
 
@@ -42,13 +42,13 @@ def _what_runs_each_unit(rank, world_size):
 def test_replicated_units_are_left_to_the_reducer_and_sharded_ones_to_fsdp2():
     kinds = run_ranks(_what_runs_each_unit, 2, timeout=120)[0]
     assert {mode for mode, _, _ in kinds.values()} == {"replicate", "zero2", "zero3"}
-    for path, (mode, is_fsdp, dtensors) in kinds.items():
-        assert dtensors, path
+    for path, (mode, is_fsdp, placements) in kinds.items():
+        assert placements, path
         assert is_fsdp, path  # every unit answers FSDP2's methods (a replicated one holds none of its parameters)
-        if mode == "replicate":  # plain tensors, used in place
-            assert not any(dtensors), path
-        else:
-            assert all(dtensors), path
+        # between steps every parameter is a DTensor on the world mesh: a replicated unit's (the reducer's plain
+        # tensors, shown as DTensors: osdp.fsdp_ext.replicated_view) replicated, a sharded unit's sharded
+        expected = (Replicate(),) if mode == "replicate" else (Shard(0),)
+        assert all(tuple(p) == expected for p in placements), (path, placements)
 
 
 def _peaks(rank, world_size):
@@ -88,7 +88,7 @@ def _accumulate(rank, world_size, plan_json, micro):
     model = build_toy()
     osdp.wrap(model, plan=plan_json)
     opt = sgd(model)
-    plain = [p for p in model.parameters() if not isinstance(p, DTensor)]  # the replicated units' (DDP's)
+    plain = [p for p in model.parameters() if p.placements == (Replicate(),)]  # the replicated units' (DDP's)
     losses, reduced_early = [], []
     for inputs, targets in toy_batches():
         n = inputs.shape[0] // world_size
@@ -101,7 +101,7 @@ def _accumulate(rank, world_size, plan_json, micro):
             loss.backward()
             total += loss.item()
             if i == 0:
-                grads = all_gather_objects([p.grad.clone() for p in plain])
+                grads = all_gather_objects([p.grad.to_local().clone() for p in plain])
                 reduced_early.append(all(torch.equal(a, b) for a, b in zip(*grads)))
         opt.step()
         opt.zero_grad()
@@ -156,7 +156,7 @@ def _bucket_storages_each_step(rank, world_size):
     known = []
     for _ in range(4):
         torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-        grads = {p.grad.untyped_storage()._cdata for p in model.parameters() if p.grad is not None}
+        grads = {p.grad.to_local().untyped_storage()._cdata for p in model.parameters() if p.grad is not None}
         optimizer.step()  # its pre-hook notes the buckets
         optimizer.zero_grad(set_to_none=True)  # the buckets stay, the gradients' views go
         known.append(({s._cdata for s in reducer_storages(model)}, grads))

@@ -1,0 +1,119 @@
+"""Replicated parameters shown as DTensors between steps, as FSDP2 shows every parameter.
+
+The reducer's parameters (``fsdp_ext.replicate``: every replicated unit's in fp32, and the few FSDP2 cannot
+shard) are plain tensors that forward and backward use in place. A ``fully_shard``-ed model's parameters are
+DTensors, and code written for one calls DTensor methods on them (``p.full_tensor()``, ``p.device_mesh``,
+``p.grad.full_tensor()``), or combines parameters of several units (an EMA update over a student and its
+teacher); whether that works must not depend on the plan.
+
+So between steps each such parameter is registered as a DTensor replicated on the world mesh, a view of the
+same memory, and its gradient as a DTensor view of the plain one: optimizers built from ``model.parameters()``
+step DTensors, as under FSDP2, and write the memory forward uses. From the model's forward until the backward
+that follows it has ended (or the forward's end, when no backward can follow) the plain parameters are
+registered in their place, as FSDP2 registers its unsharded parameters for forward and backward; a
+checkpointed unit's recompute finds them too. What the user changed between steps reaches the plain
+parameters as the forward begins: ``requires_grad``, a gradient set to None or replaced, a parameter replaced
+in its module (``load_state_dict(..., assign=True)``: its DTensor's memory becomes the new plain parameter,
+which the reducer then follows).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+
+class ReplicatedView:
+    """Switches the reducer's ``slots`` (``fsdp_ext.replicate.Slot``) between the plain parameters (computing) and
+    their DTensor views (at rest, the state a wrapped model starts in)."""
+
+    def __init__(self, slots, mesh: DeviceMesh):
+        self.slots = slots  # shared with the reducer, which follows replacements of ``slot.param``
+        self.mesh = mesh
+        self._shown: dict[nn.Parameter, nn.Parameter] = {}  # plain parameter -> its DTensor view
+        self._grads: dict[nn.Parameter, DTensor] = {}  # plain parameter -> the view of its gradient last shown
+        self.computing = True
+        self.to_rest()
+
+    def _replicated(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(local, self.mesh, [Replicate()], run_check=False)
+
+    def to_compute(self) -> None:
+        """Register the plain parameters, carrying over what was changed on the views since they were shown."""
+        if self.computing:
+            return
+        self.computing = True
+        for slot in self.slots:
+            shown = slot.now()
+            if shown is None or shown is slot.param:
+                continue
+            plain, local = slot.param, _local(shown)
+            if shown is not self._shown.get(plain):  # replaced while at rest: the reducer follows the new one
+                plain = nn.Parameter(local, requires_grad=shown.requires_grad)
+                self._shown[plain] = shown
+            elif not _same_memory(local, plain):
+                # the view was given memory of its own (Module._apply swaps a DTensor parameter's contents: a
+                # Trainer's model.to(device)), which the optimizer has updated since: compute in that memory
+                plain.data = local
+            if plain.requires_grad != shown.requires_grad:
+                plain.requires_grad_(shown.requires_grad)
+            self._carry_grad(plain, shown)
+            slot.module._parameters[slot.name] = plain
+
+    def carry_grads(self) -> None:
+        """As a backward begins: the gradients the user cleared or set on the views since the forward (a
+        Lightning step zeroes them between its forward and its backward), so that none accumulates onto a
+        gradient the user let go of."""
+        for plain, shown in self._shown.items():
+            self._carry_grad(plain, shown)
+
+    def _carry_grad(self, plain: nn.Parameter, shown: nn.Parameter) -> None:
+        grad = shown.grad
+        if grad is None:
+            if plain.grad is not None and plain in self._grads:  # shown before, cleared since
+                plain.grad = None
+                self._grads.pop(plain)
+        elif grad is not self._grads.get(plain) or not _same_memory(_local(grad), plain.grad):  # set or moved
+            plain.grad = _local(grad)
+
+    def to_rest(self) -> None:
+        """Register the DTensor views, with views of the plain gradients."""
+        if not self.computing:
+            return
+        self.computing = False
+        live = set()
+        for slot in self.slots:
+            plain = slot.now()
+            if plain is None or plain is not slot.param:
+                continue  # replaced during a step: the next forward takes it
+            live.add(plain)
+            shown = self._shown.get(plain)
+            if shown is None:
+                shown = self._shown[plain] = nn.Parameter(self._replicated(plain.detach()),
+                                                          requires_grad=plain.requires_grad)
+            elif shown.requires_grad != plain.requires_grad:
+                shown.requires_grad_(plain.requires_grad)
+            grad = plain.grad
+            if grad is None:
+                shown.grad = None
+                self._grads.pop(plain, None)
+            else:
+                view = self._grads.get(plain)
+                if view is None or not _same_memory(_local(view), grad):
+                    view = self._grads[plain] = self._replicated(grad)
+                shown.grad = view
+            slot.module._parameters[slot.name] = shown
+        for gone in [p for p in self._shown if p not in live]:  # replaced parameters: let them go
+            self._shown.pop(gone)
+            self._grads.pop(gone, None)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The memory behind ``t``: a DTensor's local tensor (no autograd edge to the DTensor), a tensor itself."""
+    return t._local_tensor.detach() if isinstance(t, DTensor) else t.detach()
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    return b is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
