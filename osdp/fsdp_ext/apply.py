@@ -13,10 +13,10 @@ the root, as ``fully_shard`` expects:
   across; ranks per node are torchrun's ``LOCAL_WORLD_SIZE``;
 * ``replicate``: the parameters of every replicated unit go to one reducer
   (``fsdp_ext.replicate``): bucketed all-reduces overlapped with backward and
-  no second copy of the parameters, as ``DistributedDataParallel``; they stay
-  plain tensors, which optimizers and DCP handle beside the sharded units'
-  DTensors (state dicts show them as replicated DTensors: ``fsdp_ext.
-  state_dict``). The unit is still ``fully_shard``-ed, with those
+  no second copy of the parameters, as ``DistributedDataParallel``; plain
+  tensors in forward and backward, shown between steps as DTensors replicated
+  on the world mesh, views of the same memory (``fsdp_ext.replicated_view``),
+  so that every parameter is a DTensor as in a ``fully_shard``-ed model. The unit is still ``fully_shard``-ed, with those
   parameters ignored, so that it answers FSDP2's methods
   (``fsdp_ext.module_api``). In bf16 plans replicated units are FSDP2's
   ``replicate`` on the same 1-D mesh as the sharded ones, whose

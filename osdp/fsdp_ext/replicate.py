@@ -4,8 +4,9 @@ Every replicated unit's parameters share one reducer: their gradients live in
 flat buckets (1 MiB first, then up to 25 MiB, reordered after the first backward
 to the order it produced them on rank 0, as DDP does) and each bucket is all-reduced
 asynchronously as soon as every parameter in it has its gradient, while backward
-goes on; the backward waits for them at its end. Parameters stay plain tensors,
-used in place: no second copy during forward and backward. Sharded units around
+goes on; the backward waits for them at its end. Parameters are plain tensors,
+used in place: no second copy during forward and backward (between steps the
+model shows them as DTensor views: ``fsdp_ext.replicated_view``). Sharded units around
 and inside them are FSDP2's, which leaves these parameters alone
 (``ignored_params``).
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from dist_harness import run_ranks
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from training_check import full_state
 
 import osdp
@@ -205,6 +205,8 @@ def _train_matrix(rank, world_size, plan_jsons, behaviours, steps):
                 _frozen_at_wrap(model)
             osdp.wrap(model, plan=plan_json)
             losses = run_behaviour(model, name, steps, rank, world_size, check=osdp.check_replicas)
+            # between steps every parameter is a DTensor, as in a fully_shard-ed model, whatever the plan
+            assert all(isinstance(p, DTensor) for p in model.parameters()), (plan_name, name)
             state = full_state(model)
             out[(plan_name, name)] = (losses, state if rank == 0 else None)
     return out
