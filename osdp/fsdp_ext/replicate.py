@@ -427,13 +427,13 @@ def close_implicit_replication() -> None:
     set_implicit_replication(False)
 
 
-def _mixes_plain_and_dtensors(optimizer: torch.optim.Optimizer) -> bool:
+def mixes_plain_and_dtensors(optimizer: torch.optim.Optimizer) -> bool:
     kinds = {isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]}
     return len(kinds) == 2
 
 
 def _enter_implicit_replication(optimizer: torch.optim.Optimizer, *_) -> None:
-    if _mixes_plain_and_dtensors(optimizer):
+    if mixes_plain_and_dtensors(optimizer):
         open_implicit_replication()
 
 
