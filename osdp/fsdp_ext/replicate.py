@@ -276,8 +276,9 @@ class ReplicaReducer:
             open_implicit_replication()
         # A rank whose backward gives none of these parameters a gradient must still join the others'
         # all-reduces: the backward through the output arms the reducer too.
+        # (Armed with nothing to reduce too, every parameter frozen: the backward's end shows the views again.)
         grads_from = [t for t in output_tensors(output) if t.requires_grad] if torch.is_grad_enabled() else []
-        if grads_from and self._state:
+        if grads_from and (self._state or self.view is not None):
             register_multi_grad_hook(grads_from, self._arm, mode="any")
         elif not grads_from and self.view is not None and not self._in_backward:
             self.view.to_rest()  # no backward through this forward: the step's parameters are the views again

@@ -228,3 +228,17 @@ def test_optimizers_step_the_plain_tensors_behind_the_views_and_hand_the_views_b
     assert seen and all(count == 0 for count in seen)  # during the step: the plain tensors
     assert after and all(after)  # after it: the views
     assert states == {"Tensor"}  # its state: plain tensors, as DDP's
+
+
+def _frozen_after_backward(rank, world_size):
+    torch.manual_seed(0)
+    model = osdp.wrap(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
+                      strategy="ddp")
+    model.requires_grad_(False)  # nothing for the reducer to reduce; the backward still runs, to the input
+    inputs = torch.randn(4, 8, requires_grad=True)
+    model(inputs).sum().backward()
+    return sorted({type(p).__name__ for p in model.parameters()}), inputs.grad is not None
+
+
+def test_a_backward_with_nothing_to_reduce_shows_the_views_again():
+    assert run_ranks(_frozen_after_backward, 2, timeout=120) == [(["DTensor"], True)] * 2
