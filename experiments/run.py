@@ -51,6 +51,7 @@ result says which.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -757,6 +758,12 @@ def launch(spec: dict[str, Any], *, nproc: int = 2, on_line: Callable[[str], Non
     LOCAL_RANK and LOCAL_WORLD_SIZE (the node layout osdp reads); gloo binds the veth address."""
     link = spec.get("link") or {"kind": "loopback"}
     env = dict(env or os.environ)
+    last_lines: collections.deque[str] = collections.deque(maxlen=40)  # for the error, when on_line keeps them
+
+    def show(line: str) -> None:
+        last_lines.append(line)
+        on_line(line)
+
     collectives = spec_collectives(spec)  # osdp.distributed.collectives's, on every rank
     env["OSDP_REDUCE_SCATTER"], env["OSDP_ALL_GATHER"] = collectives["reduce_scatter"], collectives["all_gather"]
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -771,7 +778,7 @@ def launch(spec: dict[str, Any], *, nproc: int = 2, on_line: Callable[[str], Non
         worker = [str(Path(__file__).resolve()), "--worker", str(spec_path), "--out", str(out_path)]
         if link["kind"] == "loopback":
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *worker]
-            code = _run_local(cmd, env, on_line, timeout_s)
+            code = _run_local(cmd, env, show, timeout_s)
             codes = [code]
         elif link["kind"] == "veth":
             if nproc < 2 or nproc % 2:
@@ -781,13 +788,13 @@ def launch(spec: dict[str, Any], *, nproc: int = 2, on_line: Callable[[str], Non
                 cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={i}",
                          f"--nproc-per-node={per_node}", f"--master-addr={veth.addresses[0]}",
                          f"--master-port={DEFAULT_PORT}", *worker] for i in range(2)]
-                codes = netns.run_in_namespaces(veth, cmds, env, lambda node, line: on_line(line), timeout_s)
+                codes = netns.run_in_namespaces(veth, cmds, env, lambda node, line: show(line), timeout_s)
                 link_desc = {**veth.describe(), "ranks_per_namespace": per_node}
             spec.setdefault("link_setup", link_desc)
         else:
             raise ValueError(f"unknown link kind {link['kind']!r}")
         if any(codes) or not out_path.exists():
-            raise RuntimeError(f"the run failed (exit codes {codes}); see the output above")
+            raise RuntimeError(f"the run failed (exit codes {codes}); its last lines:\n" + "\n".join(last_lines))
         result = json.loads(out_path.read_text())
     if "link_setup" in spec and "link" in result:
         result["link"]["setup"] = spec["link_setup"]

@@ -19,6 +19,7 @@ from osdp.distributed.group import (
     init_process_group,
     job_device,
     launch_local,
+    let_backend_threads_finish_at_exit,
     peer_failures,
     raise_on_any_rank,
     ranks_per_node,
@@ -29,6 +30,7 @@ from osdp.distributed.group import (
 
 __all__ = [
     "PeerFailure", "all_gather_objects", "as_peer_failure", "broadcast_object", "collective_timeout_s",
-    "default_backend", "ensure_process_group", "free_port", "init_from_env", "init_process_group", "job_device", "launch_local", "peer_failures",
+    "default_backend", "ensure_process_group", "free_port", "init_from_env", "init_process_group", "job_device", "launch_local",
+    "let_backend_threads_finish_at_exit", "peer_failures",
     "raise_on_any_rank", "ranks_per_node", "warn_shared_store", "without_option", "world",
 ]

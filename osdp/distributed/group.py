@@ -9,12 +9,14 @@ instead of leaving the others hanging.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
 import socket
 import subprocess
 import sys
+import time
 from typing import Any, Iterator
 
 import torch
@@ -53,6 +55,7 @@ def init_process_group(
     timeout_s: float | None = None,
 ) -> None:
     """Join a process group on an explicit TCP store with a collective timeout (None: ``collective_timeout_s()``)."""
+    let_backend_threads_finish_at_exit()
     timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
     store = dist.TCPStore(
         master_addr, master_port, world_size, is_master=(rank == 0),
@@ -119,6 +122,7 @@ def init_from_env(device_choice: str) -> torch.device:
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         device = torch.device("cpu")
+    let_backend_threads_finish_at_exit()
     # Every collective is bounded: a dead or stuck peer gives an error here, not a hang.
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=collective_timeout_s()))
     return device
@@ -131,8 +135,36 @@ def job_device() -> torch.device:
     return torch.device("cpu")
 
 
+# How long the interpreter waits at exit, with the GIL released, for the backend's worker threads (below).
+EXIT_PAUSE_S = 0.1
+_exit_pause_registered = False
+
+
+def _pause_for_backend_threads() -> None:
+    time.sleep(EXIT_PAUSE_S)
+
+
+def let_backend_threads_finish_at_exit() -> None:
+    """Give gloo's worker threads the GIL once more before the interpreter shuts down (once per process).
+
+    A gloo worker thread drops a finished collective's tensors after the caller
+    has moved on, and dropping a tensor that Python made takes the GIL. Where the
+    group outlives ``destroy_process_group()`` (a model, a device mesh or osdp's
+    reducer still holds it) and the process exits within a few milliseconds of
+    its last collective, that thread asks for the GIL after shutdown has begun,
+    and the process aborts: "terminate called without an active exception"
+    (PyTorch issue 190489; a third of such exits here). An exit handler runs
+    before that point; its pause lets the thread finish.
+    """
+    global _exit_pause_registered
+    if not _exit_pause_registered:
+        atexit.register(_pause_for_backend_threads)
+        _exit_pause_registered = True
+
+
 def ensure_process_group() -> None:
     """A single process without torchrun gets a one-rank gloo group, so ``osdp.wrap`` works in a notebook."""
+    let_backend_threads_finish_at_exit()
     if dist.is_initialized():
         return
     if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1":
