@@ -184,6 +184,7 @@ def planner(repeats: int, out: Path, machine: dict) -> None:
     import statistics
 
     from osdp.cli.plan import DEFAULT_BATCH_CANDIDATES, describe_for, device_for, model_source, parse_args
+    from osdp.cost.context import options_for, scope_option_sets
     from osdp.planner import _candidates, find_plan
     from osdp.sizes import parse_size
 
@@ -198,7 +199,9 @@ def planner(repeats: int, out: Path, machine: dict) -> None:
         results = [find_plan(descriptions, device, DEFAULT_BATCH_CANDIDATES, budget=budget) for _ in range(repeats)]
         search_s = statistics.median(r.search_seconds for r in results)
         plan = results[-1].plan
-        rows.append({"case": label, "argv": argv, "options": results[-1].problems[0].num_options,
+        # the option tables solved apart (on several nodes the world's and the node's: scope_option_sets)
+        tables = [len(t or options_for(device)) for t in scope_option_sets(device)]
+        rows.append({"case": label, "argv": argv, "options": "+".join(map(str, tables)),
                      "build_seconds": build_s, "search_seconds": search_s,
                      "search_seconds_all": [r.search_seconds for r in results], "target_seconds": target,
                      "plan": plan.summary(), "predicted_step_s": plan.predicted_step_s,

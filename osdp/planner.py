@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from osdp._moved import old_names
+from osdp.cost.context import scope_option_sets
 from osdp.cost.problem import build_block_problem, build_problems, plan_from_choice
 from osdp.cost.schedule import predict
 from osdp.cost.terms import Calibration, Prediction
@@ -180,8 +181,10 @@ def _candidates(descriptions: Sequence[ModelDescription], device_info: DeviceInf
                 settings: dict[str, Any]) -> list[tuple[list[Problem], Describer]]:
     """The problems to solve, per granularity over every batch size, each with what prices its plans: one
     description each, and (with the "block" and "nested" descriptions) each block whole or apart."""
+    scopes = scope_option_sets(device_info, settings["precision"])  # one mesh a plan: their problems apart
     candidates: list[tuple[list[Problem], Describer]] = [
-        ([p for b in batch_sizes for p in build_problems(d, device_info, b, **settings)], lambda _, d=d: d)
+        ([p for b in batch_sizes for options in scopes
+          for p in build_problems(d, device_info, b, options=options, **settings)], lambda _, d=d: d)
         for d in descriptions if d.granularity != "nested"  # priced per block, with the "block" description
     ]
     by_granularity = {d.granularity: d for d in descriptions}
@@ -192,7 +195,8 @@ def _candidates(descriptions: Sequence[ModelDescription], device_info: DeviceInf
             return granularity.compose(coarse, nested, apart) if apart else coarse
 
         candidates.append(
-            ([build_block_problem(coarse, nested, device_info, b, **settings) for b in batch_sizes], per_block)
+            ([build_block_problem(coarse, nested, device_info, b, options=options, **settings)
+              for b in batch_sizes for options in scopes], per_block)
         )
     return candidates
 
@@ -201,8 +205,10 @@ def _grouped_candidates(descriptions: Sequence[ModelDescription], device_info: D
                         batch_sizes: Sequence[int], settings: dict[str, Any]) -> list[tuple[list[Problem], Describer]]:
     """Like ``_candidates``, with k consecutive identical blocks as one unit (k in GROUP_CHOICES), where a
     description has them."""
+    scopes = scope_option_sets(device_info, settings["precision"])
     return [
-        ([p for b in batch_sizes for p in build_problems(g, device_info, b, **settings)], lambda _, g=g: g)
+        ([p for b in batch_sizes for options in scopes
+          for p in build_problems(g, device_info, b, options=options, **settings)], lambda _, g=g: g)
         for d in descriptions if d.granularity != "nested" for k in GROUP_CHOICES[1:]
         if (g := granularity.grouped_by(d, k)) is not None
     ]

@@ -106,6 +106,20 @@ def options_for(device: DeviceInfo) -> tuple[Option, ...]:
     return OPTIONS + NODE_OPTIONS if several else OPTIONS
 
 
+def scope_option_sets(device: DeviceInfo, precision: str = "fp32") -> tuple[tuple[Option, ...] | None, ...]:
+    """The option tables the search solves apart, each giving plans whose parameters sit on one device mesh
+    (None: ``options_for(device)`` whole, on one node). On several nodes: sharded over every rank or replicated
+    (``OPTIONS``), or sharded within the node (``NODE_OPTIONS``), with the replicated units too where osdp's
+    reducer shows them on the node mesh (fp32; FSDP2's ``replicate``, which bf16 plans use, takes only the
+    world's). A plan on two meshes would fail what a training script does with all its parameters at once
+    (``torch.nn.utils.clip_grad_norm_``, a norm summed over ``model.parameters()``): whether that runs would
+    depend on the plan."""
+    if options_for(device) == OPTIONS:
+        return (None,)
+    replicated = tuple(o for o in OPTIONS if o.mode == "replicate") if replicates_with_ddp(precision) else ()
+    return OPTIONS, replicated + NODE_OPTIONS
+
+
 def _options_of(
     description: ModelDescription, plan: Plan | Sequence[Any], device: DeviceInfo,
 ) -> list[Option]:

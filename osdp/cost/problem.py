@@ -82,8 +82,13 @@ def build_problems(description: ModelDescription, device_info: DeviceInfo, batch
     """What the search solves at one micro-batch size: ``build_problem`` over every option, and one problem
     per mode of ``UNIFORM_MODES`` whose plans are priced with their true neighbours (the fastest plan that
     fits is the fastest over all of them)."""
+    table = [_as_option(o) for o in settings.get("options") or options_for(device_info)]
+    # all replicated is one plan whatever the shard scope: a table sharding only within the node leaves it to
+    # the world's (osdp.cost.context.scope_option_sets)
+    within_node = all(o.scope == "node" or o.mode == "replicate" for o in table)
     # a mode some unit cannot take has no plan all in it (a group is never replicated)
-    modes = [m for m in UNIFORM_MODES if not any(_impossible(u, Option(m)) for u in description.units)]
+    modes = [m for m in UNIFORM_MODES if any(o.mode == m for o in table) and not (within_node and m == "replicate")
+             and not any(_impossible(u, Option(m)) for u in description.units)]
     return [build_problem(description, device_info, batch_size, **settings),
             *(build_problem(description, device_info, batch_size, uniform_mode=m, **settings) for m in modes)]
 

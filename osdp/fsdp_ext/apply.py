@@ -108,6 +108,13 @@ class Meshes:
     def for_unit(self, decision: UnitPlan) -> DeviceMesh:
         return self.node if decision.shard_scope == "node" else self.world
 
+    @property
+    def for_replicated_views(self) -> DeviceMesh:
+        """The mesh the reducer's parameters are shown on: the node-scoped units' where the plan has them, so
+        that a plan the search makes (one shard scope: ``osdp.cost.context.scope_option_sets``) holds every
+        DTensor on one mesh."""
+        return self.node if self.node is not None else self.world
+
 
 def mixed_precision_policy(setting: str) -> MixedPrecisionPolicy:
     if setting == "bf16":
@@ -359,8 +366,8 @@ def apply_plan(
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     load_under_any_plan(model)
     if reducer is not None:
-        show_replicated_as_dtensors(model, reducer.slots, meshes.world)
-        reducer.view = ReplicatedView(reducer.slots, meshes.world)
+        show_replicated_as_dtensors(model, reducer.slots, meshes.for_replicated_views)
+        reducer.view = ReplicatedView(reducer.slots, meshes.for_replicated_views)
     setattr(model, _PLAN_ATTR, plan)
     return model
 

@@ -48,7 +48,7 @@ class ReplicatedView:
         _step_optimizers_on_plain_parameters()
 
     def _replicated(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(local, self.mesh, [Replicate()], run_check=False)
+        return DTensor.from_local(local, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
 
     def to_compute(self) -> None:
         """Register the plain parameters, carrying over what was changed on the views since they were shown."""

@@ -48,5 +48,5 @@ def _as_replicated(names: set[str], mesh: DeviceMesh):
         for name in names:
             value = state_dict.get(prefix + name)
             if isinstance(value, torch.Tensor) and not isinstance(value, (DTensor, nn.Parameter)):
-                state_dict[prefix + name] = DTensor.from_local(value, mesh, [Replicate()], run_check=False)
+                state_dict[prefix + name] = DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return hook

@@ -205,8 +205,10 @@ def _train_matrix(rank, world_size, plan_jsons, behaviours, steps):
                 _frozen_at_wrap(model)
             osdp.wrap(model, plan=plan_json)
             losses = run_behaviour(model, name, steps, rank, world_size, check=osdp.check_replicas)
-            # between steps every parameter is a DTensor, as in a fully_shard-ed model, whatever the plan
+            # between steps every parameter is a DTensor, as in a fully_shard-ed model, whatever the plan, and
+            # all on one mesh (torch.nn.utils.clip_grad_norm_ takes no mix of meshes)
             assert all(isinstance(p, DTensor) for p in model.parameters()), (plan_name, name)
+            assert len({p.device_mesh for p in model.parameters()}) == 1, (plan_name, name)
             state = full_state(model)
             out[(plan_name, name)] = (losses, state if rank == 0 else None)
     return out
@@ -288,7 +290,7 @@ def test_node_scoped_plans_train_as_one_process_on_two_nodes(monkeypatch):
     chosen = {n: p.to_json() for n, p in _node_plans().items()}
     steps = batches(global_batch=8)
     per_rank = run_ranks(_train_matrix, 4, chosen, ["plain", "unfreeze", "accumulate_units", "unused_output",
-                                                      "clip_value"], steps, timeout=600)
+                                                      "clip_norm", "clip_value"], steps, timeout=600)
     _assert_matrix(per_rank, steps)
 
 

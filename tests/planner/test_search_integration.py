@@ -129,6 +129,25 @@ def test_the_search_over_shard_scopes_is_exact(gpt2_mini_on_2_nodes_of_2):
         assert s.step_time <= (tighter[0] if tighter else np.inf) + 1e-12
 
 
+def test_a_searched_plan_shards_over_one_scope(gpt2_mini_on_2_nodes_of_2):
+    """Every plan the search gives on two nodes shards its units over every rank or within the node, never
+    both (its parameters then sit on one device mesh, as ``torch.nn.utils.clip_grad_norm_`` needs); each kind
+    is taken at some budget, and no plan is slower than the faster of the two searched apart."""
+    description, device = gpt2_mini_on_2_nodes_of_2
+    full = build_problem(description, device, BATCH)
+    lowest, _ = min_peak(full)
+    kinds = set()
+    for budget in np.geomspace(lowest, 8 * lowest, 8).astype(int):
+        try:
+            plan = find_plan(description, device, (BATCH,), budget=int(budget)).plan
+        except BudgetTooSmall:
+            continue
+        scopes = {u.shard_scope for u in plan.units if u.mode != "replicate"}
+        assert len(scopes) <= 1, (budget, [u.label for u in plan.units])
+        kinds |= scopes
+    assert kinds == {"world", "node"}
+
+
 @pytest.fixture(scope="module")
 def gpt2_mini_both_granularities():
     (fine, device), (coarse, _) = (_gpt2_mini_on_4_gpus(g) for g in ("sub-block", "block"))
