@@ -153,7 +153,7 @@ def let_backend_threads_finish_at_exit() -> None:
     reducer still holds it) and the process exits within a few milliseconds of
     its last collective, that thread asks for the GIL after shutdown has begun,
     and the process aborts: "terminate called without an active exception"
-    (PyTorch issue 190489; a third of such exits here). An exit handler runs
+    (PyTorch issue 190489). An exit handler runs
     before that point; its pause lets the thread finish.
     """
     global _exit_pause_registered
