@@ -232,6 +232,14 @@ def fsdp_collective_comm(module: Any, collective: str) -> Any:
     return getattr(groups[0], f"_{collective}_comm") if groups else None
 
 
+def replicated_by_fsdp2(module: Any) -> bool:
+    """Whether a ``fully_shard``-ed module is FSDP2's ``replicate``: parameter groups that hold their parameters
+    whole (``set_reshard_after_forward`` asserts on them; there is nothing to reshard)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+    return any(not isinstance(g.mesh_info, FSDPMeshInfo) for g in module._get_fsdp_state()._fsdp_param_groups)
+
+
 def has_fsdp_replicate() -> bool:
     """Whether this torch has FSDP2's ``replicate`` on a 1-D mesh (2.10 on; 2.9's takes an (N, 1) one)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_common

@@ -9,7 +9,15 @@ import torch.nn as nn
 
 from osdp.describe.units import CallTrace, discover_units
 from osdp.distributed import broadcast_object, ensure_process_group, job_device, raise_on_any_rank
-from osdp.fsdp_ext.apply import apply_plan, check_model, make_contiguous, plan_of, set_requires_gradient_sync
+from osdp.fsdp_ext.apply import (
+    apply_plan,
+    built_on_meta,
+    check_built_alike,
+    check_model,
+    make_contiguous,
+    plan_of,
+    set_requires_gradient_sync,
+)
 from osdp.fsdp_ext.budget_check import check_first_step
 from osdp.schema.plan import STRATEGIES, Plan, PlanError
 
@@ -110,7 +118,9 @@ def wrap(
 
     Whatever the plan, the model answers as a ``fully_shard``-ed one:
     ``model.set_requires_gradient_sync(False)`` and FSDP2's other methods, on
-    the model and on every unit; parameters left without a gradient in a
+    the model, on every unit and on every module a user could have
+    ``fully_shard``-ed (a block the plan took apart acts on the units inside it);
+    parameters left without a gradient in a
     step, ``requires_grad`` changed between steps, and
     ``torch.nn.utils.clip_grad_norm_`` where FSDP2 supports it
     (``osdp.clip_grad_norm_`` everywhere). ``find_unused_parameters`` is
@@ -122,6 +132,9 @@ def wrap(
     ``check_budget=False`` turns that off.
 
     A model compiled before (``torch.compile(model)``) is wrapped in its compiled module and returned compiled.
+    A model built on the meta device is wrapped as FSDP2 takes one (a budget's search describes it from its
+    shapes); give it memory and values before its first forward: ``model.to_empty(device=...)``, then your
+    initialisation or a checkpoint (replicated parameters take rank 0's values at that forward).
 
     Collective: every rank of the default process group calls it the same way.
     Returns the model, now managed by FSDP2; ``osdp.plan_of(model)`` gives the
@@ -146,6 +159,8 @@ def wrap(
     except PlanError as e:
         error = e
     raise_on_any_rank(error)
+    if device_mem is not None:
+        check_built_alike(built_on_meta(model))  # the search describes a model on the meta device from its shapes
     make_contiguous(model)  # as apply_plan lays the parameters out, before the search measures the model
     plan = _plan_to_apply(model, device_mem, plan, strategy, example_input, mixed_precision, plan_options)
     model = apply_plan(model, plan, device=device, find_unused_parameters=find_unused_parameters)

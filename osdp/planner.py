@@ -28,6 +28,7 @@ from osdp.cost.problem import build_block_problem, build_problems, plan_from_cho
 from osdp.cost.schedule import predict
 from osdp.cost.terms import Calibration, Prediction
 from osdp.describe import granularity
+from osdp.describe.analytic import describe_analytic
 from osdp.describe.batch import batch_size_of, call_model, without_grad
 from osdp.describe.measured import describe_once, rng_kept, state_kept
 from osdp.describe.units import (
@@ -476,14 +477,21 @@ def _plan(model: nn.Module, *, device_mem, example_input, batch_sizes, device, c
         # collective: cached, or measured by every rank now, as much as this model needs
         machine = calibrate(ddp_overlap=needs_ddp_overlap(model))
         device_info, calibration = machine.device_info, calibration or machine.calibration
-    descriptions = planning_descriptions(model, example_input, loss_fn=loss_fn, mixed_precision=mixed_precision,
-                                         uneven=_called_depending_on_data(model, example_input))
-    if not holds_output:
-        descriptions = [dataclasses.replace(d, output_bytes_per_sample=0.0) for d in descriptions]
+    # a model built on the meta device has no values to run: described from its shapes (rank 0's, in the try)
+    on_meta = next(model.parameters()).is_meta
+    descriptions = [] if on_meta else planning_descriptions(
+        model, example_input, loss_fn=loss_fn, mixed_precision=mixed_precision,
+        uneven=_called_depending_on_data(model, example_input))
     rank, _ = world()
     outcome: tuple[str, Any]
     if rank == 0:
         try:
+            if on_meta:
+                descriptions = describe_granularities(lambda **g: describe_analytic(
+                    model, example_input, device_info, world_size=world_size, loss_fn=loss_fn,
+                    precisions=(mixed_precision,), progress=False, **g))
+            if not holds_output:
+                descriptions = [dataclasses.replace(d, output_bytes_per_sample=0.0) for d in descriptions]
             candidates = list(batch_sizes or [batch_size_of(example_input)])
             result = find_plan(
                 descriptions, device_info, candidates, budget=budget, calibration=calibration,

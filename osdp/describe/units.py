@@ -282,6 +282,20 @@ def _candidates(model: nn.Module, granularity: str = "sub-block") -> list[str]:
     return sorted(sub_block | leaves)
 
 
+def fully_shardable(model: nn.Module, units: Iterable[str]) -> set[str]:
+    """The modules a user could have ``fully_shard``-ed where ``units`` are the plan's: every module some plan
+    could make a unit (a sub-block, a block, a leaf with a matrix parameter) and every callable module holding
+    one of ``units``."""
+    modules = dict(model.named_modules())
+    holding = set()
+    for path in units:
+        while path != ROOT:
+            path = _parent(path)
+            if is_callable(modules[path]):
+                holding.add(path)
+    return (set(_candidates(model, "sub-block")) | set(_candidates(model, "block")) | holding) - {ROOT}
+
+
 def alike_members(container: nn.Module, path: str) -> list[list[str]]:
     """The paths of ``container``'s (at ``path``) members that own parameters, grouped by structure: the groups
     of two or more."""

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -146,12 +146,18 @@ def _next_tag(group: dist.ProcessGroup) -> int:
     return _TAG_BASE + count % _TAG_SPAN
 
 
-def _is_average(op: Any) -> bool:
-    if op == dist.ReduceOp.AVG:
-        return True
+def _finish_sum(op: Any, n: int) -> Callable[[torch.Tensor], Any] | None:
+    """What turns the sum over ``n`` ranks into ``op``'s result, for reductions that only sum: gloo has neither
+    a mean nor the pre-multiplied sum FSDP2 asks for once a unit has a gradient divide factor."""
     if op == dist.ReduceOp.SUM:
-        return False
-    raise ValueError(f"the pairwise reduce-scatter sums or averages; got reduce op {op!r} (use SUM or AVG)")
+        return None
+    if op == dist.ReduceOp.AVG:
+        return lambda t: t.div_(n)
+    if getattr(op, "op", None) == dist.ReduceOp.PREMUL_SUM:
+        factor = op.factor
+        return lambda t: t.mul_(factor)
+    raise ValueError(f"a reduce-scatter of CPU tensors sums, averages or sums pre-multiplied; got reduce op {op!r} "
+                     "(use SUM, AVG or PREMUL_SUM)")
 
 
 class Lent:
@@ -222,9 +228,9 @@ class _Pending:
     reduce-scatter received into its output."""
 
     def __init__(self, works: list, output: torch.Tensor | None = None, own: torch.Tensor | None = None,
-                 received: list[torch.Tensor] | None = None, divide_by: int | None = None):
+                 received: list[torch.Tensor] | None = None, finish: Callable[[torch.Tensor], Any] | None = None):
         self._works, self._output, self._own, self._received = works, output, own, received or []
-        self._divide_by = divide_by
+        self._finish = finish
         self._done = False
 
     def wait(self, timeout: Any = None) -> bool:
@@ -237,8 +243,8 @@ class _Pending:
             out.add_(self._own)
             for chunk in self._received:
                 out.add_(chunk)
-            if self._divide_by:
-                out.div_(self._divide_by)
+            if self._finish is not None:
+                self._finish(out)
         self._done = True
         self._works, self._output, self._own, self._received = [], None, None, []
         return True
@@ -334,18 +340,17 @@ class _ReducedCopy:
                 f"reduce-scatter of {input.numel()} {input.dtype} elements over {n} ranks into {output.numel()} "
                 f"{output.dtype} elements: the input must hold world size x the output's elements, of the same dtype"
             )
-        average = op == dist.ReduceOp.AVG  # gloo's all-reduce has no mean: sum, then divide
+        self._finish = _finish_sum(op, n)  # gloo's all-reduce sums: the mean or the scaled sum after it
         self._copy = input.detach().clone(memory_format=torch.contiguous_format).view(n, -1)
-        self._reduction = Lent(dist.all_reduce, (self._copy,), op=dist.ReduceOp.SUM if average else op, group=group,
-                               async_op=True)
-        self._output, self._rank, self._divide_by = output, group.rank(), n if average else None
+        self._reduction = Lent(dist.all_reduce, (self._copy,), op=dist.ReduceOp.SUM, group=group, async_op=True)
+        self._output, self._rank = output, group.rank()
 
     def wait(self, timeout: Any = None) -> bool:
         if self._reduction is not None:
             self._reduction.wait()
             chunk = self._copy[self._rank]
-            if self._divide_by:
-                chunk.div_(self._divide_by)
+            if self._finish is not None:
+                self._finish(chunk)
             self._output.copy_(chunk.view_as(self._output))
             self._reduction = self._copy = self._output = None
         return True
@@ -368,7 +373,7 @@ def pairwise_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any =
     _check_pairwise("reduce-scatter", output, input, n)
     if output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr():
         raise ValueError("the pairwise reduce-scatter needs an output that does not share memory with its input")
-    average = _is_average(op)
+    finish = _finish_sum(op, n)
     chunks = input.view(n, -1)
     out = output.view(-1)
     works, received = [], []
@@ -383,7 +388,7 @@ def pairwise_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any =
                 received.append(buffer)
     else:
         out.zero_()
-    pending = _Pending(works, output, chunks[rank], received, n if average and n > 1 else None)
+    pending = _Pending(works, output, chunks[rank], received, finish)
     if async_op:
         return pending
     pending.wait()

@@ -61,6 +61,7 @@ from osdp.describe.units import (
     Unit,
     build_units,
     enclosing,
+    fully_shardable,
     holding_unit,
     is_callable,
     structure_signature,
@@ -71,7 +72,7 @@ from osdp.distributed import collectives as comm
 from osdp.distributed.group import ensure_process_group, job_device
 from osdp.fsdp_ext.groups import group_members
 from osdp.fsdp_ext.mixed_precision import keep_mixed_precision_current
-from osdp.fsdp_ext.module_api import UnitExtras, extend_unit
+from osdp.fsdp_ext.module_api import UnitExtras, extend_unit, stand_in_for_units
 from osdp.fsdp_ext.replicate import ReplicaReducer
 from osdp.fsdp_ext.replicated_view import ReplicatedView
 from osdp.fsdp_ext.state_dict import load_under_any_plan, show_replicated_as_dtensors
@@ -131,12 +132,15 @@ def complete_plan(model: nn.Module, plan: Plan) -> Plan:
 
 def check_model(model: nn.Module, device: torch.device) -> None:
     """Raise PlanError unless the model is not yet distributed (by osdp, DistributedDataParallel or fully_shard),
-    has parameters, all materialized on one device that ``device`` can use, none lazy (``nn.LazyLinear`` before
+    has parameters, all on one device that ``device`` can use or all on the meta device, none lazy (``nn.LazyLinear`` before
     its first forward), and no embedding that renormalizes its rows in its forward (``max_norm``) when the job has
     several ranks.
 
-    FSDP2 would accept a model on the meta device (or spread over devices) and
-    fail only at the first forward, or worse; osdp says so before anything changes.
+    A model wholly on the meta device is taken, as FSDP2 takes it: wrapped, then
+    given memory (``model.to_empty(device=...)``) and initialised by the user before
+    its first forward (``built_on_meta``). FSDP2 would accept a model partly on
+    the meta device (or spread over devices) and fail only at the first forward,
+    or worse; osdp says so before anything changes.
     """
     if getattr(model, _PLAN_ATTR, None) is not None:
         raise PlanError("this model is already wrapped by osdp; wrap a fresh model (osdp.plan_of(model) shows its plan)")
@@ -177,12 +181,14 @@ def check_model(model: nn.Module, device: torch.device) -> None:
             "a forward; call the model once on a batch (model(example)) before osdp.wrap"
         )
     on_meta = [name for name, t in tensors if t.device.type == "meta"]
-    if on_meta:
+    if on_meta and len(on_meta) < len(tensors):
         raise PlanError(
-            f"the model is not materialized: {len(on_meta)} of its {len(tensors)} parameters and buffers are on "
-            f"the meta device ({first_few(on_meta)}); build it on a real device, or call model.to_empty(device=...) "
-            "and initialise its parameters, before osdp.wrap"
+            f"the model is partly materialized: {len(on_meta)} of its {len(tensors)} parameters and buffers are on "
+            f"the meta device ({first_few(on_meta)}); build it all on the meta device (then osdp.wrap, "
+            "model.to_empty(device=...) and your initialisation) or all on a real device"
         )
+    if on_meta:
+        return  # it gets its memory after wrapping, on the device it is then moved to
     by_device: dict[torch.device, list[str]] = {}
     for name, t in tensors:
         by_device.setdefault(t.device, []).append(name)
@@ -270,6 +276,22 @@ def job_ranks_per_node(plan: Plan) -> int:
     return local_ranks
 
 
+def built_on_meta(model: nn.Module) -> bool:
+    """Whether ``model`` (which ``check_model`` took) lies on the meta device, to be given memory after wrapping."""
+    return next(model.parameters()).is_meta
+
+
+def check_built_alike(on_meta: bool) -> None:
+    """Collective: raise on every rank unless every rank's model lies on the meta device or none does."""
+    everyone = all_gather_objects(on_meta)
+    if len(set(everyone)) > 1:
+        meta = [r for r, m in enumerate(everyone) if m]
+        raise PlanError(
+            f"rank(s) {meta} built the model on the meta device and rank(s) "
+            f"{[r for r in range(len(everyone)) if r not in meta]} on a real one: build it alike on every rank"
+        )
+
+
 def check_same_plan_everywhere(plan: Plan, local_error: Exception | None, local_ranks: int | None = None) -> None:
     """Collective: raise on every rank if any rank failed validation, holds another plan, or counts another
     number of ranks per node."""
@@ -322,7 +344,10 @@ def apply_plan(
     except PlanError as e:
         error = e
     check_same_plan_everywhere(plan, error, local_ranks)
+    on_meta = built_on_meta(model)
+    check_built_alike(on_meta)
     make_contiguous(model)
+    shardable = fully_shardable(model, plan.paths)  # before a split replaces a Linear
 
     node_scoped = any(u.shard_scope == "node" for u in plan.units)
     meshes = Meshes(device.type, world_size, local_ranks, node_scoped)
@@ -358,6 +383,7 @@ def apply_plan(
             own = set(owned[path])
             extra.reducer, extra.replicated = reducer, [s for s in reducer.slots if s.param in own]
         extend_unit(model.get_submodule(path), extra)
+    stand_in_for_units(model, shardable)
     _reshard_when_evaluating(model, groups)
     if plan.mixed_precision == "bf16":
         keep_mixed_precision_current(model)
@@ -368,8 +394,26 @@ def apply_plan(
     if reducer is not None:
         show_replicated_as_dtensors(model, reducer.slots, meshes.for_replicated_views)
         reducer.view = ReplicatedView(reducer.slots, meshes.for_replicated_views)
+    if on_meta:
+        _check_materialized_at_first_forward(model)
     setattr(model, _PLAN_ATTR, plan)
     return model
+
+
+def _check_materialized_at_first_forward(model: nn.Module) -> None:
+    # FSDP2 would fail deep in its first forward on parameters still without memory; say what to do instead
+    def check(module: nn.Module, args) -> None:
+        tensors = [*module.named_parameters(), *module.named_buffers()]
+        still = [name for name, t in tensors if t.is_meta]
+        if still:
+            raise RuntimeError(
+                f"the model is still on the meta device ({len(still)} of its {len(tensors)} parameters and buffers: "
+                f"{first_few(still)}): after osdp.wrap, call model.to_empty(device=...) and initialise its "
+                "parameters (or load them) before the first forward"
+            )
+        handle.remove()
+
+    handle = model.register_forward_pre_hook(check, prepend=True)
 
 
 def _make_fsdp_unit(target: nn.Module | list[nn.Module], path: str, decision: UnitPlan, by_ddp: bool, meshes: Meshes,

@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from osdp._torch_private import output_tensors, queue_at_backward_end, set_implicit_replication
+from osdp.report import first_few
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's: the first bucket small, so the first all-reduce starts early
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb
@@ -77,6 +78,7 @@ class _Param:
     all_reduce: bool = True  # set_requires_all_reduce
     divide_by: float | None = None  # set_gradient_divide_factor (None: the world size)
     used_since_reduced: bool = False  # a gradient arrived since its last reduction (locally)
+    holds_reduced: bool = False  # its view holds its reduced gradient, nothing accumulated since
     fired: bool = field(default=False)  # in this backward
 
 
@@ -137,7 +139,11 @@ class ReplicaReducer:
         self._next = 0  # the next bucket to all-reduce in this backward: in bucket order, on every rank
         self._mixed = any(isinstance(p, DTensor) for p in model.parameters())
         self.view = None  # fsdp_ext.replicated_view: the parameters shown as DTensors between steps
-        self._broadcast_from_rank0()
+        # a model built on the meta device gets its memory and values after wrapping (model.to_empty, then the
+        # user's initialisation): rank 0's values and the buckets wait for its first forward
+        self._on_meta = any(p.is_meta for p in self.params)
+        if not self._on_meta:
+            self._broadcast_from_rank0()
         self._build()
         _step_mixed_optimizers_with_implicit_replication()
         self._forward_hooks = [
@@ -177,6 +183,19 @@ class ReplicaReducer:
 
     # -- buckets --------------------------------------------------------------------------------------
 
+    def _materialize(self) -> None:
+        """At the first forward of a model wrapped on the meta device: every replica from rank 0's values, and
+        the buckets on the device the model now lies on."""
+        still = [self.names[p] for p in self.params if p.is_meta]
+        if still:  # on every rank alike, before any collective
+            raise RuntimeError(
+                f"the model is still on the meta device ({first_few(still)}): after osdp.wrap, call "
+                "model.to_empty(device=...) and initialise its parameters before the first forward"
+            )
+        self._broadcast_from_rank0()
+        self._build()
+        self._on_meta = False
+
     def _broadcast_from_rank0(self) -> None:
         if self.params and not self._fake:
             with torch.no_grad():
@@ -205,7 +224,8 @@ class ReplicaReducer:
         for bucket in self._buckets:
             for i, p in enumerate(bucket.params):
                 before = old.get(p)
-                self._state[p] = _Param(bucket, i, used_since_reduced=before.used_since_reduced if before else False)
+                self._state[p] = _Param(bucket, i, used_since_reduced=before is not None and before.used_since_reduced,
+                                        holds_reduced=before is not None and before.holds_reduced)
         self._apply_settings()
         for p in list(self._hooks):
             if p not in self._state:
@@ -267,6 +287,8 @@ class ReplicaReducer:
             if self.view is not None:
                 self.view.to_compute()
             self._follow_replaced()
+            if self._on_meta:
+                self._materialize()
             self._follow_requires_grad()
 
     def _post_forward(self, _module, _args, output):
@@ -290,9 +312,23 @@ class ReplicaReducer:
         if self.view is not None:
             self.view.carry_grads()
         self._follow_requires_grad()
+        self._let_reduced_pass_the_divide_factor()
         self._in_backward = True
         self._next = 0
         queue_at_backward_end(self._end_backward)
+
+    def _let_reduced_pass_the_divide_factor(self) -> None:
+        # A reduced gradient goes on accumulating in its view, and the next reduction averages the view (divides
+        # it by the world size, sums) before it multiplies by world_size / factor: the part reduced before would
+        # be multiplied too. Put in the units of a local gradient now (x factor / world_size), it comes out as it
+        # is. (Read before that reduction, in a no-sync backward, it shows so scaled.)
+        with torch.no_grad():
+            for p, state in self._state.items():
+                view = state.bucket.views[state.index]
+                if state.holds_reduced and state.divide_by is not None and p.grad is not None \
+                        and p.grad.data_ptr() == view.data_ptr():
+                    view.mul_(state.divide_by / self.world_size)
+                state.holds_reduced = False
 
     def _on_gradient(self, param: nn.Parameter) -> None:
         self._arm()
@@ -409,6 +445,7 @@ class ReplicaReducer:
                     view.mul_(self.world_size / state.divide_by)
                 if p.grad is not view:
                     p.grad = view
+                state.holds_reduced = True
 
 
 # A model with replicated and sharded units holds plain tensors (the reducer's) beside DTensors (FSDP2's and

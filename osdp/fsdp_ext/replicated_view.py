@@ -55,13 +55,18 @@ class ReplicatedView:
         if self.computing:
             return
         self.computing = True
+        made: dict[int, nn.Parameter] = {}  # id(view) -> the plain parameter made for it here (a tied weight: one)
         for slot in self.slots:
             shown = slot.now()
             if shown is None or shown is slot.param:
                 continue
             plain, local = slot.param, _local(shown)
-            if shown is not self._shown.get(plain):  # replaced while at rest: the reducer follows the new one
-                plain = nn.Parameter(local, requires_grad=shown.requires_grad)
+            if id(shown) in made:
+                plain = made[id(shown)]
+            elif shown is not self._shown.get(plain) or plain.device != local.device:
+                # replaced while at rest, or given memory on another device (model.to_empty after wrapping on the
+                # meta device): a new plain parameter, which the reducer follows
+                plain = made[id(shown)] = nn.Parameter(local, requires_grad=shown.requires_grad)
                 self._shown[plain] = shown
                 shown._osdp_plain, shown._osdp_view = plain, weakref.ref(self)
             elif not _same_memory(local, plain):

@@ -76,6 +76,8 @@ class _SplitLinearFunction(torch.autograd.Function):
                 grad_w = _loop.reduce_accumulated(module.accumulated_grad, w_local, ctx.group, module.piece_sizes,
                                                   pairwise_reduce)
                 module.accumulated_grad = None
+        if grad_w is not None and module.gradient_divide_factor is not None:
+            grad_w.mul_(ctx.group.size() / module.gradient_divide_factor)  # reduced as a mean: the sum / factor
         grad_b = grad_y.sum(0).to(ctx.bias_dtype) if need_b else None
         return grad_x, grad_w, grad_b, None, None
 
@@ -128,6 +130,9 @@ class SplitLinear(nn.Linear):
         # backward that syncs reduce-scatters it once, slice by slice.
         self.requires_gradient_sync = True
         self.accumulated_grad: torch.Tensor | None = None
+        # FSDP2's set_gradient_divide_factor on the unit: the reduced weight gradient is the ranks' sum divided by
+        # it (None: their mean)
+        self.gradient_divide_factor: float | None = None
         # a plain full weight (the nn.Linear's it replaced) loads as this rank's rows; a DTensor of another layout
         # as its full tensor's rows
         self.register_load_state_dict_pre_hook(to_parameter_layout)
@@ -184,7 +189,9 @@ def _shard(full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """This rank's Shard(0) chunk of a tensor that every rank holds in full; no communication."""
     rows = math.ceil(full.shape[0] / mesh.size())
     start = min(mesh.get_local_rank() * rows, full.shape[0])
-    local = full[start : start + rows].to(_mesh_device(mesh), copy=True).contiguous()
+    # a model built on the meta device keeps its shard there until model.to_empty gives it memory
+    device = full.device if full.is_meta else _mesh_device(mesh)
+    local = full[start : start + rows].to(device, copy=True).contiguous()
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.contiguous().stride())
 
 

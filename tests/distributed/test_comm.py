@@ -14,8 +14,8 @@ SIZES = (1, 3, 64, 1001)  # elements per rank: odd, prime, one
 
 
 def _against_native(rank, world_size):
-    """Every (size, op, dtype): pairwise == reduce_scatter_tensor; two in flight at once; one-rank groups;
-    bad calls raise before any transfer."""
+    """Every (size, op, dtype): pairwise == reduce_scatter_tensor; a pre-multiplied sum (pairwise and native);
+    two in flight at once; one-rank groups; bad calls raise before any transfer."""
     torch.manual_seed(rank)
     checked = 0
     for m in SIZES:
@@ -27,6 +27,14 @@ def _against_native(rank, world_size):
                 comm.pairwise_reduce_scatter(got, x, op=op)
                 torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, msg=f"m={m} {op} {dtype}")
                 checked += 1
+    # FSDP2's reduction once a unit has a gradient divide factor (a sum pre-multiplied), which gloo lacks
+    for reduce in (comm.pairwise_reduce_scatter, comm.native_reduce_scatter):
+        x = torch.randn(world_size * 9)
+        want, got = torch.empty(9), torch.empty(9)
+        dist.reduce_scatter_tensor(want, x, op=dist.ReduceOp.SUM)
+        reduce(got, x, op=dist.ReduceOp.PREMUL_SUM(0.25))
+        torch.testing.assert_close(got, want * 0.25, atol=1e-6, rtol=1e-6, msg=f"{reduce.__name__} PREMUL_SUM")
+        checked += 1
     # two in flight (as the split loop keeps them), finished in order
     xs = [torch.randn(world_size * 50) for _ in range(2)]
     outs = [torch.empty(50) for _ in xs]
@@ -175,8 +183,9 @@ def test_pairwise_equals_native_and_trains_like_one_process(world_size):
     results = run_ranks(_train_pairwise, world_size, build_toy, batches, [p.to_json() for p in plans.values()],
                         backends, timeout=240)
     ((checked, errors), (gathers_checked, gather_errors)), _ = results[0]
-    assert checked == len(SIZES) * 4 and gathers_checked == len(SIZES) * 3
-    assert "SUM or AVG" in errors[0] and "world size x the output" in errors[1] and "same dtype" in errors[2]
+    assert checked == len(SIZES) * 4 + 2 and gathers_checked == len(SIZES) * 3
+    assert "SUM, AVG or PREMUL_SUM" in errors[0]
+    assert "world size x the output" in errors[1] and "same dtype" in errors[2]
     assert "world size x the input" in gather_errors[0] and "same dtype" in gather_errors[1]
     out = [r[1] for r in results]
     names = [f"{name} ({backend})" for backend in backends for name in plans]

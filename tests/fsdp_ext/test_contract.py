@@ -1,10 +1,12 @@
 """The contract with the user's code (DESIGN.md section 9): whatever the plan, the same training.
 
 A plan-independence matrix: each behaviour a training script may have (requires_grad changed after wrapping,
-FSDP2's methods on the model and on units, gradient clipping, parameters unused in some steps, a module never
-called, the model called twice per step, buffers, unshard/reshard calls) under every kind of plan, on 2 gloo
-ranks, equal to one process training the global batch (fp32 within 1e-5), and ``osdp.check_replicas`` after
-every step; grouped plans (both blocks one FSDP2 unit) among them. Node-scoped plans on 4 ranks (2 nodes of 2).
+FSDP2's methods on the model, on units and on the modules a user would have ``fully_shard``-ed (torchtitan's
+prefetching, whether the plan made them units or not; gradients summed over the ranks), gradient clipping,
+parameters unused in some steps, a module never called, the model called twice per step, buffers,
+unshard/reshard calls) under every kind of plan, on 2 gloo ranks, equal to one process training the global
+batch (fp32 within 1e-5), and ``osdp.check_replicas`` after every step; grouped plans (both blocks one FSDP2
+unit) among them. Node-scoped plans on 4 ranks (2 nodes of 2).
 """
 
 from __future__ import annotations
@@ -140,6 +142,18 @@ def run_behaviour(model, name, steps, rank=0, world_size=1, check=None):
                     unit.set_requires_gradient_sync(last, recurse=False)
             if wrapped and name == "all_reduce":
                 model.set_requires_all_reduce(last)
+            if wrapped and name == "titan" and step == 0 and m == 0:
+                _fsdp2_settings_per_block(model)
+            if wrapped and name == "titan":  # accumulation block by block, and a block gathered ahead
+                for module in [model.wte, *model.blocks, model.head, model.aux]:
+                    module.set_requires_gradient_sync(last)
+                model.set_requires_gradient_sync(last, recurse=False)
+                if m == 0:
+                    model.blocks[1].unshard(async_op=True)  # FSDP2 waits for it in the block's pre-forward
+            if wrapped and name == "summed" and step == 0 and m == 0:
+                for module in _fully_shardable(model):  # gradients summed over the ranks, not averaged
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)  # how FSDP2 reduces, not what
             if wrapped and name == "unshard":
                 for unit in _units(model):
                     unit.unshard()
@@ -155,7 +169,8 @@ def run_behaviour(model, name, steps, rank=0, world_size=1, check=None):
                     loss = loss + 0.5 * ce(aux, y)
             if name == "zero_after_forward" and m == 0:  # as Lightning's step: forward, zero_grad, backward
                 opt.zero_grad()
-            (loss / len(micro_batches)).backward()
+            summed = SUMMED_OVER if name == "summed" and not wrapped else 1  # one process sums as the ranks do
+            (loss * summed / len(micro_batches)).backward()
             total += loss.item() / len(micro_batches)
         if name == "clip_norm":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -168,6 +183,29 @@ def run_behaviour(model, name, steps, rank=0, world_size=1, check=None):
         if check is not None:
             check(model)
     return losses
+
+
+def _fully_shardable(model):
+    """The modules a user of FSDP2 would ``fully_shard`` in this model: its embedding, blocks and heads, and the
+    model itself. Under osdp's plans each of them is a unit, holds units or sits inside one."""
+    return [model.wte, *model.blocks, model.head, model.aux, model.never_called, model]
+
+
+def _fsdp2_settings_per_block(model):
+    """torchtitan's explicit prefetching and resharding, written for a model whose blocks are each one unit:
+    every block gathers the next in forward and the previous in backward, the embedding the first block, the
+    last block the heads, and the last block keeps its parameters gathered for the backward that follows."""
+    blocks = list(model.blocks)
+    model.wte.set_modules_to_forward_prefetch([blocks[0]])
+    for block, after in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([block])
+    blocks[-1].set_modules_to_forward_prefetch([model.head, model.aux])
+    blocks[0].set_modules_to_backward_prefetch([model.wte])
+    model.head.set_modules_to_backward_prefetch([blocks[-1]])
+    for block in blocks[:-1]:
+        block.set_reshard_after_forward(True)
+    blocks[-1].set_reshard_after_forward(False)
 
 
 def _load_assigned(model, wrapped):
@@ -188,8 +226,9 @@ def _load_assigned(model, wrapped):
     model.load_state_dict(full, assign=True)
 
 
-BEHAVIOURS = ["plain", "load_assigned", "zero_after_forward", "unfreeze", "freeze", "accumulate", "accumulate_units", "all_reduce", "unshard", "twice",
-              "unused_output", "clip_norm", "clip_value"]
+BEHAVIOURS = ["plain", "load_assigned", "zero_after_forward", "unfreeze", "freeze", "accumulate", "accumulate_units",
+              "all_reduce", "unshard", "titan", "summed", "twice", "unused_output", "clip_norm", "clip_value"]
+SUMMED_OVER = 2  # the ranks "summed" runs on
 
 
 def _frozen_at_wrap(model):

@@ -1,0 +1,137 @@
+"""A model built on the meta device, wrapped, then given memory and values: FSDP2's (and torchtitan's) way for
+models that do not fit one rank.
+
+``with torch.device("meta"): model = Net()``, ``osdp.wrap(model, ...)``, ``model.to_empty(device=...)``, then
+the user's initialisation or a loaded checkpoint. Under every kind of plan the model then trains as one process
+that started from the same values; initialised at random with each rank's own seed, its replicated parameters
+still start alike (rank 0's, at the first forward); with ``device_mem`` the search describes it from its
+shapes. A forward before ``to_empty`` and ranks that built the model differently are told so on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from dist_harness import run_ranks
+from test_contract import ContractNet, _assert_matrix, batches, build, plans, run_behaviour
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from training_check import full_state
+
+import osdp
+from osdp.schema.plan import PlanError
+
+PLANS = ("replicate", "zero2", "zero3", "split", "mixed", "selective", "grouped")
+BEHAVIOURS = ("plain", "accumulate")
+
+
+def _on_meta() -> ContractNet:
+    with torch.device("meta"):
+        return ContractNet()
+
+
+def _load_full(model):
+    """Values from a checkpoint of the model built on a real device, as torchtune loads one (a full state dict,
+    every rank's copy, laid out by ``set_model_state_dict``)."""
+    set_model_state_dict(model, build().state_dict(), options=StateDictOptions(full_state_dict=True))
+
+
+def _train_from_meta(rank, world_size, plan_jsons, steps):
+    out = {}
+    for plan_name, plan_json in plan_jsons.items():
+        for name in BEHAVIOURS:
+            model = _on_meta()
+            osdp.wrap(model, plan=plan_json)
+            model.to_empty(device="cpu")
+            _load_full(model)
+            losses = run_behaviour(model, name, steps, rank, world_size, check=osdp.check_replicas)
+            state = full_state(model)  # collective: every rank takes part
+            out[(plan_name, name)] = (losses, state if rank == 0 else None)
+    return out
+
+
+def test_a_model_built_on_the_meta_device_trains_as_one_process_under_every_plan():
+    every = plans()
+    steps = batches()
+    per_rank = run_ranks(_train_from_meta, 2, {n: every[n].to_json() for n in PLANS}, steps, timeout=300)
+    _assert_matrix(per_rank, steps)
+
+
+def _initialised_per_rank(rank, world_size, plan_json):
+    """torchtitan's initialisation after ``to_empty``, each rank seeded apart (the worst case): FSDP2's shards
+    are each rank's own draw, the replicated parameters rank 0's once the model runs."""
+    torch.manual_seed(100 + rank)
+    model = _on_meta()
+    osdp.wrap(model, plan=plan_json)
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm)):
+            module.reset_parameters()
+    model.forwards.zero_()
+    x = torch.randint(0, 128, (2, 8))
+    logits, aux = model(x)
+    (logits.sum() + aux.sum()).backward()
+    osdp.check_replicas(model)  # raises unless every replicated parameter is alike on every rank
+    state = full_state(model)
+    return {k: v.float().abs().sum().item() for k, v in state.items()}
+
+
+def test_initialised_at_random_after_wrapping_its_replicas_start_alike():
+    every = plans()
+    for plan_name in ("replicate", "mixed"):
+        per_rank = run_ranks(_initialised_per_rank, 2, every[plan_name].to_json(), timeout=120)
+        assert per_rank[0] == per_rank[1], plan_name  # one model: every rank sees the same full values
+        assert all(v > 0 for k, v in per_rank[0].items() if k.endswith("weight")), plan_name  # not left empty
+
+
+def _scalar(output):
+    logits, aux = output
+    return logits.float().mean() + aux.float().mean()
+
+
+def _searched(rank, world_size, steps):
+    model = _on_meta()
+    example = steps[0][0][0][: steps[0][0][0].shape[0] // world_size]
+    osdp.wrap(model, device_mem="64MiB", example_input=example, loss_fn=_scalar, check_budget=False)
+    plan = osdp.plan_of(model)
+    model.to_empty(device="cpu")
+    _load_full(model)
+    losses = run_behaviour(model, "plain", steps, rank, world_size, check=osdp.check_replicas)
+    state = full_state(model)  # collective: every rank takes part
+    return {("searched", "plain"): (losses, state if rank == 0 else None)}, plan.to_json()
+
+
+def test_a_budget_plans_a_model_on_the_meta_device_from_its_shapes():
+    steps = batches()
+    results = run_ranks(_searched, 2, steps, timeout=300)
+    _assert_matrix([r[0] for r in results], steps)
+    assert results[0][1] == results[1][1]  # one plan, rank 0's
+
+
+def _forgotten(rank, world_size, plan_json):
+    model = _on_meta()
+    osdp.wrap(model, plan=plan_json)
+    try:
+        model(torch.randint(0, 128, (2, 8)))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _built_apart(rank, world_size):
+    model = _on_meta() if rank == 1 else build()
+    try:
+        osdp.wrap(model, strategy="fsdp")
+    except PlanError as e:
+        return str(e)
+    return None
+
+
+def test_a_forward_before_to_empty_and_ranks_built_apart_are_told_on_every_rank():
+    every = plans()
+    for plan_name in ("replicate", "zero3"):
+        for message in run_ranks(_forgotten, 2, every[plan_name].to_json(), timeout=120):
+            assert message is not None and message.startswith("the model is still on the meta device ("), message
+            assert "call model.to_empty(device=...) and initialise its parameters" in message
+    for message in run_ranks(_built_apart, 2, timeout=120):
+        assert message == ("rank(s) [1] built the model on the meta device and rank(s) [0] on a real one: build "
+                           "it alike on every rank")

@@ -1,0 +1,112 @@
+"""Modules the plan did not make units answer FSDP2's methods for the units that hold their parameters.
+
+A user of FSDP2 calls its methods on the modules they ``fully_shard``-ed: the blocks, the embedding, the heads.
+Under osdp's plans a block may be one unit (block granularity), or hold units (its attention and MLP), and an
+embedding may be a unit or sit inside the root. Whichever, the module has FSDP2's methods, they act on the units
+standing behind it (gathering, resharding, prefetching), and the module stays what it was (its class, its name,
+no ``FSDPModule``). That such calls train as one process under every plan is the contract matrix's
+(``test_contract.py``, behaviours ``titan`` and ``summed``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from dist_harness import run_ranks
+from test_contract import Block, build, ce
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+import osdp
+from osdp.schema.plan import Plan
+
+FSDP2_METHODS = [name for name, f in vars(FSDPModule).items()
+                 if callable(f) and not name.startswith("_") and name != "reset_iter_state"]
+
+
+def _plan(granularity: str) -> str:
+    paths = [u.path for u in osdp.discover_units(build(), granularity=granularity)]
+    return Plan.for_strategy(paths, "fsdp").to_json()
+
+
+def _gathered(unit: nn.Module) -> bool:
+    """Whether FSDP2 has this unit's parameters gathered or an all-gather of them issued (its state's)."""
+    group = fully_shard.state(unit)._fsdp_param_group
+    return group.is_unsharded or group._all_gather_result is not None
+
+
+def _units(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def _methods_and_gathering(rank, world_size, granularity):
+    model = build()
+    osdp.wrap(model, plan=_plan(granularity))
+    block = model.blocks[0]
+    report = {
+        "block_is_unit": isinstance(block, FSDPModule),
+        "embedding_is_unit": isinstance(model.wte, FSDPModule),
+        "methods": {name: all(callable(getattr(m, name, None)) for m in [model.wte, *model.blocks, model.head])
+                    for name in FSDP2_METHODS},
+        # as fully_shard names a unit's class FSDP<name>, a block the plan took apart keeps its own name
+        "still_a_block": isinstance(block, Block) and type(block).__name__ in ("Block", "FSDPBlock"),
+    }
+
+    def sharded():  # FSDP2 registers other Parameter objects as it gathers and reshards: read them each time
+        return [isinstance(p, DTensor) for p in [*block.attn.parameters(), *block.mlp.parameters()]]
+
+    block.unshard()
+    report["unsharded"] = not any(sharded())
+    block.reshard()
+    report["resharded"] = all(sharded())
+    handle = block.unshard(async_op=True)
+    handle.wait()
+    report["unsharded_async"] = not any(sharded())
+    block.reshard()
+    try:
+        block.set_modules_to_forward_prefetch([nn.Linear(2, 2)])
+        report["foreign_prefetch"] = None
+    except ValueError as e:
+        report["foreign_prefetch"] = str(e)
+    return report
+
+
+@pytest.mark.parametrize("granularity", ["sub-block", "block"])
+def test_blocks_and_embeddings_answer_fsdp2s_methods_whether_units_or_not(granularity):
+    for report in run_ranks(_methods_and_gathering, 2, granularity, timeout=120):
+        assert report["block_is_unit"] == (granularity == "block")
+        assert report["embedding_is_unit"] == (granularity == "sub-block")  # the root holds it at block granularity
+        assert all(report["methods"].values()), [n for n, ok in report["methods"].items() if not ok]
+        assert report["still_a_block"]
+        assert report["unsharded"] and report["resharded"] and report["unsharded_async"]
+        assert "not a module of a model osdp.wrap wrapped" in report["foreign_prefetch"]
+
+
+def _prefetching(rank, world_size, prefetch):
+    """Whether the second block's units are gathered (or their all-gather issued) as its forward begins, and
+    the first block's attention as the first block's backward begins; ``prefetch``: torchtitan's settings."""
+    torch.manual_seed(0)
+    model = build()
+    osdp.wrap(model, plan=_plan("sub-block"))  # zero3: every block's attention and MLP units resharded
+    first, second = model.blocks
+    if prefetch:
+        first.set_modules_to_forward_prefetch([second])
+        second.set_modules_to_backward_prefetch([first])
+    seen = {}
+    second.register_forward_pre_hook(lambda m, args: seen.update(forward=all(_gathered(u) for u in _units(second))))
+
+    def at_first_blocks_backward(module, args, output):
+        output.register_hook(lambda grad: seen.update(backward=_gathered(first.attn)))
+
+    first.register_forward_hook(at_first_blocks_backward)
+    x = torch.randint(0, 128, (2, 8))
+    logits, aux = model(x)
+    (ce(logits, x) + ce(aux, x)).backward()
+    return seen
+
+
+def test_prefetching_a_block_the_plan_took_apart_gathers_its_units_ahead():
+    without, with_prefetch = (run_ranks(_prefetching, 2, p, timeout=120)[0] for p in (False, True))
+    assert without == {"forward": False, "backward": False}  # FSDP2 gathers each unit at its own hooks
+    assert with_prefetch == {"forward": True, "backward": True}
