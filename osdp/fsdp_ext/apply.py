@@ -132,9 +132,9 @@ def complete_plan(model: nn.Module, plan: Plan) -> Plan:
 
 def check_model(model: nn.Module, device: torch.device) -> None:
     """Raise PlanError unless the model is not yet distributed (by osdp, DistributedDataParallel or fully_shard),
-    has parameters, all on one device that ``device`` can use or all on the meta device, none lazy (``nn.LazyLinear`` before
-    its first forward), and no embedding that renormalizes its rows in its forward (``max_norm``) when the job has
-    several ranks.
+    has parameters, all on one device that ``device`` can use or all on the meta device, none lazy
+    (``nn.LazyLinear`` before its first forward), and no embedding that renormalizes its rows in its forward
+    (``max_norm``) when the job has several ranks.
 
     A model wholly on the meta device is taken, as FSDP2 takes it: wrapped, then
     given memory (``model.to_empty(device=...)``) and initialised by the user before

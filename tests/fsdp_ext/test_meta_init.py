@@ -6,6 +6,8 @@ the user's initialisation or a loaded checkpoint. Under every kind of plan the m
 that started from the same values; initialised at random with each rank's own seed, its replicated parameters
 still start alike (rank 0's, at the first forward); with ``device_mem`` the search describes it from its
 shapes. A forward before ``to_empty`` and ranks that built the model differently are told so on every rank.
+torchtitan's recipe as a whole (blocks checkpointed before wrapping, built on meta, loaded, prefetching block
+by block, accumulating) trains as one process too.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from training_check import full_state
 
 import osdp
-from osdp.schema.plan import PlanError
+from osdp.schema.plan import Plan, PlanError, UnitPlan
 
 PLANS = ("replicate", "zero2", "zero3", "split", "mixed", "selective", "grouped")
 BEHAVIOURS = ("plain", "accumulate")
@@ -135,3 +137,47 @@ def test_a_forward_before_to_empty_and_ranks_built_apart_are_told_on_every_rank(
     for message in run_ranks(_built_apart, 2, timeout=120):
         assert message == ("rank(s) [1] built the model on the meta device and rank(s) [0] on a real one: build "
                            "it alike on every rank")
+
+
+# -- torchtitan's recipe, whole --------------------------------------------------------------------------------
+
+
+def _with_checkpointed_blocks(model: ContractNet) -> ContractNet:
+    """torchtitan's activation checkpointing, applied before wrapping: every block in a ``checkpoint_wrapper``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    return model
+
+
+def _recipe_plans() -> dict[str, str]:
+    model = _with_checkpointed_blocks(build())
+    modes = ["replicate", "zero2", "zero3"]
+    fine = [u.path for u in osdp.discover_units(model)]
+    whole = [u.path for u in osdp.discover_units(model, granularity="block")]
+    return {"mixed": Plan([UnitPlan(p, modes[i % 3], split=2 if p.endswith("mlp") and i % 3 == 2 else 1)
+                           for i, p in enumerate(fine)]).to_json(),
+            "blocks": Plan.for_strategy(whole, "fsdp").to_json()}
+
+
+def _torchtitan(rank, world_size, plan_jsons, steps):
+    """Built on meta with its blocks checkpointed, wrapped, given memory, loaded, prefetching block by block
+    and accumulating gradients: torchtitan's training script with osdp.wrap where it calls fully_shard."""
+    out = {}
+    for plan_name, plan_json in plan_jsons.items():
+        with torch.device("meta"):
+            model = _with_checkpointed_blocks(ContractNet())
+        osdp.wrap(model, plan=plan_json)
+        model.to_empty(device="cpu")
+        _load_full(model)
+        losses = run_behaviour(model, "titan", steps, rank, world_size, check=osdp.check_replicas)
+        state = full_state(model)  # collective: every rank takes part
+        out[(plan_name, "titan")] = (losses, state if rank == 0 else None)
+    return out
+
+
+def test_torchtitans_recipe_trains_as_one_process():
+    steps = batches()
+    per_rank = run_ranks(_torchtitan, 2, _recipe_plans(), steps, timeout=300)
+    _assert_matrix(per_rank, steps)
