@@ -9,15 +9,7 @@ import torch.nn as nn
 
 from osdp.describe.units import CallTrace, discover_units
 from osdp.distributed import broadcast_object, ensure_process_group, job_device, raise_on_any_rank
-from osdp.fsdp_ext.apply import (
-    apply_plan,
-    built_on_meta,
-    check_built_alike,
-    check_model,
-    make_contiguous,
-    plan_of,
-    set_requires_gradient_sync,
-)
+from osdp.fsdp_ext.apply import apply_plan, check_model, make_contiguous, plan_of, set_requires_gradient_sync
 from osdp.fsdp_ext.budget_check import check_first_step
 from osdp.schema.plan import STRATEGIES, Plan, PlanError
 
@@ -159,8 +151,6 @@ def wrap(
     except PlanError as e:
         error = e
     raise_on_any_rank(error)
-    if device_mem is not None:
-        check_built_alike(built_on_meta(model))  # the search describes a model on the meta device from its shapes
     make_contiguous(model)  # as apply_plan lays the parameters out, before the search measures the model
     plan = _plan_to_apply(model, device_mem, plan, strategy, example_input, mixed_precision, plan_options)
     model = apply_plan(model, plan, device=device, find_unused_parameters=find_unused_parameters)

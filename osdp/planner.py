@@ -41,6 +41,7 @@ from osdp.describe.units import (
     uneven_calls,
 )
 from osdp.distributed import all_gather_objects, broadcast_object, ensure_process_group, job_device, world
+from osdp.fsdp_ext.apply import built_on_meta, check_built_alike
 from osdp.log import Progress
 from osdp.machine.device_info import DeviceInfo
 from osdp.machine.presets import device_preset
@@ -478,7 +479,8 @@ def _plan(model: nn.Module, *, device_mem, example_input, batch_sizes, device, c
         machine = calibrate(ddp_overlap=needs_ddp_overlap(model))
         device_info, calibration = machine.device_info, calibration or machine.calibration
     # a model built on the meta device has no values to run: described from its shapes (rank 0's, in the try)
-    on_meta = next(model.parameters()).is_meta
+    on_meta = built_on_meta(model)
+    check_built_alike(on_meta)
     descriptions = [] if on_meta else planning_descriptions(
         model, example_input, loss_fn=loss_fn, mixed_precision=mixed_precision,
         uneven=_called_depending_on_data(model, example_input))

@@ -120,12 +120,16 @@ def _forgotten(rank, world_size, plan_json):
 
 
 def _built_apart(rank, world_size):
-    model = _on_meta() if rank == 1 else build()
-    try:
-        osdp.wrap(model, strategy="fsdp")
-    except PlanError as e:
-        return str(e)
-    return None
+    messages = []
+    for how in (dict(strategy="fsdp"), dict(device_mem="64MiB", example_input=torch.randint(0, 128, (2, 8)),
+                                           loss_fn=_scalar)):
+        model = _on_meta() if rank == 1 else build()
+        try:
+            osdp.wrap(model, **how)
+            messages.append(None)
+        except PlanError as e:
+            messages.append(str(e))
+    return messages
 
 
 def test_a_forward_before_to_empty_and_ranks_built_apart_are_told_on_every_rank():
@@ -134,9 +138,9 @@ def test_a_forward_before_to_empty_and_ranks_built_apart_are_told_on_every_rank(
         for message in run_ranks(_forgotten, 2, every[plan_name].to_json(), timeout=120):
             assert message is not None and message.startswith("the model is still on the meta device ("), message
             assert "call model.to_empty(device=...) and initialise its parameters" in message
-    for message in run_ranks(_built_apart, 2, timeout=120):
-        assert message == ("rank(s) [1] built the model on the meta device and rank(s) [0] on a real one: build "
-                           "it alike on every rank")
+    for messages in run_ranks(_built_apart, 2, timeout=120):  # a baseline, and a search before it describes
+        assert messages == 2 * ["rank(s) [1] built the model on the meta device and rank(s) [0] on a real one: "
+                                "build it alike on every rank"]
 
 
 # -- torchtitan's recipe, whole --------------------------------------------------------------------------------
