@@ -32,7 +32,9 @@ attention and MLP are units) stands for the units inside it, a module inside a
 unit (an embedding the root holds) for that unit (``StandIn``). So code written
 for one wrapping, torchtitan's ``block.set_modules_to_forward_prefetch([next_block])``
 or ``embedding.set_requires_gradient_sync(False)``, runs under every plan, and
-prefetch lists may name any module of the model. Only the gradient divide
+prefetch lists may name any module of the model: prefetching a block the plan
+took apart gathers its first unit early, as the plan's own prefetching does,
+so memory stays as the plan priced it. Only the gradient divide
 factor can mean something else there: it is a unit's, so a block's norms that
 its enclosing unit holds follow that unit's factor; set it on every module
 (as FSDP2 users do) and every plan divides alike.
@@ -129,10 +131,10 @@ class UnitModule:
 
     # any module of the model may be named: a block the plan took apart stands for the units inside it
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
-        super().set_modules_to_forward_prefetch(units_of_all(modules))
+        super().set_modules_to_forward_prefetch(first_units(modules))
 
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
-        super().set_modules_to_backward_prefetch(units_of_all(modules, backward=True))
+        super().set_modules_to_backward_prefetch(first_units(modules, backward=True))
 
 
 _CLASSES: dict[type, type] = {}
@@ -170,11 +172,16 @@ def units_of(module: nn.Module) -> list[FSDPModule]:
     return units
 
 
-def units_of_all(modules: Iterable[nn.Module], backward: bool = False) -> list[FSDPModule]:
-    """The units ``modules`` stand for, each once; each module's in backward order where ``backward``."""
+def first_units(modules: Iterable[nn.Module], backward: bool = False) -> list[FSDPModule]:
+    """What prefetching ``modules`` gathers: each one's first unit to run (in backward where ``backward``), each
+    unit once. A block the plan took apart is prefetched as the plan's own prefetching prefetches a unit (the
+    next one, gathered early); its other units follow as it brings them, so the memory stays as the plan
+    priced it."""
     units: list[FSDPModule] = []
     for module in modules:
-        units += [u for u in (units_of(module)[::-1] if backward else units_of(module)) if u not in units]
+        unit = units_of(module)[-1 if backward else 0]
+        if unit not in units:
+            units.append(unit)
     return units
 
 
@@ -213,10 +220,10 @@ class StandIn:
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         # FSDP2 issues a unit's prefetches after its own all-gather: first the first unit this module stands for
         # (a no-op where it is the unit holding this module, gathered already), then the modules named
-        _prefetch_of(self).forward = units_of_all([units_of(self)[0], *modules])
+        _prefetch_of(self).forward = first_units([self, *modules])
 
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
-        _prefetch_of(self).backward = units_of_all([units_of(self)[-1], *modules], backward=True)
+        _prefetch_of(self).backward = first_units([self, *modules], backward=True)
 
 
 def _prefetch_of(module: nn.Module) -> _Prefetch:
