@@ -29,7 +29,7 @@ from osdp.cost.schedule import predict
 from osdp.cost.terms import Calibration, Prediction
 from osdp.describe import granularity
 from osdp.describe.analytic import describe_analytic
-from osdp.describe.batch import batch_size_of, call_model, without_grad
+from osdp.describe.batch import ProfileError, batch_size_of, call_model, without_grad
 from osdp.describe.measured import describe_once, rng_kept, state_kept
 from osdp.describe.units import (
     GRANULARITIES,
@@ -462,6 +462,18 @@ def plan(
                      loss_fn=loss_fn, group_blocks=group_blocks, holds_output=holds_output)
 
 
+def _described_from_shapes(model: nn.Module, example_input: Any, device_info: DeviceInfo, world_size: int,
+                           loss_fn, mixed_precision: str) -> list[ModelDescription]:
+    """``osdp.describe.analytic`` of a model on the meta device, at every unit granularity."""
+    try:
+        return describe_granularities(lambda **g: describe_analytic(
+            model, example_input, device_info, world_size=world_size, loss_fn=loss_fn,
+            precisions=(mixed_precision,), progress=False, **g))
+    except ProfileError as e:
+        raise ProfileError(f"{e}. The model is on the meta device, with no values to run: build it on a real device "
+                           "for osdp to measure it, or wrap it with a plan") from e
+
+
 def _plan(model: nn.Module, *, device_mem, example_input, batch_sizes, device, calibration, mixed_precision,
           optimizer, loss_fn, group_blocks, holds_output) -> Plan:
     budget = parse_size(device_mem)
@@ -489,9 +501,8 @@ def _plan(model: nn.Module, *, device_mem, example_input, batch_sizes, device, c
     if rank == 0:
         try:
             if on_meta:
-                descriptions = describe_granularities(lambda **g: describe_analytic(
-                    model, example_input, device_info, world_size=world_size, loss_fn=loss_fn,
-                    precisions=(mixed_precision,), progress=False, **g))
+                descriptions = _described_from_shapes(model, example_input, device_info, world_size, loss_fn,
+                                                      mixed_precision)
             if not holds_output:
                 descriptions = [dataclasses.replace(d, output_bytes_per_sample=0.0) for d in descriptions]
             candidates = list(batch_sizes or [batch_size_of(example_input)])

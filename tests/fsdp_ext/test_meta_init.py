@@ -132,12 +132,30 @@ def _built_apart(rank, world_size):
     return messages
 
 
-def test_a_forward_before_to_empty_and_ranks_built_apart_are_told_on_every_rank():
+def _routed_on_meta(rank, world_size):
+    """A mixture of experts calling the experts its router chose: which ones run depends on values a model on
+    the meta device does not have, so no search can price it from its shapes."""
+    from model_styles import RoutedMoE, _tokens
+
+    with torch.device("meta"):
+        model = RoutedMoE()
+    try:
+        osdp.wrap(model, device_mem="64MiB", example_input=_tokens(4, torch.Generator().manual_seed(rank)))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_forward_before_to_empty_a_routed_model_and_ranks_built_apart_are_told_on_every_rank():
     every = plans()
     for plan_name in ("replicate", "zero3"):
         for message in run_ranks(_forgotten, 2, every[plan_name].to_json(), timeout=120):
             assert message is not None and message.startswith("the model is still on the meta device ("), message
             assert "call model.to_empty(device=...) and initialise its parameters" in message
+    for message in run_ranks(_routed_on_meta, 2, timeout=120):
+        assert "the forward depends on the values of the data, as routing to experts does" in message
+        assert message.endswith("The model is on the meta device, with no values to run: build it on a real "
+                                "device for osdp to measure it, or wrap it with a plan")
     for messages in run_ranks(_built_apart, 2, timeout=120):  # a baseline, and a search before it describes
         assert messages == 2 * ["rank(s) [1] built the model on the meta device and rank(s) [0] on a real one: "
                                 "build it alike on every rank"]
