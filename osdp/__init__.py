@@ -30,6 +30,7 @@ _PUBLIC = {
     # what a user may catch
     "CalibrationError": "osdp.calibration.nets", "ProfileError": "osdp.describe.batch",
     "PeerFailure": "osdp.distributed", "BudgetExceededWarning": "osdp.fsdp_ext.budget_check",
+    "DivideFactorWarning": "osdp.fsdp_ext.divide_factors",
     "WrappedTwiceError": "osdp.fsdp_ext.module_api", "ReplicaDivergence": "osdp.fsdp_ext.replicas",
     "UnusedParametersError": "osdp.fsdp_ext.replicate", "CheckpointError": "osdp.runtime.dcp",
     "PlanError": "osdp.schema.plan", "BudgetTooSmall": "osdp.search",
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     from osdp.distributed import PeerFailure
     from osdp.fsdp_ext.budget_check import BudgetExceededWarning
     from osdp.fsdp_ext.compile import compile_units
+    from osdp.fsdp_ext.divide_factors import DivideFactorWarning
     from osdp.fsdp_ext.gradients import clip_grad_norm_
     from osdp.fsdp_ext.module_api import WrappedTwiceError
     from osdp.fsdp_ext.replicas import ReplicaDivergence, check_replicas
@@ -83,6 +85,6 @@ __all__ = [
     "__version__", "wrap", "plan", "plan_of", "strategy_plan", "set_requires_gradient_sync", "Plan", "UnitPlan",
     "MODES", "Unit", "discover_units", "calibrate", "compile_units", "clip_grad_norm_", "check_replicas",
     "DeviceInfo", "device_preset", "list_presets", "parse_size", "BudgetExceededWarning", "BudgetTooSmall",
-    "CalibrationError", "CheckpointError", "PeerFailure", "PlanError", "ProfileError", "ReplicaDivergence",
+    "CalibrationError", "CheckpointError", "DivideFactorWarning", "PeerFailure", "PlanError", "ProfileError", "ReplicaDivergence",
     "UnusedParametersError", "WrappedTwiceError",
 ]

@@ -64,6 +64,7 @@ from osdp.describe.units import (
     fully_shardable,
     holding_unit,
     is_callable,
+    param_homes,
     structure_signature,
     unit_parameters,
 )
@@ -72,7 +73,8 @@ from osdp.distributed import collectives as comm
 from osdp.distributed.group import ensure_process_group, job_device
 from osdp.fsdp_ext.groups import group_members
 from osdp.fsdp_ext.mixed_precision import keep_mixed_precision_current
-from osdp.fsdp_ext.module_api import UnitExtras, extend_unit, stand_in_for_units
+from osdp.fsdp_ext.divide_factors import track_divide_factors
+from osdp.fsdp_ext.module_api import StandIn, UnitExtras, extend_unit, stand_in_for_units
 from osdp.fsdp_ext.replicate import ReplicaReducer
 from osdp.fsdp_ext.replicated_view import ReplicatedView
 from osdp.fsdp_ext.state_dict import load_under_any_plan, show_replicated_as_dtensors
@@ -384,6 +386,7 @@ def apply_plan(
             extra.reducer, extra.replicated = reducer, [s for s in reducer.slots if s.param in own]
         extend_unit(model.get_submodule(path), extra)
     stand_in_for_units(model, shardable)
+    _track_divide_factors(model, plan, grouped)
     _reshard_when_evaluating(model, groups)
     if plan.mixed_precision == "bf16":
         keep_mixed_precision_current(model)
@@ -398,6 +401,13 @@ def apply_plan(
         _check_materialized_at_first_forward(model)
     setattr(model, _PLAN_ATTR, plan)
     return model
+
+
+def _track_divide_factors(model: nn.Module, plan: Plan, grouped: dict[str, list[str]]) -> None:
+    homes = param_homes(model, plan.paths)
+    held_by = {name: homes[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+    answering = {m: path for path, m in model.named_modules() if isinstance(m, (FSDPModule, StandIn))}
+    track_divide_factors(model, held_by, grouped, answering)
 
 
 def _check_materialized_at_first_forward(model: nn.Module) -> None:

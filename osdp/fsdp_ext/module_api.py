@@ -36,8 +36,9 @@ prefetch lists may name any module of the model: prefetching a block the plan
 took apart gathers its first unit early, as the plan's own prefetching does,
 so memory stays as the plan priced it. Only the gradient divide
 factor can mean something else there: it is a unit's, so a block's norms that
-its enclosing unit holds follow that unit's factor; set it on every module
-(as FSDP2 users do) and every plan divides alike.
+its enclosing unit holds follow that unit's factor (``divide_factors`` warns at
+the next forward); set it on every module (as FSDP2 users do) and every plan
+divides alike.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from osdp._torch_private import replicated_by_fsdp2
+from osdp.fsdp_ext.divide_factors import divide_factors_of
 from osdp.fsdp_ext.replicate import ReplicaReducer, Slot
 
 
@@ -122,12 +124,24 @@ class UnitModule:
                 FSDPModule.set_reshard_after_forward(module, reshard_after_forward, recurse=False)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
+        self._divide_gradients_by(factor)
+        if (tracked := divide_factors_of(self)) is not None:
+            factors, path = tracked
+            factors.ask(factors.names_held_by(path), factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:  # FSDP2's earlier name
+        self.set_gradient_divide_factor(factor)
+
+    def _divide_gradients_by(self, factor: float) -> None:
         super().set_gradient_divide_factor(factor)
         for reducer, params in _replicated(self, recurse=False).items():
             reducer.set_gradient_divide_factor(params, factor)
         for e in _reached(self, recurse=False):
             for linear in e.split_linears:
                 linear.gradient_divide_factor = factor
+        if (tracked := divide_factors_of(self)) is not None:
+            factors, path = tracked
+            factors.apply(path, factor)
 
     # any module of the model may be named: a block the plan took apart stands for the units inside it
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
@@ -217,6 +231,16 @@ class StandIn:
         for unit in units_of(self):
             unit.reshard()
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        # the units standing behind this module divide all they hold: divide_factors warns where that is more
+        for unit in units_of(self):
+            unit._divide_gradients_by(factor)
+        if (tracked := divide_factors_of(self)) is not None:
+            factors, path = tracked
+            factors.ask(factors.names_under(path), factor)
+
+    set_reduce_scatter_divide_factor = set_gradient_divide_factor  # FSDP2's earlier name
+
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         # FSDP2 issues a unit's prefetches after its own all-gather: first the first unit this module stands for
         # (a no-op where it is the unit holding this module, gathered already), then the modules named
@@ -279,9 +303,9 @@ _RECURSIVE = ("set_requires_gradient_sync", "set_requires_all_reduce", "set_resh
               "set_reshard_after_backward", "set_reduce_scatter_unused_params", "set_reduce_scatter_max_input_buffers",
               "set_separate_reduce_scatter_group")
 _PER_UNIT = ("reset_iter_state", "set_is_last_backward", "set_custom_all_gather", "set_custom_reduce_scatter",
-             "set_all_reduce_hook", "set_post_optim_event", "set_reduce_scatter_divide_factor",
-             "set_gradient_divide_factor", "set_force_sum_reduction_for_comms", "set_unshard_in_backward",
-             "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm", "_set_unshard_async_op")
+             "set_all_reduce_hook", "set_post_optim_event", "set_force_sum_reduction_for_comms",
+             "set_unshard_in_backward", "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm",
+             "_set_unshard_async_op")
 for _name in (*_RECURSIVE, *_PER_UNIT):
     if hasattr(FSDPModule, _name):
         setattr(StandIn, _name, _to_units(_name, _name in _RECURSIVE))

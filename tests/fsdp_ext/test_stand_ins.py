@@ -109,3 +109,45 @@ def test_prefetching_a_block_the_plan_took_apart_gathers_its_first_unit_ahead():
     without, with_prefetch = (run_ranks(_prefetching, 2, p, timeout=120)[0] for p in (False, True))
     assert without == {"forward": False, "rest": False, "backward": False}  # each unit at its own hooks
     assert with_prefetch == {"forward": True, "rest": False, "backward": True}
+
+
+def _divide_factor_warnings(rank, world_size, granularity):
+    """The warnings of the forward after each way of setting a divide factor of 1: on the blocks only, on the
+    embedding only, and then on every module a user would wrap (the model itself included)."""
+    import warnings
+
+    from test_contract import _fully_shardable
+
+    from osdp.fsdp_ext.divide_factors import DivideFactorWarning
+
+    x = torch.randint(0, 128, (2, 8))
+    out = {}
+    for name, modules in (("blocks", lambda m: list(m.blocks)), ("embedding", lambda m: [m.wte]),
+                          ("every module", _fully_shardable)):
+        model = build()
+        osdp.wrap(model, plan=_plan(granularity))
+        for module in modules(model):
+            module.set_gradient_divide_factor(1.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(x)
+        out[name] = [str(w.message) for w in caught if issubclass(w.category, DivideFactorWarning)]
+    return out
+
+
+@pytest.mark.parametrize("granularity", ["sub-block", "block"])
+def test_a_divide_factor_its_units_cannot_follow_is_said_at_the_next_forward(granularity):
+    report = run_ranks(_divide_factor_warnings, 2, granularity, timeout=120)[0]
+    assert report["every module"] == []  # as FSDP2 users set it: every plan divides alike
+    if granularity == "sub-block":  # the blocks' norms are the root's
+        (message,) = report["blocks"]
+        assert message.startswith("osdp: the gradients of blocks.0.ln.weight, blocks.0.ln.bias, blocks.1.ln.weight, "
+                                  "blocks.1.ln.bias are divided by the number of ranks, where 1 was set for them: the "
+                                  "plan made their module no unit of its own, and unit '<root>' holds them with other "
+                                  "parameters"), message
+        assert report["embedding"] == []  # the embedding is a unit of its own
+    else:  # each block is a unit, its norms in it; the embedding is the root's, with the heads
+        assert report["blocks"] == []
+        (message,) = report["embedding"]
+        assert message.startswith("osdp: the gradients of head.weight, head.bias, aux.weight, aux.bias and "), message
+        assert "are divided by 1, where none was set for them (the default: the number of ranks)" in message
