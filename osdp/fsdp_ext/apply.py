@@ -285,7 +285,10 @@ def built_on_meta(model: nn.Module) -> bool:
 
 def check_built_alike(on_meta: bool) -> None:
     """Collective: raise on every rank unless every rank's model lies on the meta device or none does."""
-    everyone = all_gather_objects(on_meta)
+    _check_alike(all_gather_objects(on_meta))
+
+
+def _check_alike(everyone: list[bool]) -> None:
     if len(set(everyone)) > 1:
         meta = [r for r, m in enumerate(everyone) if m]
         raise PlanError(
@@ -294,23 +297,26 @@ def check_built_alike(on_meta: bool) -> None:
         )
 
 
-def check_same_plan_everywhere(plan: Plan, local_error: Exception | None, local_ranks: int | None = None) -> None:
-    """Collective: raise on every rank if any rank failed validation, holds another plan, or counts another
-    number of ranks per node."""
-    reports = all_gather_objects((plan.hash, None if local_error is None else str(local_error), local_ranks))
-    failed = [(r, msg) for r, (_, msg, _) in enumerate(reports) if msg is not None]
+def check_same_plan_everywhere(plan: Plan, local_error: Exception | None, local_ranks: int | None = None,
+                               on_meta: bool = False) -> None:
+    """Collective: raise on every rank if any rank failed validation, holds another plan, counts another
+    number of ranks per node, or built the model on the meta device where others did not (``on_meta``)."""
+    reports = all_gather_objects((plan.hash, None if local_error is None else str(local_error), local_ranks,
+                                  on_meta))
+    failed = [(r, msg) for r, (_, msg, _, _) in enumerate(reports) if msg is not None]
     if failed:
         if local_error is not None:
             raise local_error
         rank, msg = failed[0]
         raise PlanError(f"rank {rank} rejected the plan: {msg}")
-    layouts = {n for _, _, n in reports}
+    _check_alike([meta for _, _, _, meta in reports])
+    layouts = {n for _, _, n, _ in reports}
     if len(layouts) > 1:
         raise PlanError(
             f"ranks count different numbers of ranks per node ({sorted(layouts)}, from LOCAL_WORLD_SIZE); "
             "launch every node with the same --nproc-per-node"
         )
-    hashes = [h for h, _, _ in reports]
+    hashes = [h for h, _, _, _ in reports]
     if len(set(hashes)) > 1:
         by_hash: dict[str, list[int]] = {}
         for r, h in enumerate(hashes):
@@ -345,9 +351,8 @@ def apply_plan(
         units, groups = validate_plan(model, plan, world_size)
     except PlanError as e:
         error = e
-    check_same_plan_everywhere(plan, error, local_ranks)
-    on_meta = built_on_meta(model)
-    check_built_alike(on_meta)
+    on_meta = error is None and built_on_meta(model)
+    check_same_plan_everywhere(plan, error, local_ranks, on_meta)
     make_contiguous(model)
     shardable = fully_shardable(model, plan.paths)  # before a split replaces a Linear
 

@@ -53,6 +53,7 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 from osdp._torch_private import replicated_by_fsdp2
 from osdp.fsdp_ext.divide_factors import divide_factors_of
 from osdp.fsdp_ext.replicate import ReplicaReducer, Slot
+from osdp.machine.memory import iter_tensors
 
 
 @dataclass
@@ -267,14 +268,11 @@ def _prefetch_in_forward(module: nn.Module, args) -> None:
 
 @torch._dynamo.disable
 def _prefetch_in_backward(module: nn.Module, args, output) -> None:
-    from osdp.machine.memory import iter_tensors
-
     units = _prefetch_of(module).backward
     outputs = [t for t in iter_tensors(output) if t.requires_grad]
     if not (units and outputs and torch.is_grad_enabled()):
         return
 
-    @torch._dynamo.disable
     def prefetch(grad) -> None:  # once per backward, at the first of the outputs' gradients
         for unit in units:
             unit.unshard(async_op=True)  # FSDP2 waits for it in the unit's pre-backward
@@ -287,9 +285,8 @@ def _to_units(name: str, recursive: bool):
     units together hold its parameters)."""
 
     def method(self, *args, **kwargs):
-        if recursive:
-            kwargs.pop("recurse", None)
-            kwargs["recurse"] = False
+        if recursive:  # (value, recurse): the value only, recurse=False
+            args, kwargs = args[:1], {**kwargs, "recurse": False}
         for unit in units_of(self):
             getattr(unit, name)(*args, **kwargs)
 

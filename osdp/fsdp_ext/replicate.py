@@ -50,7 +50,6 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from osdp._torch_private import output_tensors, queue_at_backward_end, set_implicit_replication
-from osdp.report import first_few
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's: the first bucket small, so the first all-reduce starts early
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb
@@ -184,14 +183,8 @@ class ReplicaReducer:
     # -- buckets --------------------------------------------------------------------------------------
 
     def _materialize(self) -> None:
-        """At the first forward of a model wrapped on the meta device: every replica from rank 0's values, and
-        the buckets on the device the model now lies on."""
-        still = [self.names[p] for p in self.params if p.is_meta]
-        if still:  # on every rank alike, before any collective
-            raise RuntimeError(
-                f"the model is still on the meta device ({first_few(still)}): after osdp.wrap, call "
-                "model.to_empty(device=...) and initialise its parameters before the first forward"
-            )
+        """At the first forward of a model wrapped on the meta device (given memory since: apply's first-forward
+        check says so otherwise): every replica from rank 0's values, and the buckets on the model's device."""
         self._broadcast_from_rank0()
         self._build()
         self._on_meta = False
