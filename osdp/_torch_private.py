@@ -221,6 +221,49 @@ def fsdp_skip_post_backward_if_never_gathered(module: Any) -> None:
     _around_post_backward(module, "_osdp_skips_ungathered", around)
 
 
+def fsdp_keep_forward_writes(module: Any) -> None:
+    """Make a ``fully_shard``-ed module's parameters keep what a forward wrote to them in place while gathered (a
+    momentum encoder's update under ``no_grad``): FSDP2 frees the gathered copy when it reshards, and the write
+    would be lost. Each rank copies its shard of the written parameter back first; every rank wrote the same
+    values, as every rank's gathered copy is the same. Once per parameter, however many modules share it."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            if not getattr(fsdp_param, "_osdp_keeps_writes", False):
+                fsdp_param._osdp_keeps_writes = True
+                _keep_writes(fsdp_param)
+
+
+def _keep_writes(fsdp_param: Any) -> None:
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    to_unsharded, to_sharded = fsdp_param.to_unsharded, fsdp_param.to_sharded
+    gathered: dict[str, tuple[int, int]] = {}  # the gathered parameter's version and memory as FSDP2 made it
+
+    def unsharded() -> None:
+        to_unsharded()
+        p = fsdp_param._unsharded_param
+        gathered["as_made"] = (p._version, p.data_ptr())
+
+    def sharded() -> None:
+        as_made = gathered.pop("as_made", None)
+        if fsdp_param.sharded_state == ShardedState.UNSHARDED and as_made is not None:
+            p = fsdp_param._unsharded_param
+            if (p._version, p.data_ptr()) != as_made:
+                _write_back_shard(fsdp_param, p)
+        to_sharded()
+
+    fsdp_param.to_unsharded, fsdp_param.to_sharded = unsharded, sharded
+
+
+def _write_back_shard(fsdp_param: Any, gathered: torch.Tensor) -> None:
+    mesh_info = fsdp_param.mesh_info
+    rank, size = getattr(mesh_info, "shard_mesh_rank", 0), getattr(mesh_info, "shard_mesh_size", 1)
+    chunks = torch.chunk(gathered.detach(), size, dim=fsdp_param.fsdp_placement.dim)
+    if rank < len(chunks):
+        with torch.no_grad():
+            fsdp_param.sharded_param._local_tensor.copy_(chunks[rank])
+
+
 def fsdp_collective_comm(module: Any, collective: str) -> Any:
     """The ``all_gather`` or ``reduce_scatter`` object of a ``fully_shard``-ed module's parameter group (None
     if it has none)."""

@@ -465,3 +465,28 @@ def test_arguments_that_make_no_sense_are_refused_before_any_collective(capsys):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_plan_checkpointing_a_unit_whose_forward_writes_its_weights_is_refused_at_that_forward():
+    """A recompute would start from the weights the forward wrote: refused (every rank runs the same forward and
+    raises alike), where the same plan without the checkpoint trains as one process."""
+    import model_styles as styles
+
+    batch = styles.batches("shared_module", 4, 1)[0]
+    units = [u.path for u in osdp.discover_units(styles.build("shared_module"))]
+    for checkpoint in (True, "selective"):
+        model = styles.build("shared_module")
+        osdp.wrap(model, plan=Plan([UnitPlan(p, "zero3", checkpoint=checkpoint and p == "enc.1") for p in units]))
+        try:
+            with pytest.raises(RuntimeError, match=r"DecayedBlock's forward writes its parameter\(s\) fc1.weight in place"):
+                styles.call(model, styles.inputs_of("shared_module", batch)).backward()
+        finally:
+            dist.destroy_process_group()
+    reference, model = styles.build("shared_module"), styles.build("shared_module")
+    osdp.wrap(model, plan=Plan([UnitPlan(p, "zero3") for p in units]))
+    try:
+        for m in (reference, model):
+            styles.call(m, styles.inputs_of("shared_module", batch)).backward()
+        assert all(torch.equal(p.full_tensor(), r) for p, r in zip(model.parameters(), reference.parameters()))
+    finally:
+        dist.destroy_process_group()

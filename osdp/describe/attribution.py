@@ -334,7 +334,7 @@ class UnrunMembers:
         for path in routed:
             container = modules.get(path)
             if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
-                self.groups[path] = alike_members(container, path)
+                self.groups[path] = alike_members(model, container, path)
         self.bytes: dict[str, int] = {}  # member -> bytes its forwards saved
         self._modules, self._handles, self._start = modules, [], {}
 
@@ -495,8 +495,9 @@ class InPlaceWrites(TorchDispatchMode):
     inputs and recomputes from them, so it would read what was written (PyTorch refuses it in backward).
     ``kept_written``: an op wrote to an output selective checkpointing keeps (``KeptBySelective``'s: a unit's
     Linear rectified in place, ``y += x`` on its last matmul); the checkpoint's cache refuses that likewise.
-    ``buffers_written``: a unit's forward wrote to one of the model's buffers, which it may read (spectral_norm's
-    power iteration advances its ``_u`` and ``_v`` each training forward, a step counter a forward branches on):
+    ``state_written``: a unit's forward wrote to one of the model's buffers or parameters, which it may read
+    (spectral_norm's power iteration advances its ``_u`` and ``_v`` each training forward, a step counter a
+    forward branches on, a weight decayed or clamped in place):
     a recompute would start from what the forward wrote and compute another output, so backward would
     differentiate what the forward did not run. Normalization layers' running statistics are exempt: a training
     forward does not read them, and the recompute leaves them as the forward did
@@ -508,10 +509,11 @@ class InPlaceWrites(TorchDispatchMode):
         self.segments, self.kept = segments, kept
         self.inputs_written: set[str] = set()
         self.kept_written: set[str] = set()
-        self.buffers_written: set[str] = set()
+        self.state_written: set[str] = set()
         statistics = {id(b) for m in segments.model.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
                       for b in m.buffers(recurse=False)}
-        self._buffers = {_storage_key(b) for b in segments.model.buffers() if id(b) not in statistics}
+        self._state = {_storage_key(t) for t in (*segments.model.buffers(), *segments.model.parameters())
+                       if id(t) not in statistics}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.segments.phase == "fwd":
@@ -521,8 +523,8 @@ class InPlaceWrites(TorchDispatchMode):
 
     def _note(self, t: torch.Tensor) -> None:
         key = _storage_key(t)
-        if key in self._buffers:
-            self.buffers_written.add(self.segments.running)
+        if key in self._state:
+            self.state_written.add(self.segments.running)
         storage, owner = self.kept.keeper.get(key, (lambda: None, ""))
         if storage() is not None:
             self.kept_written.add(owner)

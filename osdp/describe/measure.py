@@ -238,7 +238,7 @@ def _checkpoint_memory(memory: dict[str, dict[str, int]], units: Sequence[Unit],
     """Per checkpointable unit, after the forward: whether a checkpoint may take it at all, what selective
     checkpointing keeps (the inputs and SAVED_OPS' outputs) and the FLOPs each policy's recompute redoes."""
     for u in checkpointable(units):
-        if u.path in writes.inputs_written or u.path in writes.buffers_written:
+        if u.path in writes.inputs_written or u.path in writes.state_written:
             memory[u.path]["no_checkpoint"] = 1
         elif u.path not in writes.kept_written:  # else offered none or full only
             memory[u.path]["sac"] = (memory[u.path]["ckpt"] + kept_by_selective.bytes.get(u.path, 0)

@@ -116,11 +116,14 @@ def rng_kept(devices: Iterable[torch.device] = ()):
 
 @contextlib.contextmanager
 def state_kept(model: nn.Module):
-    """Buffers and the modules' plain attributes as they were after the block: a training forward updates some
-    (BatchNorm's running statistics, a step counter in a buffer or in ``self.step``, which a model may read to
-    choose its branch), and a describe on rank 0 alone must leave them as the other ranks' and an unwrapped
+    """Parameters, buffers and the modules' plain attributes as they were after the block: a training forward
+    updates some (BatchNorm's running statistics, a step counter in a buffer or in ``self.step``, which a model
+    may read to choose its branch, a momentum encoder's weights), and a describe on rank 0 alone must leave them as the other ranks' and an unwrapped
     run's, or the ranks would run different forwards."""
     saved = {b: b.detach().clone() for b in model.buffers()}
+    # and the parameters a forward writes in place (a MoCo key encoder's momentum update), kept in host memory
+    # so that a GPU's budget does not hold them twice
+    weights = {p: p.detach().to("cpu", copy=True) for p in model.parameters()}
     attributes = [(m, k, v) for m in model.modules() for k, v in vars(m).items() if isinstance(v, _PLAIN)]
     try:
         # and the random numbers: every describe of the model (one per unit granularity) draws what the user's
@@ -131,6 +134,8 @@ def state_kept(model: nn.Module):
         with torch.no_grad():
             for b, value in saved.items():
                 b.copy_(value)
+            for p, value in weights.items():
+                p.copy_(value)
         for m, k, v in attributes:
             if m.__dict__.get(k, v) is not v:
                 m.__dict__[k] = v

@@ -98,8 +98,10 @@ def checkpoint_unit(module: nn.Module, policy: str = "full") -> None:
                 nonlocal written
                 if written is None:
                     versions = [(b, b._version) for b in self.buffers()]
+                    weights = [(n, p, p._version) for n, p in self.named_parameters()]
                     out = cls.forward(self, *args, **kwargs)
                     written = _running_statistics(self) + [b for b, version in versions if b._version != version]
+                    _refuse_written_weights(cls, [n for n, p, version in weights if p._version != version])
                     return out
                 return _recompute(written, lambda: cls.forward(self, *args, **kwargs))
 
@@ -109,6 +111,17 @@ def checkpoint_unit(module: nn.Module, policy: str = "full") -> None:
         checkpointed = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})
         _CHECKPOINTED[(cls, policy)], _ORIGINAL[checkpointed] = checkpointed, (cls, policy)
     module.__class__ = _CHECKPOINTED[(cls, policy)]
+
+
+def _refuse_written_weights(cls: type, names: list[str]) -> None:
+    # A recompute would start from the weights the forward wrote and differentiate another computation than the
+    # forward's. Raised on every rank alike: each runs the same forward.
+    if names:
+        raise RuntimeError(
+            f"{cls.__name__}'s forward writes its parameter(s) {', '.join(names[:3])} in place, so it "
+            "cannot be checkpointed: the recompute in backward would start from what the forward wrote. Give its "
+            "unit checkpoint=False in the plan (a searched plan never checkpoints such a unit)"
+        )
 
 
 def _running_statistics(module: nn.Module) -> list[torch.Tensor]:

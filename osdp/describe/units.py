@@ -296,13 +296,16 @@ def fully_shardable(model: nn.Module, units: Iterable[str]) -> set[str]:
     return (set(_candidates(model, "sub-block")) | set(_candidates(model, "block")) | holding) - {ROOT}
 
 
-def alike_members(container: nn.Module, path: str) -> list[list[str]]:
-    """The paths of ``container``'s (at ``path``) members that own parameters, grouped by structure: the groups
-    of two or more."""
+def alike_members(model: nn.Module, container: nn.Module, path: str) -> list[list[str]]:
+    """The paths of ``container``'s (at ``path`` in ``model``) members that own parameters, grouped by structure:
+    the groups of two or more. A member registered first elsewhere (one Linear in an encoder's list and a
+    decoder's) is that container's: hooks and call counts know a module by its first path."""
+    first_path = {id(m): p for p, m in model.named_modules()}
     alike: dict[str, list[str]] = {}
     for name, member in container.named_children():
-        if next(member.parameters(), None) is not None:
-            alike.setdefault(_signature(member), []).append(f"{path}.{name}" if path else name)
+        member_path = f"{path}.{name}" if path else name
+        if next(member.parameters(), None) is not None and first_path.get(id(member)) == member_path:
+            alike.setdefault(_signature(member), []).append(member_path)
     return [members for members in alike.values() if len(members) > 1]
 
 
@@ -318,7 +321,7 @@ def routed_containers(model: nn.Module, calls: CallTrace) -> list[str]:
     for path, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
             continue
-        for members in alike_members(container, path):
+        for members in alike_members(model, container, path):
             ran = [m for m in members if calls.counts.get(m, 0)]
             shapes = {calls.first_input[m] for m in ran if m in calls.first_input}
             rows_differ = len(shapes) > 1 and len({s[1:] for s in shapes}) == 1

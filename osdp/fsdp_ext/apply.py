@@ -79,7 +79,7 @@ from osdp.fsdp_ext.replicate import ReplicaReducer
 from osdp.fsdp_ext.replicated_view import ReplicatedView
 from osdp.fsdp_ext.state_dict import load_under_any_plan, show_replicated_as_dtensors
 from osdp.fsdp_ext.unused import reduce_where_any_rank_has_gradients
-from osdp._torch_private import fsdp_pre_backward, fsdp_replicate, has_fsdp_replicate
+from osdp._torch_private import fsdp_keep_forward_writes, fsdp_pre_backward, fsdp_replicate, has_fsdp_replicate
 from osdp.machine.memory import iter_tensors, register_gradient_storages
 from osdp.report import first_few
 from osdp.schema.plan import ROOT, Plan, PlanError, UnitPlan, display_path, replicates_with_ddp
@@ -438,7 +438,8 @@ def _make_fsdp_unit(target: nn.Module | list[nn.Module], path: str, decision: Un
     Every unit is FSDP2's, a replicated one in fp32 holding none of its parameters (``by_ddp``: the reducer has
     them): it answers FSDP2's methods, and the root stays the root (otherwise every top-level sharded unit would
     be a root of its own, keeping its parameters gathered after forward and prefetching nothing). So a replicated
-    root in bf16 runs as zero2 (``schema.plan.runs_as``)."""
+    root in bf16 runs as zero2 (``schema.plan.runs_as``). What a forward writes to the gathered parameters in
+    place is kept, as it is where the plan replicates them."""
     by_fsdp_replicate = decision.mode == "replicate" and not by_ddp and path != ROOT
     if by_fsdp_replicate and meshes.replicated is None:
         fsdp_replicate(target, mesh=meshes.world, mp_policy=mp_policy, ignored_params=ignored)
@@ -446,6 +447,9 @@ def _make_fsdp_unit(target: nn.Module | list[nn.Module], path: str, decision: Un
         fully_shard(target, mesh=meshes.replicated if by_fsdp_replicate else meshes.for_unit(decision),
                     reshard_after_forward=decision.reshards_after_forward, mp_policy=mp_policy,
                     ignored_params=ignored)
+    first = target[0] if isinstance(target, list) else target
+    if hasattr(first, "_get_fsdp_state"):
+        fsdp_keep_forward_writes(first)  # a forward's in-place writes to its gathered parameters stay, as unsharded
 
 
 def _reduce_unevenly_used(model: nn.Module, plan: Plan, replicated: set[nn.Parameter],

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import model_styles as styles
 
 from osdp import models
 from osdp.describe.analytic import describe_analytic
@@ -592,3 +593,18 @@ def test_the_analytic_describe_runs_the_model_itself_as_the_measured_one_does():
             for field in ("act_bytes", "ckpt_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes"):
                 got, want = (getattr(d.costs[precision], field).signed_bytes(8) for d in (a, m))
                 assert got == want, (a.path, precision, field, got, want)
+
+
+def test_a_forward_that_writes_weights_leaves_them_as_they_were_and_its_unit_is_never_checkpointed():
+    """A momentum encoder updated in the model's forward, a block shrinking its own weight: describing runs the
+    forward many times on rank 0 alone, and must leave every parameter as the other ranks have it; a block whose
+    forward writes its weights is offered no checkpoint (its recompute would start from what it wrote)."""
+    for style in ("momentum_encoder", "shared_module"):
+        model = styles.build(style)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        batch = styles.batches(style, 4, 1)[0]
+        d = describe(model, styles.inputs_of(style, batch), loss_fn=lambda out: out, **FAST)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), style
+        if style == "shared_module":
+            takes = {u.path: u.costs["fp32"].checkpointable for u in d.units}
+            assert takes == {**takes, "enc.1": False, "dec.0": False}, takes

@@ -47,6 +47,8 @@ PLANNING_LOSS = {
     "gru_attention": lambda out: out.square().mean(),
     "channels_last": lambda out: out,
     "task_heads": lambda out: out,
+    "momentum_encoder": lambda out: out,
+    "shared_module": lambda out: out,
 }
 
 

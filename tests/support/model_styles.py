@@ -543,6 +543,61 @@ class AttentionGRUSeq2Seq(nn.Module):
         return self.decoder(keys, hidden, targets)
 
 
+class MomentumEncoder(nn.Module):
+    """MoCo's key encoder: a copy of the query encoder, frozen, moved towards it in place under ``no_grad`` at
+    the start of every training forward (the momentum update is in the model's own forward); returns the loss."""
+
+    def __init__(self, h=32, m=0.9):
+        super().__init__()
+        self.m = m
+        self.emb = nn.Embedding(VOCAB, h)
+        self.query = nn.Sequential(nn.Linear(h, 2 * h), nn.GELU(), nn.Linear(2 * h, h))
+        self.key = nn.Sequential(nn.Linear(h, 2 * h), nn.GELU(), nn.Linear(2 * h, h))
+        self.key.load_state_dict(self.query.state_dict())
+        self.key.requires_grad_(False)
+        self.head = nn.Linear(h, VOCAB)
+
+    def forward(self, tokens, targets):
+        if self.training:
+            with torch.no_grad():
+                for k, q in zip(self.key.parameters(), self.query.parameters()):
+                    k.mul_(self.m).add_(q, alpha=1 - self.m)
+        x = self.emb(tokens)
+        logits = self.head(self.query(x) + self.key(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class DecayedBlock(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():  # a weight shrunk in place each training forward
+                self.fc1.weight.mul_(0.98)
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class SharedModuleEncoderDecoder(nn.Module):
+    """A Linear registered in both the encoder's and the decoder's ModuleList (one module object at two paths),
+    and blocks that write their own weights in place in a training forward; returns the loss."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, h)
+        shared = nn.Linear(h, h)
+        self.enc = nn.ModuleList([shared, DecayedBlock(h)])
+        self.dec = nn.ModuleList([DecayedBlock(h), shared])
+        self.head = nn.Linear(h, VOCAB)
+
+    def forward(self, tokens, targets):
+        x = self.emb(tokens)
+        for layer in [*self.enc, *self.dec]:
+            x = torch.tanh(layer(x))
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
 def _translation(rows, g):
     return (torch.randint(0, VOCAB, (rows, SEQ), generator=g),
             torch.randint(0, TARGET_VOCAB, (rows, TARGET_SEQ), generator=g))
@@ -664,6 +719,8 @@ STYLES = {
     "data_branch": (DataBranch, _one_special_row, lambda out, batch, step: out, lambda b: b),
     "channels_last": (ChannelsLastNet, _labelled_images, lambda out, batch, step: out, lambda b: b),
     "task_heads": (TaskHeads, _two_tasks, lambda out, batch, step: out, lambda b: b),
+    "momentum_encoder": (MomentumEncoder, _tokens, lambda out, batch, step: out, lambda b: b),
+    "shared_module": (SharedModuleEncoderDecoder, _tokens, lambda out, batch, step: out, lambda b: b),
     "gru_attention": (AttentionGRUSeq2Seq, _translation,
                       lambda out, batch, step: F.nll_loss(out.flatten(0, 1), batch[1].flatten()), lambda b: b),
 }
