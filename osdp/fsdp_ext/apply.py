@@ -372,7 +372,7 @@ def apply_plan(
         decision = plan.unit(unit.path)
         members = grouped.get(unit.path, [unit.path])  # a group's units share its settings (Plan checks)
         group = _split_and_checkpoint(model, plan, unit, members, decision, meshes.world, mp_policy)
-        module = model.get_submodule(unit.path)  # a unit that is itself a Linear was just replaced
+        module = model.get_submodule(unit.path)
         by_ddp = decision.mode == "replicate" and replicate_with_ddp
         own = [p for path in members for p in owned[path]]
         to_reducer = set(own) if by_ddp else not_shardable(own)
@@ -505,7 +505,7 @@ def _split_and_checkpoint(model: nn.Module, plan: Plan, unit: Unit, members: lis
     if decision.split > 1:  # never in a group
         apply_split(modules[unit.path], decision.split, mesh, exclude=_kept_whole(modules, unit, plan), root=model,
                     mp_policy=mp_policy)
-    group = [model.get_submodule(p) for p in members]  # a unit that is itself a Linear was just replaced
+    group = [model.get_submodule(p) for p in members]
     if decision.checkpoint_policy != "none":
         for module in group:
             checkpoint_unit(module, decision.checkpoint_policy)

@@ -115,6 +115,10 @@ class SplitLinear(nn.Linear):
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, k: int, *, mp_policy: MixedPrecisionPolicy | None = None):
         nn.Module.__init__(self)  # not nn.Linear's: the weight is given, sharded
+        self._hold(weight, bias, k, mp_policy)
+
+    def _hold(self, weight: nn.Parameter, bias: nn.Parameter | None, k: int,
+              mp_policy: MixedPrecisionPolicy | None) -> None:
         if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
             raise ValueError("SplitLinear needs its weight as a DTensor with placements (Shard(0),) on a 1-D mesh")
         self.out_features, self.in_features = weight.shape
@@ -139,7 +143,10 @@ class SplitLinear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, k: int, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None) -> "SplitLinear":
-        """Keep this rank's rows of ``linear.weight`` (the same full weight on every rank); reuse ``linear.bias``."""
+        """Make ``linear`` a SplitLinear in place, keeping this rank's rows of its weight (the same full weight on
+        every rank) and its bias: the same module object, as ``fully_shard`` keeps it, so that the hooks registered
+        on it (activation logging, a pruning mask), attributes set on it and references to it hold under every
+        plan."""
         if mesh.ndim != 1:
             raise ValueError(f"SplitLinear needs a 1-D mesh, got {mesh.ndim}-D")
         _extension.implementation()  # build or load the extension now, not between the first forward's collectives
@@ -147,7 +154,9 @@ class SplitLinear(nn.Linear):
         bias = linear.bias
         if bias is not None and bias.device != weight.device:
             bias.data = bias.data.to(weight.device)
-        return cls(weight, bias, k, mp_policy=mp_policy)
+        linear.__class__ = cls
+        linear._hold(weight, bias, k, mp_policy)
+        return linear
 
     # Not traced by torch.compile: the slice loop issues collectives on a process group from C++ (or from
     # Python with asynchronous work handles). It runs eagerly between compiled regions: one graph break.
@@ -242,11 +251,11 @@ def apply_split(
     root: nn.Module | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> list[str]:
-    """Replace ``splittable_linears(unit, ...)`` by SplitLinear in place; return their names (relative to ``unit``).
+    """Make ``splittable_linears(unit, ...)`` SplitLinears in place; return their names (relative to ``unit``).
 
-    Module paths stay, so state-dict keys stay. ``k = 1`` means not split (the
-    Plan's convention) and replaces nothing. A unit that is itself an
-    ``nn.Linear`` (name ``""``) is replaced in ``root``, which must then be given.
+    The modules stay (``SplitLinear.from_linear``), so paths and state-dict keys
+    do. ``k = 1`` means not split (the Plan's convention) and changes nothing.
+    ``root``: the model holding ``unit``, to see weights tied across units.
     Call it before ``fully_shard`` of the unit, and pass ``split_parameters(unit)``
     as that call's ``ignored_params``.
     """
@@ -254,18 +263,7 @@ def apply_split(
         return []
     replaced = []
     for name, linear in splittable_linears(unit, exclude, min_numel, root=root):
-        split = SplitLinear.from_linear(linear, k, mesh, mp_policy=mp_policy)
-        if name:
-            parent_name, _, attr = name.rpartition(".")
-            setattr(unit.get_submodule(parent_name), attr, split)
-        else:
-            if root is None:
-                raise ValueError("the unit is itself an nn.Linear: pass root= (the model holding it) to replace it")
-            path = next(p for p, m in root.named_modules() if m is unit)
-            if not path:
-                raise ValueError("cannot replace the root module itself; split it inside a parent module")
-            parent_name, _, attr = path.rpartition(".")
-            setattr(root.get_submodule(parent_name), attr, split)
+        SplitLinear.from_linear(linear, k, mesh, mp_policy=mp_policy)  # in place: paths and state-dict keys stay
         replaced.append(name)
     return replaced
 

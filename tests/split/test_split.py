@@ -512,20 +512,22 @@ def test_splittable_linears_rule():
     assert splittable_linears(head, root=model) == []
 
 
-def _apply_split_root_unit(rank, world_size):
+def _apply_split_in_place(rank, world_size):
     mesh = _mesh(world_size)
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 128))
+    linear, seen = model[1], []
+    linear.register_forward_hook(lambda module, args, out: seen.append(tuple(out.shape)))
     assert apply_split(model[1], 1, mesh) == []  # k = 1: not split
-    with pytest.raises(ValueError, match="root"):
-        apply_split(model[1], 2, mesh)
     assert apply_split(model[1], 2, mesh, root=model) == [""]
+    model(torch.randn(3, 64))
     # still a Linear to the user's code, as FSDP2's FSDPLinear is: optimizer groups and initialisations chosen by
-    # module type (minGPT's configure_optimizers) find it under every plan
-    return type(model[1]).__name__, isinstance(model[1], nn.Linear), (model[1].in_features, model[1].out_features)
+    # module type (minGPT's configure_optimizers) find it under every plan; and the same module, with its hooks
+    return (type(model[1]).__name__, model[1] is linear, isinstance(model[1], nn.Linear),
+            (model[1].in_features, model[1].out_features), seen)
 
 
-def test_apply_split_replaces_a_unit_that_is_a_linear():
-    assert run_ranks(_apply_split_root_unit, 1, timeout=60) == [("SplitLinear", True, (64, 128))]
+def test_apply_split_makes_the_linear_itself_a_split_linear_keeping_its_hooks():
+    assert run_ranks(_apply_split_in_place, 1, timeout=60) == [("SplitLinear", True, True, (64, 128), [(3, 128)])]
 
 
 def test_backend_switch_and_fallback(monkeypatch, backends):
