@@ -23,6 +23,7 @@ checkpointed unit as one checkpointed region (hooks that enter and leave a check
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -91,6 +92,7 @@ def checkpoint_unit(module: nn.Module, policy: str = "full") -> None:
         @functools.wraps(cls.forward)  # its signature too: callers inspect it (the Trainer picks dataset columns by it)
         def forward(self, *args, **kwargs):
             written: list[torch.Tensor] | None = None  # the buffers the forward wrote (None: it has not run)
+            hooks = _InnerHooks(self)
 
             # the unit's keyword arguments go to it through a closure: passed on, checkpoint() would take the
             # ones it knows as its own (a forward's ``debug=True`` would set checkpoint's debug mode)
@@ -99,11 +101,13 @@ def checkpoint_unit(module: nn.Module, policy: str = "full") -> None:
                 if written is None:
                     versions = [(b, b._version) for b in self.buffers()]
                     weights = [(n, p, p._version) for n, p in self.named_parameters()]
-                    out = cls.forward(self, *args, **kwargs)
+                    with hooks.recording():
+                        out = cls.forward(self, *args, **kwargs)
                     written = _running_statistics(self) + [b for b, version in versions if b._version != version]
                     _refuse_written_weights(cls, [n for n, p, version in weights if p._version != version])
                     return out
-                return _recompute(written, lambda: cls.forward(self, *args, **kwargs))
+                with hooks.replaying():
+                    return _recompute(written, lambda: cls.forward(self, *args, **kwargs))
 
             return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **context)
 
@@ -111,6 +115,61 @@ def checkpoint_unit(module: nn.Module, policy: str = "full") -> None:
         checkpointed = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})
         _CHECKPOINTED[(cls, policy)], _ORIGINAL[checkpointed] = checkpointed, (cls, policy)
     module.__class__ = _CHECKPOINTED[(cls, policy)]
+
+
+class _InnerHooks:
+    """The forward hooks of the modules inside a checkpointed unit, run by its recompute as the forward ran them,
+    but only where they changed something: a call that returned an input or output (a hook that scales, masks or
+    casts) is run again, as the recompute must compute what the forward did; one that returned nothing (counting
+    calls, collecting activations, logging) saw the forward already, and would see each call twice, under this
+    plan only. The unit's own hooks (FSDP2's among them) stay outside the checkpoint and run once anyway."""
+
+    def __init__(self, unit: nn.Module):
+        self.unit = unit
+        self.returned: dict[tuple[int, int], list[bool]] = {}  # (hook dict, handle id) -> per call, returned?
+
+    def _hooked(self):
+        for name, m in self.unit.named_modules():
+            if name:
+                for hooks in (m._forward_pre_hooks, m._forward_hooks):
+                    for key, hook in list(hooks.items()):
+                        yield hooks, key, hook
+
+    @contextlib.contextmanager
+    def _swapped(self, wrap):
+        swapped = [(hooks, key, hook) for hooks, key, hook in self._hooked()]
+        for hooks, key, hook in swapped:
+            hooks[key] = wrap((id(hooks), key), hook)
+        try:
+            yield
+        finally:
+            for hooks, key, hook in swapped:
+                if key in hooks:  # not removed meanwhile
+                    hooks[key] = hook
+
+    def recording(self):
+        self.returned = {}
+
+        def wrap(slot, hook):
+            def recorded(*args, **kwargs):
+                result = hook(*args, **kwargs)
+                self.returned.setdefault(slot, []).append(result is not None)
+                return result
+            return recorded
+
+        return self._swapped(wrap)
+
+    def replaying(self):
+        calls = {slot: iter(returned) for slot, returned in self.returned.items()}
+
+        def wrap(slot, hook):
+            def replayed(*args, **kwargs):
+                if next(calls.get(slot, iter(())), True):
+                    return hook(*args, **kwargs)
+                return None
+            return replayed
+
+        return self._swapped(wrap)
 
 
 def _refuse_written_weights(cls: type, names: list[str]) -> None:

@@ -550,3 +550,37 @@ def test_a_dropped_model_is_freed_under_every_plan():
     for name in plan_jsons:
         for rank, result in enumerate(per_rank):
             assert result[name] == {"alive": 0, "new_tensors": 0}, (name, rank, result[name])
+
+
+HOOKED = ("blocks.0", "blocks.0.mlp", "blocks.0.mlp.0", "blocks.1.attn.0", "head")
+
+
+def _hooked_training(rank=0, world_size=1, plan_jsons=None):
+    """Hooks registered before wrapping, as logging and feature extraction register them: each counts its calls,
+    and one (on an MLP's first Linear) scales the output it returns, which the gradients must see."""
+    out = {}
+    for plan_name, plan_json in (plan_jsons or {"one process": None}).items():
+        model, counts = build(), {}
+        for path in HOOKED:
+            module = model.get_submodule(path)
+            for kind, register in (("fwd", module.register_forward_hook), ("pre", module.register_forward_pre_hook),
+                                   ("bwd", module.register_full_backward_hook)):
+                register(lambda *_, key=f"{path}:{kind}": counts.__setitem__(key, counts.get(key, 0) + 1))
+        model.get_submodule("blocks.1.mlp.0").register_forward_hook(lambda module, args, output: output * 0.5)
+        if plan_json is not None:
+            osdp.wrap(model, plan=plan_json)
+        losses = run_behaviour(model, "plain", batches(), rank, world_size)
+        out[plan_name] = (counts, losses, full_state(model) if plan_json is not None else model.state_dict())
+    return out
+
+
+def test_hooks_on_the_users_modules_run_as_often_under_every_plan():
+    """Split Linears keep their hooks (the module is made a SplitLinear in place), and a checkpointed unit's
+    recompute runs again only the hooks of its modules that changed what they returned."""
+    (reference,) = _hooked_training().values()
+    ranks = run_ranks(_hooked_training, 2, {k: v.to_json() for k, v in plans().items()}, timeout=300)
+    for plan_name, (counts, losses, state) in ranks[0].items():
+        assert counts == reference[0], (plan_name, counts, reference[0])
+        averaged = [sum(r[plan_name][1][s] for r in ranks) / 2 for s in range(STEPS)]
+        assert max(abs(a - b) for a, b in zip(averaged, reference[1])) <= ATOL, plan_name
+        assert max((state[k] - reference[2][k]).abs().max().item() for k in reference[2]) <= ATOL, plan_name
