@@ -118,12 +118,12 @@ def rng_kept(devices: Iterable[torch.device] = ()):
 def state_kept(model: nn.Module):
     """Parameters, buffers and the modules' plain attributes as they were after the block: a training forward
     updates some (BatchNorm's running statistics, a step counter in a buffer or in ``self.step``, which a model
-    may read to choose its branch, a momentum encoder's weights), and a describe on rank 0 alone must leave them as the other ranks' and an unwrapped
-    run's, or the ranks would run different forwards."""
+    may read to choose its branch, a momentum encoder's weights), and a describe on rank 0 alone must leave them
+    as the other ranks' and an unwrapped run's, or the ranks would run different forwards."""
     saved = {b: b.detach().clone() for b in model.buffers()}
     # and the parameters a forward writes in place (a MoCo key encoder's momentum update), kept in host memory
     # so that a GPU's budget does not hold them twice
-    weights = {p: p.detach().to("cpu", copy=True) for p in model.parameters()}
+    weights = {p: p.detach().to("cpu", copy=True) for p in model.parameters() if not p.is_meta}
     attributes = [(m, k, v) for m in model.modules() for k, v in vars(m).items() if isinstance(v, _PLAIN)]
     try:
         # and the random numbers: every describe of the model (one per unit granularity) draws what the user's
