@@ -30,7 +30,8 @@ from osdp.cost.terms import Calibration, Prediction
 from osdp.describe import granularity
 from osdp.describe.analytic import describe_analytic
 from osdp.describe.batch import ProfileError, batch_size_of, call_model, without_grad
-from osdp.describe.measured import describe_once, rng_kept, state_kept
+from osdp.describe.kept import quietly, rng_kept
+from osdp.describe.measured import describe_once
 from osdp.describe.units import (
     GRANULARITIES,
     CallTrace,
@@ -392,8 +393,8 @@ def calls_on_every_rank(model: nn.Module, example_input: Any) -> CallTrace | Non
     numbers of times (``uneven_calls``). A describe on rank 0 alone sees its own example only. None where some
     rank's forward failed (rank 0's describe runs it again and names what fails)."""
     try:
-        with state_kept(model), without_grad():
-            trace = trace_calls(model, lambda: call_model(model, example_input))
+        with without_grad():
+            trace = quietly(model, lambda: trace_calls(model, lambda: call_model(model, example_input)))
         seen = (trace.counts, routed_containers(model, trace))
     except Exception:  # noqa: BLE001 - reported by the describe, on every rank
         trace, seen = None, None

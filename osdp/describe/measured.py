@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -38,6 +38,7 @@ import torch.nn as nn
 from osdp.describe.attribution import synchronizer
 from osdp.describe.cache import PROFILE_VERSION, cache_key, cached_path, model_fingerprint, read_cached
 from osdp.describe.batch import ProfileError, batch_size_of, input_bytes_per_sample, input_spec, resize_batch
+from osdp.describe.kept import quietly
 from osdp.describe.measure import (
     _device_of,
     _step,
@@ -94,51 +95,13 @@ def describe(
     checkpointing whose recompute is timed (a unit not described for one is not offered it). ``uneven``: the
     modules other ranks' examples called a different number of times (``osdp.describe.units.uneven_calls``):
     no units of their own. The model's parameters, gradients, buffers, modules' plain attributes (a step
-    counter) and RNG state are left as they were.
+    counter) and RNG state are left as they were, and the user's hooks do not see the measuring passes
+    (``osdp.describe.kept``).
     """
-    with state_kept(model):
-        return _describe(model, example_input, loss_fn=loss_fn, batch_sizes=batch_sizes, precisions=precisions,
-                         units=units, granularity=granularity, optimizers=optimizers, repeats=repeats,
-                         time_budget_s=time_budget_s, cache=cache, progress=progress, name=name,
-                         checkpoint_policies=tuple(checkpoint_policies), uneven=tuple(uneven))
-
-
-_PLAIN = (int, float, bool, str, type(None))
-
-
-@contextlib.contextmanager
-def rng_kept(devices: Iterable[torch.device] = ()):
-    """Torch's random number generators (the CPU's, and those of the CUDA ``devices``) as they were after the
-    block."""
-    with torch.random.fork_rng(devices=sorted({d.index or 0 for d in devices if d.type == "cuda"})):
-        yield
-
-
-@contextlib.contextmanager
-def state_kept(model: nn.Module):
-    """Parameters, buffers and the modules' plain attributes as they were after the block: a training forward
-    updates some (BatchNorm's running statistics, a step counter in a buffer or in ``self.step``, which a model
-    may read to choose its branch, a momentum encoder's weights), and a describe on rank 0 alone must leave them
-    as the other ranks' and an unwrapped run's, or the ranks would run different forwards."""
-    saved = {b: b.detach().clone() for b in model.buffers()}
-    # and the parameters a forward writes in place (a MoCo key encoder's momentum update), kept in host memory
-    # so that a GPU's budget does not hold them twice
-    weights = {p: p.detach().to("cpu", copy=True) for p in model.parameters() if not p.is_meta}
-    attributes = [(m, k, v) for m in model.modules() for k, v in vars(m).items() if isinstance(v, _PLAIN)]
-    try:
-        # and the random numbers: every describe of the model (one per unit granularity) draws what the user's
-        # next forward will (a dropped layer, LayerDrop's), so they see the same units run
-        with rng_kept([p.device for p in model.parameters()]):
-            yield
-    finally:
-        with torch.no_grad():
-            for b, value in saved.items():
-                b.copy_(value)
-            for p, value in weights.items():
-                p.copy_(value)
-        for m, k, v in attributes:
-            if m.__dict__.get(k, v) is not v:
-                m.__dict__[k] = v
+    return quietly(model, lambda: _describe(
+        model, example_input, loss_fn=loss_fn, batch_sizes=batch_sizes, precisions=precisions, units=units,
+        granularity=granularity, optimizers=optimizers, repeats=repeats, time_budget_s=time_budget_s, cache=cache,
+        progress=progress, name=name, checkpoint_policies=tuple(checkpoint_policies), uneven=tuple(uneven)))
 
 
 def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, granularity, optimizers, repeats,

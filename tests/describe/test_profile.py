@@ -608,3 +608,46 @@ def test_a_forward_that_writes_weights_leaves_them_as_they_were_and_its_unit_is_
         if style == "shared_module":
             takes = {u.path: u.costs["fp32"].checkpointable for u in d.units}
             assert takes == {**takes, "enc.1": False, "dec.0": False}, takes
+
+
+def _counted(module: nn.Module, counts: dict, key: str):
+    return module.register_forward_hook(lambda *_: counts.__setitem__(key, counts.get(key, 0) + 1))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated")  # as older models still build it
+def test_the_users_hooks_do_not_see_a_describe_and_torchs_own_still_compute_the_weights():
+    """A describe runs the model many times: the user's hooks (here counting calls, and stepping nothing) stay
+    silent, while torch's weight norm, a pre-forward hook that computes ``weight`` from ``weight_g`` and
+    ``weight_v``, keeps working. The user's handles still remove their hooks afterwards."""
+    from osdp.describe.kept import users_hooks_held
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.weight_norm(nn.Linear(8, 8)), nn.ReLU(), nn.Linear(8, 1))
+    counts: dict = {}
+    handle = _counted(model[0], counts, "fwd")
+    model[2].weight.register_post_accumulate_grad_hook(lambda p: counts.__setitem__("grad", 1))
+    x = torch.randn(4, 8)
+    describe(model, x, loss_fn=lambda out: out.sum(), **FAST)
+    assert counts == {}
+    with users_hooks_held(model), torch.no_grad():
+        before = model(x)
+        model[0].weight_g.mul_(2)  # weight norm's hook recomputes weight from it on the next call
+        assert not torch.allclose(model(x), before)
+    assert counts == {}
+    model(x).sum().backward()
+    assert counts == {"fwd": 1, "grad": 1}
+    handle.remove()
+    model(x)
+    assert counts == {"fwd": 1, "grad": 1}
+
+
+def test_a_model_that_runs_only_with_its_users_hook_is_described_with_it():
+    """A pre-forward hook that casts the input the model is given: without it the forward fails, so the
+    describe runs with the user's hooks (what they count is then the describe's)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    model.register_forward_pre_hook(lambda module, args: (args[0].float(),))
+    counts: dict = {}
+    _counted(model[0], counts, "fwd")
+    d = describe(model, torch.randn(4, 8, dtype=torch.float64), loss_fn=lambda out: out.sum(), **FAST)
+    assert sum(u.numel for u in d.units) == sum(p.numel() for p in model.parameters())
+    assert counts["fwd"] > 0

@@ -504,6 +504,49 @@ def test_a_forward_that_branches_on_a_python_counter_trains_as_one_process_after
     state = ranks[0][2]
     assert max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()) <= ATOL
 
+def _hooked_searched(rank, world_size):
+    from training_check import train
+
+    torch.manual_seed(0)
+    model, counts = Alternating(), {}
+    _count_calls(model, counts)
+    mine = tuple(t.chunk(world_size)[rank] for t in _alternating_batches()[0])
+    osdp.wrap(model, device_mem="1GiB", example_input=mine, loss_fn=lambda loss: loss)  # rank 0 describes it
+    during_wrap = dict(counts)
+    train(model, _alternating_batches(), rank, world_size)
+    return during_wrap, counts
+
+
+def _count_calls(model: nn.Module, counts: dict) -> None:
+    """Hooks as logging registers them, on modules (forward, pre-forward, backward) and on a parameter (its
+    gradient accumulated: where optimizer-in-backward steps)."""
+    def count(key):
+        return lambda *_: counts.__setitem__(key, counts.get(key, 0) + 1)
+
+    for path in ("emb", "experts.0", "experts.1.0", "head"):
+        module = model.get_submodule(path)
+        module.register_forward_hook(count(f"{path}:fwd"))
+        module.register_forward_pre_hook(count(f"{path}:pre"))
+        module.register_full_backward_hook(count(f"{path}:bwd"))
+    model.head.weight.register_post_accumulate_grad_hook(count("head.weight:grad"))
+
+
+def test_hooks_registered_before_a_searched_wrap_do_not_see_its_measuring():
+    """The search traces a forward on every rank and describes the model on rank 0 (many forwards and
+    backwards): hooks the user registered before wrapping fired for each, on rank 0 more than on the others.
+    None fire while wrapping; in training they fire as in one process."""
+    from training_check import train
+
+    torch.manual_seed(0)
+    reference, reference_counts = Alternating(), {}
+    _count_calls(reference, reference_counts)
+    train(reference, _alternating_batches())
+    for rank, (during_wrap, counts) in enumerate(run_ranks(_hooked_searched, 2, timeout=240)):
+        assert during_wrap == {}, (rank, during_wrap)
+        # the global batch in one process, each rank's half here: every hook runs as often
+        assert counts == reference_counts, (rank, counts, reference_counts)
+
+
 def _dropped(rank, world_size, plan_jsons):
     """Per plan: build, wrap, train two steps, drop the model and optimizer; then whether the model, any of its
     parameters or any tensor made since is still alive."""
