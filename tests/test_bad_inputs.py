@@ -214,6 +214,18 @@ def _message(fn):
     return None
 
 
+def _first_step_of(style, rank, world_size, **how):
+    """Wrap a model of ``model_styles`` as ``how`` says and train one step on this rank's rows."""
+    import model_styles as styles
+
+    model = styles.build(style)
+    osdp.wrap(model, **how)
+    batch = styles.batches(style, 2 * world_size, 1)[0]
+    mine = tuple(t.chunk(world_size)[rank] for t in batch)
+    styles.loss_of(style, styles.call(model, styles.inputs_of(style, mine)), mine, 0).backward()
+    return model
+
+
 def _errors_on_every_rank(rank, world_size):
     x = torch.randint(0, 64, (4, 16))
     def half_meta():
@@ -253,6 +265,9 @@ def _errors_on_every_rank(rank, world_size):
                                                 example_input=torch.randn(4, 7))),
         "fully_shard": _message(lambda: osdp.wrap(fully_shard(_seeded(Uneven)), strategy="ddp")),
         "osdp_twice": _message(lambda: osdp.wrap(osdp.wrap(_seeded(Uneven), strategy="zero2"), strategy="fsdp")),
+        # a baseline without the example that would have shown what its forward does across modules
+        "tied_head": _message(lambda: _first_step_of("lambda_gpt", rank, world_size, strategy="fsdp")),
+        "written_input": _message(lambda: _first_step_of("inplace", rank, world_size, strategy="zero2")),
     }
 
 
@@ -312,6 +327,35 @@ def test_junk_sizes_are_refused_with_examples(on_2):
         osdp.parse_size("16G")
     with pytest.raises(ValueError, match=r"^invalid memory size 1\.5: a plain number is a count of bytes and must be whole"):
         osdp.parse_size(1.5)
+
+
+def test_a_forward_crossing_units_as_a_plan_given_without_an_example_cannot_carry_says_what_would_work(on_2):
+    """A head tied by ``F.linear(x, self.wte.weight)`` and a residual written in place into a block's output fail
+    under FSDP2 with errors about DTensor and custom Functions; every rank raises the same error naming the
+    module, what it did and the wraps that plan it (the same baselines given the example train it: the model
+    styles' tests)."""
+    for name, did in (("tied_head", r"LambdaGPT's forward used a parameter that this plan holds sharded there"),
+                      ("written_input", r"forward wrote in place to the input or output of a unit")):
+        kinds_and_texts = {errors[name][:2] for errors, _, _ in on_2}
+        assert len(kinds_and_texts) == 1, kinds_and_texts  # alike on every rank
+        ((kind, text),) = kinds_and_texts
+        assert kind == "UnitBoundaryError" and re.search(did, text), text
+        assert "osdp.wrap(model, strategy=..., example_input=batch)" in text, text
+
+
+def test_the_forward_of_a_wrapped_model_keeps_its_signature():
+    """Hugging Face's Trainer keeps the batch's columns that ``inspect.signature(model.forward)`` names."""
+    import inspect
+
+    import model_styles as styles
+
+    model = styles.build("padded")
+    before = inspect.signature(model.forward)
+    osdp.wrap(model, strategy="fsdp")
+    try:
+        assert inspect.signature(model.forward) == before and "mask" in before.parameters
+    finally:
+        dist.destroy_process_group()
 
 
 def test_mismatched_plans_and_plans_for_another_model_fail_on_every_rank(on_2):

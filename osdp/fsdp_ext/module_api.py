@@ -52,6 +52,7 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from osdp._torch_private import replicated_by_fsdp2
 from osdp.fsdp_ext.divide_factors import divide_factors_of
+from osdp.fsdp_ext.forward_errors import explaining
 from osdp.fsdp_ext.replicate import ReplicaReducer, Slot
 from osdp.machine.memory import iter_tensors
 
@@ -165,7 +166,9 @@ def extend_unit(module: nn.Module, extras: UnitExtras) -> None:
         return
     if cls not in _CLASSES:
         # FSDPModule.__new__ (indexing into a container) builds the class found this far down the MRO
-        _CLASSES[cls] = type(cls.__name__, (UnitModule, cls), {"_orig_cls_mro_index": cls._orig_cls_mro_index + 2})
+        # and its forward says in the plan's terms what FSDP2 cannot carry across the unit's boundary
+        _CLASSES[cls] = type(cls.__name__, (UnitModule, cls), {"_orig_cls_mro_index": cls._orig_cls_mro_index + 2,
+                                                               "forward": explaining(cls)})
     module.__class__ = _CLASSES[cls]
 
 

@@ -1,0 +1,75 @@
+"""FSDP2's errors from inside a user's forward, said in the plan's terms: what the forward did and what works.
+
+Two things a forward may do fail under some plans only, with messages about DTensor and custom Functions that
+name neither the parameter's unit nor the fix:
+
+* use a parameter outside its module's forward (a head tied by ``F.linear(x, self.wte.weight)``, a weight
+  read before its module runs, a momentum update from one encoder to another) while the plan holds it sharded
+  there: DTensor refuses the mix of its shard with plain tensors;
+* write in place to what a unit took or gave (``x += self.block(x)`` on a block's input), which FSDP2's
+  backward hooks hand over as views of a custom Function.
+
+A searched plan and a baseline given ``example_input`` find such modules in a forward of the example and make
+the module that uses the parameter, or writes, the unit. A plan given without an example cannot; each unit's
+forward turns the error into ``UnitBoundaryError`` saying so, on every rank alike (every rank runs the same
+forward to the same op), before any collective of that step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+from osdp.schema.plan import PlanError
+
+_MIXED_DTENSOR = "got mixed torch.Tensor and DTensor"
+_WRITTEN_VIEW = "RegisterPostBackwardFunction is a view and is being modified inplace"
+
+_FIX = ("osdp.wrap(model, device_mem=..., example_input=batch) and osdp.wrap(model, strategy=..., "
+        "example_input=batch) find such modules in a forward of the example and make the module using the "
+        "parameter (or writing) the unit; a plan given as it is must do so itself, or replicate that unit")
+
+
+class UnitBoundaryError(PlanError, RuntimeError):
+    """The model's forward used a parameter, or wrote a tensor, across a unit's boundary that the plan cannot
+    carry (the message says what and how to plan it)."""
+
+
+def explained(error: RuntimeError, module_type: str) -> UnitBoundaryError | None:
+    text = str(error)
+    if _MIXED_DTENSOR in text:
+        return UnitBoundaryError(
+            f"{module_type}'s forward used a parameter that this plan holds sharded there, outside the forward of "
+            f"the module owning it (a head tied by F.linear(x, self.wte.weight), a weight read before its module "
+            f"runs, an update from one encoder to another): {_FIX}. PyTorch said: {text.splitlines()[0]}")
+    if _WRITTEN_VIEW in text:
+        return UnitBoundaryError(
+            f"{module_type}'s forward wrote in place to the input or output of a unit (x += block(x)), which "
+            f"FSDP2's backward hooks hand over as views: {_FIX}")
+    return None
+
+
+def _users_class(cls: type) -> str:
+    """The name of the class the user wrote, under the subclasses FSDP2 and osdp made of it."""
+    made = ("torch.distributed", "osdp")
+    return next((c.__name__ for c in cls.__mro__ if not c.__module__.startswith(made)), cls.__name__)
+
+
+def explaining(cls: type) -> Callable:
+    """The forward of the module class ``cls``, raising ``UnitBoundaryError`` for the errors above; its
+    signature kept (Hugging Face's Trainer reads it to choose the batch's columns)."""
+    forward, name = cls.forward, _users_class(cls)
+
+    @functools.wraps(forward)
+    def explained_forward(self, *args, **kwargs):
+        try:
+            return forward(self, *args, **kwargs)
+        except UnitBoundaryError:
+            raise
+        except RuntimeError as e:
+            clearer = explained(e, name)
+            if clearer is None:
+                raise
+            raise clearer from e
+
+    return explained_forward
