@@ -480,41 +480,14 @@ def _alternating_searched(rank, world_size):
     from training_check import train
 
     torch.manual_seed(0)
-    model = Alternating()
-    mine = tuple(t.chunk(world_size)[rank] for t in _alternating_batches()[0])
-    osdp.wrap(model, device_mem="1GiB", example_input=mine, loss_fn=lambda loss: loss)  # rank 0 describes it
-    steps_after_wrap = model.steps
-    losses = train(model, _alternating_batches(), rank, world_size)
-    state = full_state(model)  # a collective wherever the plan sharded a unit: every rank calls it
-    return steps_after_wrap, losses, state if rank == 0 else None
-
-
-def test_a_forward_that_branches_on_a_python_counter_trains_as_one_process_after_the_search():
-    """The search runs the user's forward on rank 0 alone (the describe); a counter it advanced there and not on
-    rank 1 sent the ranks down different experts (rank 0 aborted in a collective)."""
-    from training_check import train
-
-    torch.manual_seed(0)
-    reference = Alternating()
-    ref_losses = train(reference, _alternating_batches())
-    ranks = run_ranks(_alternating_searched, 2, timeout=240)
-    assert [steps for steps, _, _ in ranks] == [0, 0]  # as the user left it
-    losses = [sum(r[1][s] for r in ranks) / 2 for s in range(len(ref_losses))]
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= ATOL, (losses, ref_losses)
-    state = ranks[0][2]
-    assert max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()) <= ATOL
-
-def _hooked_searched(rank, world_size):
-    from training_check import train
-
-    torch.manual_seed(0)
     model, counts = Alternating(), {}
     _count_calls(model, counts)
     mine = tuple(t.chunk(world_size)[rank] for t in _alternating_batches()[0])
     osdp.wrap(model, device_mem="1GiB", example_input=mine, loss_fn=lambda loss: loss)  # rank 0 describes it
-    during_wrap = dict(counts)
-    train(model, _alternating_batches(), rank, world_size)
-    return during_wrap, counts
+    steps_after_wrap, calls_while_wrapping = model.steps, dict(counts)
+    losses = train(model, _alternating_batches(), rank, world_size)
+    state = full_state(model)  # a collective wherever the plan sharded a unit: every rank calls it
+    return steps_after_wrap, calls_while_wrapping, counts, losses, state if rank == 0 else None
 
 
 def _count_calls(model: nn.Module, counts: dict) -> None:
@@ -531,20 +504,29 @@ def _count_calls(model: nn.Module, counts: dict) -> None:
     model.head.weight.register_post_accumulate_grad_hook(count("head.weight:grad"))
 
 
-def test_hooks_registered_before_a_searched_wrap_do_not_see_its_measuring():
-    """The search traces a forward on every rank and describes the model on rank 0 (many forwards and
-    backwards): hooks the user registered before wrapping fired for each, on rank 0 more than on the others.
-    None fire while wrapping; in training they fire as in one process."""
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing when gradients are computed with respect to module outputs")
+def test_the_search_leaves_no_trace_in_what_the_users_code_sees():
+    """The search runs the user's forward: a trace on every rank, a describe on rank 0 alone (many forwards and
+    backwards). A counter it advanced there and not on rank 1 sent the ranks down different experts (rank 0
+    aborted in a collective); hooks the user registered before wrapping fired for each measuring pass, on rank 0
+    more than on the others. Now the counter is as the user left it, no hook fires while wrapping, and in
+    training every hook fires as often as in one process."""
     from training_check import train
 
     torch.manual_seed(0)
     reference, reference_counts = Alternating(), {}
     _count_calls(reference, reference_counts)
-    train(reference, _alternating_batches())
-    for rank, (during_wrap, counts) in enumerate(run_ranks(_hooked_searched, 2, timeout=240)):
-        assert during_wrap == {}, (rank, during_wrap)
+    ref_losses = train(reference, _alternating_batches())
+    ranks = run_ranks(_alternating_searched, 2, timeout=240)
+    assert [steps for steps, *_ in ranks] == [0, 0]  # as the user left it
+    for rank, (_, calls_while_wrapping, counts, _, _) in enumerate(ranks):
+        assert calls_while_wrapping == {}, (rank, calls_while_wrapping)
         # the global batch in one process, each rank's half here: every hook runs as often
         assert counts == reference_counts, (rank, counts, reference_counts)
+    losses = [sum(r[3][s] for r in ranks) / 2 for s in range(len(ref_losses))]
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= ATOL, (losses, ref_losses)
+    state = ranks[0][4]
+    assert max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()) <= ATOL
 
 
 def _dropped(rank, world_size, plan_jsons):
