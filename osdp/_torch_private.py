@@ -223,9 +223,14 @@ def fsdp_skip_post_backward_if_never_gathered(module: Any) -> None:
 
 def fsdp_keep_forward_writes(module: Any) -> None:
     """Make a ``fully_shard``-ed module's parameters keep what a forward wrote to them in place while gathered (a
-    momentum encoder's update under ``no_grad``): FSDP2 frees the gathered copy when it reshards, and the write
-    would be lost. Each rank copies its shard of the written parameter back first; every rank wrote the same
-    values, as every rank's gathered copy is the same. Once per parameter, however many modules share it."""
+    momentum encoder's update under ``no_grad``, a weight decayed in its own forward): FSDP2 frees the gathered
+    copy when it reshards, and the write would be lost. Each rank copies its shard of the written parameter back
+    first; every rank wrote the same values, as every rank's gathered copy is the same. Once per parameter,
+    however many modules share it.
+
+    A write bumps the parameter's version, or replaces its memory (``p.data = ...``); one through ``p.data``
+    (``p.data.mul_(m)``) does neither, so the first ``_CHECKED_GATHERS`` times a parameter is gathered its sum
+    and norm are compared too, and a parameter found written that way is copied back at every reshard after."""
     for group in module._get_fsdp_state()._fsdp_param_groups:
         for fsdp_param in group.fsdp_params:
             if not getattr(fsdp_param, "_osdp_keeps_writes", False):
@@ -233,22 +238,33 @@ def fsdp_keep_forward_writes(module: Any) -> None:
                 _keep_writes(fsdp_param)
 
 
+_CHECKED_GATHERS = 3  # the first training step's forward and backward, and one more
+
+
 def _keep_writes(fsdp_param: Any) -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
+    from osdp.describe.kept import fingerprint
+
     to_unsharded, to_sharded = fsdp_param.to_unsharded, fsdp_param.to_sharded
-    gathered: dict[str, tuple[int, int]] = {}  # the gathered parameter's version and memory as FSDP2 made it
+    gathered: dict[str, Any] = {}  # the gathered parameter's version, memory and values as FSDP2 made it
+    seen = {"checks_left": _CHECKED_GATHERS, "written_through_data": False}
 
     def unsharded() -> None:
         to_unsharded()
         p = fsdp_param._unsharded_param
         gathered["as_made"] = (p._version, p.data_ptr())
+        if seen["checks_left"] > 0 and not seen["written_through_data"] and p.numel() > 0:
+            seen["checks_left"] -= 1
+            gathered["values"] = fingerprint(p)
 
     def sharded() -> None:
-        as_made = gathered.pop("as_made", None)
+        as_made, values = gathered.pop("as_made", None), gathered.pop("values", None)
         if fsdp_param.sharded_state == ShardedState.UNSHARDED and as_made is not None:
             p = fsdp_param._unsharded_param
-            if (p._version, p.data_ptr()) != as_made:
+            if values is not None and fingerprint(p) != values:
+                seen["written_through_data"] = True
+            if seen["written_through_data"] or (p._version, p.data_ptr()) != as_made:
                 _write_back_shard(fsdp_param, p)
         to_sharded()
 

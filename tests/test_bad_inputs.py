@@ -511,26 +511,29 @@ def test_arguments_that_make_no_sense_are_refused_before_any_collective(capsys):
         assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_a_plan_checkpointing_a_unit_whose_forward_writes_its_weights_is_refused_at_that_forward():
+@pytest.mark.parametrize("style, unit, cls", [("shared_module", "enc.1", "DecayedBlock"),
+                                              ("data_ema", "block", "DataDecayedBlock")])  # through .data
+def test_a_plan_checkpointing_a_unit_whose_forward_writes_its_weights_is_refused_at_that_forward(style, unit, cls):
     """A recompute would start from the weights the forward wrote: refused (every rank runs the same forward and
-    raises alike), where the same plan without the checkpoint trains as one process."""
+    raises alike), where the same plan without the checkpoint trains as one process. A write through ``.data``
+    bumps no version: the unit's first training forwards compare the weights' values too."""
     import model_styles as styles
 
-    batch = styles.batches("shared_module", 4, 1)[0]
-    units = [u.path for u in osdp.discover_units(styles.build("shared_module"))]
+    batch = styles.batches(style, 4, 1)[0]
+    units = [u.path for u in osdp.discover_units(styles.build(style))]
     for checkpoint in (True, "selective"):
-        model = styles.build("shared_module")
-        osdp.wrap(model, plan=Plan([UnitPlan(p, "zero3", checkpoint=checkpoint and p == "enc.1") for p in units]))
+        model = styles.build(style)
+        osdp.wrap(model, plan=Plan([UnitPlan(p, "zero3", checkpoint=checkpoint and p == unit) for p in units]))
         try:
-            with pytest.raises(RuntimeError, match=r"DecayedBlock's forward writes its parameter\(s\) fc1.weight in place"):
-                styles.call(model, styles.inputs_of("shared_module", batch)).backward()
+            with pytest.raises(RuntimeError, match=rf"^{cls}'s forward writes its parameter\(s\) fc1.weight in place"):
+                styles.call(model, styles.inputs_of(style, batch)).backward()
         finally:
             dist.destroy_process_group()
-    reference, model = styles.build("shared_module"), styles.build("shared_module")
+    reference, model = styles.build(style), styles.build(style)
     osdp.wrap(model, plan=Plan([UnitPlan(p, "zero3") for p in units]))
     try:
         for m in (reference, model):
-            styles.call(m, styles.inputs_of("shared_module", batch)).backward()
+            styles.call(m, styles.inputs_of(style, batch)).backward()
         assert all(torch.equal(p.full_tensor(), r) for p, r in zip(model.parameters(), reference.parameters()))
     finally:
         dist.destroy_process_group()

@@ -73,6 +73,14 @@ def state_kept(model: nn.Module) -> Iterator[None]:
                 m.__dict__[k] = v
 
 
+def fingerprint(t: torch.Tensor) -> tuple[float, float]:
+    """The sum and norm of ``t``'s values: whether a write through ``t.data`` (which bumps no version and keeps
+    the memory) changed it, for one read of it."""
+    with torch.no_grad():
+        flat = t.detach().reshape(-1).float()
+        return float(flat.sum()), float(torch.linalg.vector_norm(flat))
+
+
 def _defined_in(hook: Any) -> str:
     """The module a hook's code comes from (a function's, a partial's function's, a callable object's class's)."""
     while isinstance(hook, functools.partial):

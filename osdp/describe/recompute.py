@@ -32,6 +32,7 @@ import torch.utils.checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from osdp._torch_private import outside_dispatch_modes
+from osdp.describe.kept import fingerprint
 from osdp.schema.plan import CHECKPOINT_POLICIES
 
 _aten = torch.ops.aten
@@ -100,11 +101,14 @@ def checkpoint_unit(module: nn.Module, policy: str = "full") -> None:
                 nonlocal written
                 if written is None:
                     versions = [(b, b._version) for b in self.buffers()]
-                    weights = [(n, p, p._version) for n, p in self.named_parameters()]
+                    check = _checks_values(self)
+                    weights = [(n, p, p._version, fingerprint(p) if check and _plain(p) else None)
+                               for n, p in self.named_parameters()]
                     with hooks.recording():
                         out = cls.forward(self, *args, **kwargs)
                     written = _running_statistics(self) + [b for b, version in versions if b._version != version]
-                    _refuse_written_weights(cls, [n for n, p, version in weights if p._version != version])
+                    _refuse_written_weights(cls, [n for n, p, version, values in weights
+                                                  if p._version != version or _values_changed(p, values)])
                     return out
                 with hooks.replaying():
                     return _recompute(written, lambda: cls.forward(self, *args, **kwargs))
@@ -170,6 +174,30 @@ class _InnerHooks:
             return replayed
 
         return self._swapped(wrap)
+
+
+_CHECKED_FORWARDS = 2  # training forwards whose weights' values are compared too
+
+
+def _checks_values(unit: nn.Module) -> bool:
+    """A weight written through ``p.data`` (older code's momentum updates and decays) bumps no version: in the
+    unit's first ``_CHECKED_FORWARDS`` training forwards its weights' values are compared as well, one read of
+    each."""
+    checked = unit.__dict__.get("_osdp_forwards_checked", 0)
+    if not torch.is_grad_enabled() or checked >= _CHECKED_FORWARDS:
+        return False
+    unit.__dict__["_osdp_forwards_checked"] = checked + 1
+    return True
+
+
+def _plain(p: torch.Tensor) -> bool:
+    """A weight with values here: not a split Linear's shard (a DTensor), nor a fake or meta tensor (a describe
+    of shapes)."""
+    return type(p.data) is torch.Tensor and p.device.type != "meta"
+
+
+def _values_changed(p: torch.Tensor, values: tuple[float, float] | None) -> bool:
+    return values is not None and fingerprint(p) != values
 
 
 def _refuse_written_weights(cls: type, names: list[str]) -> None:

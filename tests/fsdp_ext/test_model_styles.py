@@ -49,6 +49,7 @@ PLANNING_LOSS = {
     "task_heads": lambda out: out,
     "momentum_encoder": lambda out: out,
     "shared_module": lambda out: out,
+    "data_ema": lambda out: out,
 }
 
 

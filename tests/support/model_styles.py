@@ -598,6 +598,42 @@ class SharedModuleEncoderDecoder(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
+class DataDecayedBlock(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+
+    def forward(self, x):
+        if self.training:
+            self.fc1.weight.data.mul_(0.98)  # through .data: no version bump, as older code writes it
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class DataEMA(nn.Module):
+    """BYOL's target network: a copy of the online encoder, frozen, moved towards it through ``.data`` at the
+    start of each training forward (``t.data.mul_(m).add_(o.data, ...)``, no version bump); an online block that
+    decays its own weight through ``.data``; returns the loss."""
+
+    def __init__(self, h=32, m=0.9):
+        super().__init__()
+        self.m = m
+        self.emb = nn.Embedding(VOCAB, h)
+        self.online = nn.Sequential(nn.Linear(h, 2 * h), nn.GELU(), nn.Linear(2 * h, h))
+        self.target = nn.Sequential(nn.Linear(h, 2 * h), nn.GELU(), nn.Linear(2 * h, h))
+        self.target.load_state_dict(self.online.state_dict())
+        self.target.requires_grad_(False)
+        self.block = DataDecayedBlock(h)
+        self.head = nn.Linear(h, VOCAB)
+
+    def forward(self, tokens, targets):
+        if self.training:
+            for t, o in zip(self.target.parameters(), self.online.parameters()):
+                t.data.mul_(self.m).add_(o.data, alpha=1 - self.m)
+        x = self.emb(tokens)
+        logits = self.head(self.block(self.online(x) + self.target(x)))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 def _translation(rows, g):
     return (torch.randint(0, VOCAB, (rows, SEQ), generator=g),
             torch.randint(0, TARGET_VOCAB, (rows, TARGET_SEQ), generator=g))
@@ -721,6 +757,7 @@ STYLES = {
     "task_heads": (TaskHeads, _two_tasks, lambda out, batch, step: out, lambda b: b),
     "momentum_encoder": (MomentumEncoder, _tokens, lambda out, batch, step: out, lambda b: b),
     "shared_module": (SharedModuleEncoderDecoder, _tokens, lambda out, batch, step: out, lambda b: b),
+    "data_ema": (DataEMA, _tokens, lambda out, batch, step: out, lambda b: b),
     "gru_attention": (AttentionGRUSeq2Seq, _translation,
                       lambda out, batch, step: F.nll_loss(out.flatten(0, 1), batch[1].flatten()), lambda b: b),
 }
