@@ -7,7 +7,7 @@ FSDP and DTensor stack, about a second) load on first use.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,9 @@ __all__ = [
     "has_fsdp_replicate",
     "fsdp_before_reduce",
     "fsdp_collective_comm",
+    "fsdp_forward_method_hooks",
+    "fsdp_keep_forward_writes",
+    "set_fsdp_forward_method_hooks",
     "output_tensors",
     "outside_dispatch_modes",
     "queue_at_backward_end",
@@ -150,6 +153,26 @@ def fsdp_pre_backward(module: Any) -> Any:
         return grad
 
     return hook
+
+
+def fsdp_forward_method_hooks(module: Any) -> tuple[Callable, Callable, Callable[[Any], bool]]:
+    """The pre- and post-forward that ``torch.distributed.fsdp.register_fsdp_forward_method`` runs around a
+    ``fully_shard``-ed module's method (read from its FSDP2 state at each call), and whether a forward hook on
+    the module is FSDP2's own; ``set_fsdp_forward_method_hooks`` replaces the two."""
+    state = module._get_fsdp_state()
+    pre, post = state._pre_forward, state._post_forward
+
+    def is_fsdps(hook: Any) -> bool:
+        return getattr(hook, "__self__", None) is state
+
+    return pre, post, is_fsdps
+
+
+def set_fsdp_forward_method_hooks(module: Any, pre: Callable, post: Callable) -> None:
+    """Read by ``register_fsdp_forward_method``'s methods at each call; ``forward`` itself runs the hooks the
+    module holds, which FSDP2 registered with the originals."""
+    state = module._get_fsdp_state()
+    state._pre_forward, state._post_forward = pre, post
 
 
 class FSDPGradient:

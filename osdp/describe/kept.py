@@ -95,6 +95,10 @@ def _users(hook: Any) -> bool:
     return not _defined_in(hook).split(".")[0] in ("torch", "osdp")
 
 
+def defined_by_osdp(hook: Any) -> bool:
+    return _defined_in(hook).split(".")[0] == "osdp"
+
+
 def _held_tables(model: nn.Module) -> list[tuple[Any, str, dict]]:
     """(owner, table name, the table as it is) for every hook table with a user's hook in it."""
     tables = []

@@ -71,6 +71,7 @@ from osdp.describe.units import (
 from osdp.distributed import all_gather_objects, ranks_per_node, world
 from osdp.distributed import collectives as comm
 from osdp.distributed.group import ensure_process_group, job_device
+from osdp.fsdp_ext.forward_methods import run_osdp_hooks_in_forward_methods
 from osdp.fsdp_ext.groups import group_members
 from osdp.fsdp_ext.mixed_precision import keep_mixed_precision_current
 from osdp.fsdp_ext.divide_factors import track_divide_factors
@@ -397,6 +398,8 @@ def apply_plan(
         keep_mixed_precision_current(model)
     if any(d.checkpoint for d in plan.units):
         disable_caches_in_training(model)  # a recomputed forward must save what the first one saved
+    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        run_osdp_hooks_in_forward_methods(unit)  # a loop calling model.training_loss(x), registered with FSDP2
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     load_under_any_plan(model)
     if reducer is not None:

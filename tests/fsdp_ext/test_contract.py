@@ -609,3 +609,93 @@ def test_hooks_on_the_users_modules_run_as_often_under_every_plan():
         averaged = [sum(r[plan_name][1][s] for r in ranks) / 2 for s in range(STEPS)]
         assert max(abs(a - b) for a, b in zip(averaged, reference[1])) <= ATOL, plan_name
         assert max((state[k] - reference[2][k]).abs().max().item() for k in reference[2]) <= ATOL, plan_name
+
+
+class VAE(nn.Module):
+    """Trained through its methods, as VAEs and models with a ``training_loss`` are: the loop calls
+    ``model.training_loss(x)``, or ``model.encode`` and ``model.decode`` itself, never ``forward``."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.dec = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def encode(self, x):
+        h = self.enc(x)
+        return h[:, :4], h[:, 4:]
+
+    def decode(self, z):
+        return self.dec(z) * self.scale
+
+    def forward(self, x):
+        mu, log_var = self.encode(x)
+        return self.decode(mu), mu, log_var
+
+    def training_loss(self, x):
+        mu, log_var = self.encode(x)
+        return _vae_loss(self.decode(mu), x, mu, log_var)
+
+
+def _vae_loss(reconstruction, x, mu, log_var):
+    return F.mse_loss(reconstruction, x) - 0.5 * (1 + log_var - mu ** 2 - log_var.exp()).mean()
+
+
+METHODS = {"training_loss": ("training_loss",), "encode and decode": ("encode", "decode")}
+
+
+def _vae_batches():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(8, 16, generator=g) for _ in range(STEPS)]
+
+
+def _train_through_methods(model, how, rank=0, world_size=1):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for x in _vae_batches():
+        x = x.chunk(world_size)[rank]
+        if how == "training_loss":
+            loss = model.training_loss(x)
+        else:
+            mu, log_var = model.encode(x)
+            loss = _vae_loss(model.decode(mu), x, mu, log_var)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if world_size > 1:
+            osdp.check_replicas(model)
+
+
+def _vae_built():
+    torch.manual_seed(0)
+    return VAE()
+
+
+def _vae_under_plans(rank, world_size, how):
+    from torch.distributed.fsdp import register_fsdp_forward_method
+    from training_check import plan_kinds
+
+    out = {}
+    wraps = {name: dict(plan=p.to_json()) for name, p in plan_kinds(_vae_built()).items()}
+    wraps["searched"] = dict(device_mem="1GiB", example_input=_vae_batches()[0].chunk(world_size)[rank],
+                             loss_fn=lambda out: _vae_loss(out[0], out[0].detach(), *out[1:]))
+    for name, how_to_wrap in wraps.items():
+        model = _vae_built()
+        osdp.wrap(model, **how_to_wrap)
+        for method in METHODS[how]:
+            register_fsdp_forward_method(model, method)  # as for fully_shard
+        _train_through_methods(model, how, rank, world_size)
+        state = full_state(model)  # collective
+        out[name] = state if rank == 0 else None
+    return out
+
+
+@pytest.mark.parametrize("how", list(METHODS))
+def test_a_loop_calling_methods_registered_with_fsdp2_trains_as_one_process_under_every_plan(how):
+    """``register_fsdp_forward_method(model, name)``, as for a ``fully_shard``-ed model: FSDP2 runs its hooks
+    around the method, and osdp's with them (replicated units computed with their DTensor views at rest, and
+    their reducer never reduced, under the plans replicating any)."""
+    reference = _vae_built()
+    _train_through_methods(reference, how)
+    expected = reference.state_dict()
+    for name, state in run_ranks(_vae_under_plans, 2, how, timeout=300)[0].items():
+        assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= ATOL, name
