@@ -34,9 +34,8 @@ __all__ = [
     "has_fsdp_replicate",
     "fsdp_before_reduce",
     "fsdp_collective_comm",
-    "fsdp_forward_method_hooks",
+    "fsdp_refuse_graph_building_backward",
     "fsdp_keep_forward_writes",
-    "set_fsdp_forward_method_hooks",
     "output_tensors",
     "outside_dispatch_modes",
     "queue_at_backward_end",
@@ -155,26 +154,6 @@ def fsdp_pre_backward(module: Any) -> Any:
     return hook
 
 
-def fsdp_forward_method_hooks(module: Any) -> tuple[Callable, Callable, Callable[[Any], bool]]:
-    """The pre- and post-forward that ``torch.distributed.fsdp.register_fsdp_forward_method`` runs around a
-    ``fully_shard``-ed module's method (read from its FSDP2 state at each call), and whether a forward hook on
-    the module is FSDP2's own; ``set_fsdp_forward_method_hooks`` replaces the two."""
-    state = module._get_fsdp_state()
-    pre, post = state._pre_forward, state._post_forward
-
-    def is_fsdps(hook: Any) -> bool:
-        return getattr(hook, "__self__", None) is state
-
-    return pre, post, is_fsdps
-
-
-def set_fsdp_forward_method_hooks(module: Any, pre: Callable, post: Callable) -> None:
-    """Read by ``register_fsdp_forward_method``'s methods at each call; ``forward`` itself runs the hooks the
-    module holds, which FSDP2 registered with the originals."""
-    state = module._get_fsdp_state()
-    state._pre_forward, state._post_forward = pre, post
-
-
 class FSDPGradient:
     """One parameter's unsharded gradient slot in a ``fully_shard``-ed module, as FSDP2's post-backward reads it."""
 
@@ -218,6 +197,21 @@ def fsdp_before_reduce(module: Any, hook: Any) -> None:
         return post_backward(*args)
 
     _around_post_backward(module, "_osdp_before_reduce", around)
+
+
+def fsdp_refuse_graph_building_backward(module: Any, error: Callable[[], Exception]) -> None:
+    """Raise ``error()`` where a backward building a graph (``create_graph=True``: a gradient penalty, MAML's
+    inner step) reaches a ``fully_shard``-ed module's post-backward: FSDP2 frees the gathered parameters there
+    (or, told to keep them, reduces the gradients before the created graph's own backward has given them), so the
+    later backward fails on freed memory or leaves gradients out. Such a backward runs with grad mode on; an
+    ordinary one with it off."""
+
+    def around(group: Any, post_backward: Any, *args: Any) -> Any:
+        if torch.is_grad_enabled() and any(hasattr(p, "_unsharded_param") for p in group.fsdp_params):
+            raise error()
+        return post_backward(*args)
+
+    _around_post_backward(module, "_osdp_refuses_graph_building", around)
 
 
 def fsdp_refresh_reduce_dtype(module: Any) -> None:

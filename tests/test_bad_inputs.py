@@ -226,6 +226,22 @@ def _first_step_of(style, rank, world_size, **how):
     return model
 
 
+def _critic():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+
+
+def _gradient_penalty_step(critic, rank=0, world_size=1):
+    """WGAN-GP's critic step: the penalty on the gradient with respect to the inputs, through create_graph."""
+    g = torch.Generator().manual_seed(0)
+    real, fake = torch.randn(4, 16, generator=g).chunk(world_size)[rank], torch.randn(4, 16, generator=g).chunk(world_size)[rank]
+    between = (0.3 * real + 0.7 * fake).requires_grad_(True)
+    (grad,) = torch.autograd.grad(critic(between).sum(), between, create_graph=True)
+    loss = critic(fake).mean() - critic(real).mean() + 10 * ((grad.norm(dim=1) - 1) ** 2).mean()
+    loss.backward()
+    return critic
+
+
 def _errors_on_every_rank(rank, world_size):
     x = torch.randint(0, 64, (4, 16))
     def half_meta():
@@ -268,6 +284,11 @@ def _errors_on_every_rank(rank, world_size):
         # a baseline without the example that would have shown what its forward does across modules
         "tied_head": _message(lambda: _first_step_of("lambda_gpt", rank, world_size, strategy="fsdp")),
         "written_input": _message(lambda: _first_step_of("inplace", rank, world_size, strategy="zero2")),
+        "double_backward": _message(lambda: _gradient_penalty_step(osdp.wrap(_critic(), strategy="fsdp"), rank,
+                                                                   world_size)),
+        # what the message says works: the same step replicated, its gradients then averaged over the ranks
+        "double_backward_replicated": [p.grad.full_tensor().clone() for p in _gradient_penalty_step(
+            osdp.wrap(_critic(), strategy="ddp"), rank, world_size).parameters()],
     }
 
 
@@ -341,6 +362,21 @@ def test_a_forward_crossing_units_as_a_plan_given_without_an_example_cannot_carr
         ((kind, text),) = kinds_and_texts
         assert kind == "UnitBoundaryError" and re.search(did, text), text
         assert "osdp.wrap(model, strategy=..., example_input=batch)" in text, text
+
+
+def test_a_backward_building_a_graph_through_units_fsdp2_holds_says_to_replicate_them(on_2):
+    """WGAN-GP's gradient penalty: ``autograd.grad(..., create_graph=True)`` through units FSDP2 holds freed their
+    parameters before the created graph's backward (an error about a storage of size 0), or, kept, lost its
+    gradients; every rank now raises the same error naming the unit and what works, which trains as one process."""
+    kinds_and_texts = {errors["double_backward"][:2] for errors, _, _ in on_2}
+    assert len(kinds_and_texts) == 1, kinds_and_texts
+    ((kind, text),) = kinds_and_texts
+    assert kind == "UnitBoundaryError" and "a backward with create_graph=True" in text, text
+    assert re.search(r"went through unit '(1|2|<root>)'", text) and "mode 'replicate'" in text, text
+    reference = [p.grad for p in _gradient_penalty_step(_critic()).parameters()]
+    for errors, _, _ in on_2:
+        replicated = errors["double_backward_replicated"]
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(replicated, reference))
 
 
 def test_the_forward_of_a_wrapped_model_keeps_its_signature():

@@ -71,7 +71,7 @@ from osdp.describe.units import (
 from osdp.distributed import all_gather_objects, ranks_per_node, world
 from osdp.distributed import collectives as comm
 from osdp.distributed.group import ensure_process_group, job_device
-from osdp.fsdp_ext.forward_methods import run_osdp_hooks_in_forward_methods
+from osdp.fsdp_ext.forward_errors import double_backward_error
 from osdp.fsdp_ext.groups import group_members
 from osdp.fsdp_ext.mixed_precision import keep_mixed_precision_current
 from osdp.fsdp_ext.divide_factors import track_divide_factors
@@ -80,7 +80,13 @@ from osdp.fsdp_ext.replicate import ReplicaReducer
 from osdp.fsdp_ext.replicated_view import ReplicatedView
 from osdp.fsdp_ext.state_dict import load_under_any_plan, show_replicated_as_dtensors
 from osdp.fsdp_ext.unused import reduce_where_any_rank_has_gradients
-from osdp._torch_private import fsdp_keep_forward_writes, fsdp_pre_backward, fsdp_replicate, has_fsdp_replicate
+from osdp._torch_private import (
+    fsdp_keep_forward_writes,
+    fsdp_pre_backward,
+    fsdp_refuse_graph_building_backward,
+    fsdp_replicate,
+    has_fsdp_replicate,
+)
 from osdp.machine.memory import iter_tensors, register_gradient_storages
 from osdp.report import first_few
 from osdp.schema.plan import ROOT, Plan, PlanError, UnitPlan, display_path, replicates_with_ddp
@@ -398,8 +404,8 @@ def apply_plan(
         keep_mixed_precision_current(model)
     if any(d.checkpoint for d in plan.units):
         disable_caches_in_training(model)  # a recomputed forward must save what the first one saved
-    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
-        run_osdp_hooks_in_forward_methods(unit)  # a loop calling model.training_loss(x), registered with FSDP2
+    for path, unit in ((p, m) for p, m in model.named_modules() if isinstance(m, FSDPModule)):
+        fsdp_refuse_graph_building_backward(unit, lambda path=path: double_backward_error(display_path(path or ROOT)))
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     load_under_any_plan(model)
     if reducer is not None:

@@ -1,4 +1,4 @@
-"""FSDP2's errors from inside a user's forward, said in the plan's terms: what the forward did and what works.
+"""FSDP2's errors from inside a user's forward and backward, said in the plan's terms: what they did and what works.
 
 Two things a forward may do fail under some plans only, with messages about DTensor and custom Functions that
 name neither the parameter's unit nor the fix:
@@ -8,6 +8,12 @@ name neither the parameter's unit nor the fix:
   there: DTensor refuses the mix of its shard with plain tensors;
 * write in place to what a unit took or gave (``x += self.block(x)`` on a block's input), which FSDP2's
   backward hooks hand over as views of a custom Function.
+
+And a backward building a graph (``torch.autograd.grad(..., create_graph=True)``: WGAN-GP's gradient penalty,
+MAML's inner step) through a unit FSDP2 holds: FSDP2 frees the unit's gathered parameters when that backward
+ends, and the created graph's own backward then fails on freed memory (or, told to keep them, loses gradients
+reduced too early). Replicated units keep their parameters whole and take it; ``double_backward_error`` names
+the unit.
 
 A searched plan and a baseline given ``example_input`` find such modules in a forward of the example and make
 the module that uses the parameter, or writes, the unit. A plan given without an example cannot; each unit's
@@ -73,3 +79,12 @@ def explaining(cls: type) -> Callable:
             raise clearer from e
 
     return explained_forward
+
+
+def double_backward_error(unit_path: str) -> UnitBoundaryError:
+    return UnitBoundaryError(
+        f"a backward with create_graph=True (a gradient penalty, a second-order step) went through unit "
+        f"'{unit_path}', which FSDP2 holds under this plan (sharded, or replicated in bf16): FSDP2 frees its gathered parameters as that backward ends, and the "
+        "graph it created needs them in its own backward. Units the plan replicates in fp32 keep them: give the units "
+        "such a backward goes through mode 'replicate' in an fp32 plan (osdp.wrap(model, strategy='ddp') replicates all), "
+        "or compute the penalty without create_graph")

@@ -44,7 +44,7 @@ divides alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
@@ -53,6 +53,7 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 from osdp._torch_private import replicated_by_fsdp2
 from osdp.fsdp_ext.divide_factors import divide_factors_of
 from osdp.fsdp_ext.forward_errors import explaining
+from osdp.fsdp_ext.forward_methods import registered_by_fsdp2, with_osdp_hooks
 from osdp.fsdp_ext.replicate import ReplicaReducer, Slot
 from osdp.machine.memory import iter_tensors
 
@@ -94,6 +95,11 @@ class WrappedTwiceError(RuntimeError):
 
 class UnitModule:
     """Mixed in before ``FSDP<cls>``: FSDP2's methods, extended to what the plan left outside FSDP2."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if registered_by_fsdp2(value):  # register_fsdp_forward_method(unit, name): osdp's hooks run around it too
+            value = with_osdp_hooks(value)
+        super().__setattr__(name, value)
 
     @property
     def _ddp_params_and_buffers_to_ignore(self):
