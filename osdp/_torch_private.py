@@ -238,7 +238,7 @@ def fsdp_skip_post_backward_if_never_gathered(module: Any) -> None:
     _around_post_backward(module, "_osdp_skips_ungathered", around)
 
 
-def fsdp_keep_forward_writes(module: Any) -> None:
+def fsdp_keep_forward_writes(module: Any, fingerprint: Callable[[torch.Tensor], Any]) -> None:
     """Make a ``fully_shard``-ed module's parameters keep what a forward wrote to them in place while gathered (a
     momentum encoder's update under ``no_grad``, a weight decayed in its own forward): FSDP2 frees the gathered
     copy when it reshards, and the write would be lost. Each rank copies its shard of the written parameter back
@@ -247,21 +247,20 @@ def fsdp_keep_forward_writes(module: Any) -> None:
 
     A write bumps the parameter's version, or replaces its memory (``p.data = ...``); one through ``p.data``
     (``p.data.mul_(m)``) does neither, so the first ``_CHECKED_GATHERS`` times a parameter is gathered its sum
-    and norm are compared too, and a parameter found written that way is copied back at every reshard after."""
+    and norm (``fingerprint``) are compared too, and a parameter found written that way is copied back at every
+    reshard after."""
     for group in module._get_fsdp_state()._fsdp_param_groups:
         for fsdp_param in group.fsdp_params:
             if not getattr(fsdp_param, "_osdp_keeps_writes", False):
                 fsdp_param._osdp_keeps_writes = True
-                _keep_writes(fsdp_param)
+                _keep_writes(fsdp_param, fingerprint)
 
 
 _CHECKED_GATHERS = 3  # the first training step's forward and backward, and one more
 
 
-def _keep_writes(fsdp_param: Any) -> None:
+def _keep_writes(fsdp_param: Any, fingerprint: Callable[[torch.Tensor], Any]) -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-
-    from osdp.describe.kept import fingerprint
 
     to_unsharded, to_sharded = fsdp_param.to_unsharded, fsdp_param.to_sharded
     gathered: dict[str, Any] = {}  # the gathered parameter's version, memory and values as FSDP2 made it

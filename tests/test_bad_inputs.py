@@ -234,7 +234,7 @@ def _critic():
 def _gradient_penalty_step(critic, rank=0, world_size=1):
     """WGAN-GP's critic step: the penalty on the gradient with respect to the inputs, through create_graph."""
     g = torch.Generator().manual_seed(0)
-    real, fake = torch.randn(4, 16, generator=g).chunk(world_size)[rank], torch.randn(4, 16, generator=g).chunk(world_size)[rank]
+    real, fake = (torch.randn(4, 16, generator=g).chunk(world_size)[rank] for _ in range(2))
     between = (0.3 * real + 0.7 * fake).requires_grad_(True)
     (grad,) = torch.autograd.grad(critic(between).sum(), between, create_graph=True)
     loss = critic(fake).mean() - critic(real).mean() + 10 * ((grad.norm(dim=1) - 1) ** 2).mean()

@@ -56,6 +56,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parameter import is_lazy
 
 from osdp.describe.forward_caches import disable_caches_in_training
+from osdp.describe.kept import fingerprint
 from osdp.describe.recompute import checkpoint_unit
 from osdp.describe.units import (
     Unit,
@@ -405,7 +406,7 @@ def apply_plan(
     if any(d.checkpoint for d in plan.units):
         disable_caches_in_training(model)  # a recomputed forward must save what the first one saved
     for path, unit in ((p, m) for p, m in model.named_modules() if isinstance(m, FSDPModule)):
-        fsdp_refuse_graph_building_backward(unit, lambda path=path: double_backward_error(display_path(path or ROOT)))
+        fsdp_refuse_graph_building_backward(unit, lambda path=path: double_backward_error(display_path(path)))
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     load_under_any_plan(model)
     if reducer is not None:
@@ -458,7 +459,8 @@ def _make_fsdp_unit(target: nn.Module | list[nn.Module], path: str, decision: Un
                     ignored_params=ignored)
     first = target[0] if isinstance(target, list) else target
     if hasattr(first, "_get_fsdp_state"):
-        fsdp_keep_forward_writes(first)  # a forward's in-place writes to its gathered parameters stay, as unsharded
+        # a forward's in-place writes to its gathered parameters stay, as unsharded
+        fsdp_keep_forward_writes(first, fingerprint)
 
 
 def _reduce_unevenly_used(model: nn.Module, plan: Plan, replicated: set[nn.Parameter],

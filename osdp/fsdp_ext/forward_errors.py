@@ -84,7 +84,8 @@ def explaining(cls: type) -> Callable:
 def double_backward_error(unit_path: str) -> UnitBoundaryError:
     return UnitBoundaryError(
         f"a backward with create_graph=True (a gradient penalty, a second-order step) went through unit "
-        f"'{unit_path}', which FSDP2 holds under this plan (sharded, or replicated in bf16): FSDP2 frees its gathered parameters as that backward ends, and the "
-        "graph it created needs them in its own backward. Units the plan replicates in fp32 keep them: give the units "
-        "such a backward goes through mode 'replicate' in an fp32 plan (osdp.wrap(model, strategy='ddp') replicates all), "
-        "or compute the penalty without create_graph")
+        f"'{unit_path}', which FSDP2 holds under this plan (sharded, or replicated in bf16): FSDP2 frees its "
+        "gathered parameters as that backward ends, and the graph it created needs them in its own backward. "
+        "Units the plan replicates in fp32 keep them: give the units such a backward goes through mode "
+        "'replicate' in an fp32 plan (osdp.wrap(model, strategy='ddp') replicates all), or compute the penalty "
+        "without create_graph")
