@@ -92,7 +92,7 @@ def _defined_in(hook: Any) -> str:
 
 
 def _users(hook: Any) -> bool:
-    return not _defined_in(hook).split(".")[0] in ("torch", "osdp")
+    return _defined_in(hook).split(".")[0] not in ("torch", "osdp")
 
 
 def defined_by_osdp(hook: Any) -> bool:
