@@ -574,9 +574,12 @@ class DecayedBlock(nn.Module):
 
     def forward(self, x):
         if self.training:
-            with torch.no_grad():  # a weight shrunk in place each training forward
-                self.fc1.weight.mul_(0.98)
+            self.decay()  # a weight shrunk in place each training forward
         return x + self.fc2(torch.tanh(self.fc1(x)))
+
+    def decay(self):
+        with torch.no_grad():
+            self.fc1.weight.mul_(0.98)
 
 
 class SharedModuleEncoderDecoder(nn.Module):
@@ -598,15 +601,9 @@ class SharedModuleEncoderDecoder(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
-class DataDecayedBlock(nn.Module):
-    def __init__(self, h):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
-
-    def forward(self, x):
-        if self.training:
-            self.fc1.weight.data.mul_(0.98)  # through .data: no version bump, as older code writes it
-        return x + self.fc2(torch.tanh(self.fc1(x)))
+class DataDecayedBlock(DecayedBlock):
+    def decay(self):
+        self.fc1.weight.data.mul_(0.98)  # through .data: no version bump, as older code writes it
 
 
 class DataEMA(nn.Module):
