@@ -169,19 +169,38 @@ class CallTrace:
 
 class _ParameterUses(TorchFunctionMode):
     """Notes the running modules at every operation that takes a parameter (reading an attribute such as
-    ``.shape`` is no use)."""
+    ``.shape`` is no use). A tensor sharing a parameter's storage (``p.data``, ``p.detach()``, a view) is a
+    use of it too: a momentum encoder written as ``t.data.mul_(m).add_(o.data)`` uses ``o`` where it runs."""
 
     def __init__(self, params: Mapping[int, nn.Parameter], running: list[str], uses: dict):
         super().__init__()
         self.params, self.running, self.uses = params, running, uses
+        self.by_storage: dict[int, list[int]] = {}
+        for key, p in params.items():
+            if (storage := _storage_of(p)) is not None:
+                self.by_storage.setdefault(storage, []).append(key)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") != "__get__":
             for t in tree_leaves((args, kwargs)):
+                if not isinstance(t, torch.Tensor):
+                    continue
                 if isinstance(t, nn.Parameter) and id(t) in self.params:
-                    self.uses.setdefault(id(t), set()).add(tuple(self.running))
+                    used = (id(t),)
+                else:
+                    storage = _storage_of(t)
+                    used = self.by_storage.get(storage, ()) if storage is not None else ()
+                for key in used:
+                    self.uses.setdefault(key, set()).add(tuple(self.running))
         return func(*args, **kwargs)
+
+
+def _storage_of(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):  # a subclass without one storage (a DTensor)
+        return None
 
 
 class _InputWrites(TorchDispatchMode):

@@ -147,3 +147,34 @@ def test_a_module_the_forward_never_calls_is_no_unit():
     traced = trace_calls(model, lambda: model(torch.randn(2, 8)))
     for granularity in ("sub-block", "block", "nested"):
         assert {u.path for u in osdp.discover_units(model, traced, granularity)} == {"body", ""}, granularity
+
+
+def test_a_weight_read_through_data_outside_its_owner_is_a_use_there():
+    """BYOL's momentum update, ``t.data.mul_(m).add_(o.data, alpha=1 - m)`` in the model's forward, reads the
+    online encoder's weights where the online encoder is not running: were it a unit, FSDP2 would hand the
+    update its shard. It is no unit of its own; the same read through the parameter itself (``o * 1``) was
+    always one."""
+    from osdp.describe.units import trace_calls
+
+    class Momentum(nn.Module):
+        def __init__(self, through_data: bool):
+            super().__init__()
+            self.through_data = through_data
+            self.online = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+            self.target = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+            self.target.requires_grad_(False)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            with torch.no_grad():
+                for t, o in zip(self.target.parameters(), self.online.parameters()):
+                    t.data.mul_(0.9).add_(o.data if self.through_data else o * 1, alpha=0.1)
+            return self.head(self.online(x) + self.target(x))
+
+    for through_data in (True, False):
+        model = Momentum(through_data)
+        traced = trace_calls(model, lambda: model(torch.randn(2, 8)))
+        used = {id(p) for p in model.online.parameters()}
+        assert all(any(running[-1] == "" for running in traced.uses[key]) for key in used), through_data
+        paths = {u.path for u in osdp.discover_units(model, traced, "block")}
+        assert "online" not in paths and "head" in paths, (through_data, paths)

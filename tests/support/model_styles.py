@@ -624,8 +624,8 @@ class DataEMA(nn.Module):
 
     def forward(self, tokens, targets):
         if self.training:
-            for t in self.target.parameters():  # the EMA from the online encoder through .data is not traced as a
-                t.data.mul_(self.m)               # use of its weights yet, so a search may split the two: owed
+            for t, o in zip(self.target.parameters(), self.online.parameters()):
+                t.data.mul_(self.m).add_(o.data, alpha=1 - self.m)  # BYOL's momentum update, written as theirs is
         x = self.emb(tokens)
         logits = self.head(self.block(self.online(x) + self.target(x)))
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
