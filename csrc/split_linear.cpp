@@ -29,7 +29,8 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's casters: not torch/extension.h, whose C++ frontend doubles the compile
 
 #include <algorithm>
 #include <atomic>
