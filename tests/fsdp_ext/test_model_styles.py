@@ -412,14 +412,15 @@ BF16_PLANS = (
 )
 
 
-def _bf16_peaks(rank, world_size, plans=BF16_PLANS, reduce_scatter="native"):
+def _bf16_peaks(rank, world_size, plans=BF16_PLANS, collectives_impl="native"):
     from osdp.calibration.measured import calibrate
     from osdp.cost.schedule import predict
     from osdp.distributed import collectives
     from osdp.planner import planning_description
     from osdp.schema.plan import Plan, UnitPlan
 
-    collectives.set_reduce_scatter(reduce_scatter)
+    collectives.set_reduce_scatter(collectives_impl)
+    collectives.set_all_gather(collectives_impl)
     machine = calibrate()
     out, descriptions = [], {}
     for style, units in plans:
@@ -454,7 +455,8 @@ def test_bf16_plans_are_priced_with_what_fsdp2_and_gloo_hold_as_they_reduce():
 def test_a_pairwise_reduce_scatter_is_priced_with_its_own_buffers_not_the_native_ones_copy():
     """osdp's pairwise reduce-scatter receives N-2 chunks into buffers of its own (none on 2 ranks) where the
     native one all-reduces a copy of its whole input. Priced with that copy, the bf16 plan sharding every unit of
-    the task-heads model measured 12% under its prediction with the pairwise one."""
+    the task-heads model measured 12% under its prediction with the pairwise one. Both collectives pairwise, as
+    the sweeps' loopback link runs them (and as the sweep's test calibrates them: one calibration for both)."""
     plans = [plan for plan in BF16_PLANS if plan[0] == "task_heads"]
     for rank in run_ranks(_bf16_peaks, 2, plans, "pairwise", timeout=300):
         for (style, units), (predicted, measured) in zip(plans, rank):
