@@ -76,6 +76,7 @@ from osdp.fsdp_ext.forward_errors import double_backward_error
 from osdp.fsdp_ext.groups import group_members
 from osdp.fsdp_ext.mixed_precision import keep_mixed_precision_current
 from osdp.fsdp_ext.divide_factors import track_divide_factors
+from osdp.fsdp_ext.earlier_optimizers import named_parameter_objects, remember_replaced
 from osdp.fsdp_ext.module_api import StandIn, UnitExtras, extend_unit, stand_in_for_units
 from osdp.fsdp_ext.replicate import ReplicaReducer
 from osdp.fsdp_ext.replicated_view import ReplicatedView
@@ -362,6 +363,7 @@ def apply_plan(
     on_meta = error is None and built_on_meta(model)
     check_same_plan_everywhere(plan, error, local_ranks, on_meta)
     make_contiguous(model)
+    before = named_parameter_objects(model)  # what an optimizer built before wrapping holds
     shardable = fully_shardable(model, plan.paths)  # before a split replaces a Linear
 
     node_scoped = any(u.shard_scope == "node" for u in plan.units)
@@ -414,6 +416,7 @@ def apply_plan(
         reducer.view = ReplicatedView(reducer.slots, meshes.for_replicated_views)
     if on_meta:
         _check_materialized_at_first_forward(model)
+    remember_replaced(before, model, replicated)
     setattr(model, _PLAN_ATTR, plan)
     return model
 

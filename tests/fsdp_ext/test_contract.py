@@ -699,3 +699,45 @@ def test_a_loop_calling_methods_registered_with_fsdp2_trains_as_one_process_unde
     expected = reference.state_dict()
     for name, state in run_ranks(_vae_under_plans, 2, how, timeout=300)[0].items():
         assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= ATOL, name
+
+
+def _train_with_an_optimizer_built_first(model, wrap, steps_before, rank=0, world_size=1):
+    """AdamW built from the model's parameters before wrapping (``wrap`` None: one process, not wrapped),
+    ``steps_before`` steps taken before wrapping, the rest after."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for i, x in enumerate(_vae_batches()):
+        if i == steps_before and wrap is not None:
+            osdp.wrap(model, **wrap)
+        x = x.chunk(world_size)[rank] if i >= steps_before else x  # before wrapping, each rank the whole batch
+        reconstruction, mu, log_var = model(x)
+        _vae_loss(reconstruction, x, mu, log_var).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _optimizer_built_first_under_plans(rank, world_size, steps_before):
+    from training_check import plan_kinds
+
+    wraps = {name: dict(plan=p.to_json()) for name, p in plan_kinds(_vae_built()).items()}
+    wraps["searched"] = dict(device_mem="1GiB", example_input=_vae_batches()[0].chunk(world_size)[rank],
+                             loss_fn=lambda out: _vae_loss(out[0], out[0].detach(), *out[1:]))
+    out = {}
+    for name, how_to_wrap in wraps.items():
+        model = _vae_built()
+        _train_with_an_optimizer_built_first(model, how_to_wrap, steps_before, rank, world_size)
+        state = full_state(model)  # collective
+        out[name] = state if rank == 0 else None
+    return out
+
+
+@pytest.mark.parametrize("steps_before", [0, 1])
+def test_an_optimizer_built_before_wrapping_trains_as_one_process_under_every_plan(steps_before):
+    """``opt = AdamW(model.parameters())`` and then ``osdp.wrap(model, ...)``: FSDP2 puts new parameters in the
+    sharded units' place, so that optimizer stepped only the replicated units' (all of them under ``ddp``, none
+    under ``fsdp``), silently. Now it steps the ones in their place under every plan; one stepped before
+    wrapping keeps its state, laid out as the parameters are."""
+    reference = _vae_built()
+    _train_with_an_optimizer_built_first(reference, None, steps_before)
+    expected = reference.state_dict()
+    for name, state in run_ranks(_optimizer_built_first_under_plans, 2, steps_before, timeout=300)[0].items():
+        assert max((state[k] - v).abs().max().item() for k, v in expected.items()) <= ATOL, name

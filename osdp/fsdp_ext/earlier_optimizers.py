@@ -1,0 +1,90 @@
+"""Optimizers built before ``osdp.wrap``: they step the parameters the plan put in their place.
+
+FSDP2 replaces a unit's parameters with new ones (sharded DTensors); a parameter the plan replicates stays the
+object it was. So an optimizer built from ``model.parameters()`` before wrapping would train the replicated
+units and leave the sharded ones as they were, silently: what the user's code sees would depend on the plan.
+Each wrap remembers which parameter took which one's place (weakly: neither keeps the other or the model
+alive), and a global optimizer step pre-hook puts the new parameters into the param groups before a step, once
+per optimizer and per change of its groups. An optimizer stepped before wrapping has state for the old
+parameters: each rank keeps its own part of each tensor shaped like its parameter, laid out as the parameter
+now is (its own values, no communication: the same on every rank where every rank stepped alike, as under a
+replicating plan); state of another shape cannot be laid out so, and that step raises, saying what to do.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+# id of an old parameter -> (weak references to it and to the one in its place, its name); by id, as tensors
+# compare by value (a WeakKeyDictionary would compare them), and forgotten when the old one is freed
+_replaced: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
+# optimizer -> the shape of its param groups when last looked at (a group added or changed is looked at again)
+_looked_at: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+_hook = None
+
+
+def named_parameter_objects(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Every parameter by each name it has (a tied one under each)."""
+    return dict(model.named_parameters(remove_duplicate=False))
+
+
+def remember_replaced(before: dict[str, nn.Parameter], model: nn.Module, kept: set[nn.Parameter]) -> None:
+    """Note each parameter of ``before`` (``named_parameter_objects`` before the plan was applied) that the
+    plan replaced, and make sure optimizers built earlier step the replacements. ``kept``: the parameters the
+    reducer trains as they are (a module shows them as DTensor views of the same memory; stepping them is
+    stepping those)."""
+    global _hook
+    after = named_parameter_objects(model)
+    for name, old in before.items():
+        new = after.get(name)
+        if new is not None and new is not old and old not in kept:
+            key = id(old)
+            _replaced[key] = (weakref.ref(old, lambda _, key=key: _replaced.pop(key, None)), weakref.ref(new), name)
+    if _replaced and _hook is None:
+        _hook = register_optimizer_step_pre_hook(_step_replacements)
+
+
+def _groups_shape(optimizer: torch.optim.Optimizer) -> tuple:
+    return tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+
+
+def _step_replacements(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+    if not _replaced:
+        return
+    shape = _groups_shape(optimizer)
+    if _looked_at.get(optimizer) == shape:
+        return  # the common case: looked at already, nothing added since
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            entry = _replaced.get(id(p))
+            if entry is None or entry[0]() is not p or (new := entry[1]()) is None:
+                continue
+            if p in optimizer.state:
+                optimizer.state[new] = _laid_out_as(new, optimizer.state.pop(p), optimizer, entry[2])
+            params[i] = new
+    _looked_at[optimizer] = _groups_shape(optimizer)
+
+
+def _laid_out_as(new: nn.Parameter, state: dict, optimizer: torch.optim.Optimizer, name: str) -> dict:
+    """An old parameter's optimizer state, each tensor shaped like it laid out as ``new`` is."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.shape == new.shape and value.dim() > 0:
+            if isinstance(new, DTensor):  # this rank's own values: no collective inside a step
+                value = distribute_tensor(value.to(new.device), new.device_mesh, new.placements, src_data_rank=None)
+            out[key] = value
+        elif isinstance(value, torch.Tensor) and value.dim() > 0:
+            raise RuntimeError(
+                f"osdp: this {type(optimizer).__name__} was stepped before osdp.wrap, and its state {key!r} of the "
+                f"parameter {name!r} (shape {tuple(value.shape)}, the parameter's {tuple(new.shape)}) cannot be "
+                "laid out as the plan lays the parameter out. Build the optimizer after osdp.wrap, or load its "
+                "state after wrapping (torch.distributed.checkpoint.state_dict.set_optimizer_state_dict)")
+        else:
+            out[key] = value  # a step count
+    return out
