@@ -402,13 +402,7 @@ def apply_plan(
         extend_unit(model.get_submodule(path), extra)
     stand_in_for_units(model, shardable)
     _track_divide_factors(model, plan, grouped)
-    _reshard_when_evaluating(model, groups)
-    if plan.mixed_precision == "bf16":
-        keep_mixed_precision_current(model)
-    if any(d.checkpoint for d in plan.units):
-        disable_caches_in_training(model)  # a recomputed forward must save what the first one saved
-    for path, unit in ((p, m) for p, m in model.named_modules() if isinstance(m, FSDPModule)):
-        fsdp_refuse_graph_building_backward(unit, lambda path=path: double_backward_error(display_path(path)))
+    _around_the_units(model, plan, groups)
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     load_under_any_plan(model)
     if reducer is not None:
@@ -419,6 +413,18 @@ def apply_plan(
     remember_replaced(before, model, replicated)
     setattr(model, _PLAN_ATTR, plan)
     return model
+
+
+def _around_the_units(model: nn.Module, plan: Plan, groups: dict[str, list[str]]) -> None:
+    """What the units' forwards and backwards need around FSDP2's: resharding in eval, bf16 copies kept current,
+    caches off where a recompute must save what the forward saved, a graph-building backward refused."""
+    _reshard_when_evaluating(model, groups)
+    if plan.mixed_precision == "bf16":
+        keep_mixed_precision_current(model)
+    if any(d.checkpoint for d in plan.units):
+        disable_caches_in_training(model)  # a recomputed forward must save what the first one saved
+    for path, unit in ((p, m) for p, m in model.named_modules() if isinstance(m, FSDPModule)):
+        fsdp_refuse_graph_building_backward(unit, lambda path=path: double_backward_error(display_path(path)))
 
 
 def _track_divide_factors(model: nn.Module, plan: Plan, grouped: dict[str, list[str]]) -> None:
