@@ -42,7 +42,7 @@ from osdp.describe.units import (
     uneven_calls,
 )
 from osdp.distributed import all_gather_objects, broadcast_object, ensure_process_group, job_device, world
-from osdp.fsdp_ext.apply import built_on_meta, check_built_alike
+from osdp.fsdp_ext.meta import built_on_meta, check_built_alike
 from osdp.log import Progress
 from osdp.machine.device_info import DeviceInfo
 from osdp.machine.presets import device_preset

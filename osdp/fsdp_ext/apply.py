@@ -76,6 +76,7 @@ from osdp.fsdp_ext.forward_errors import double_backward_error
 from osdp.fsdp_ext.groups import group_members
 from osdp.fsdp_ext.mixed_precision import keep_mixed_precision_current
 from osdp.fsdp_ext.divide_factors import track_divide_factors
+from osdp.fsdp_ext.meta import built_on_meta, check_alike, check_materialized_at_first_forward
 from osdp.fsdp_ext.earlier_optimizers import named_parameter_objects, remember_replaced
 from osdp.fsdp_ext.module_api import StandIn, UnitExtras, extend_unit, stand_in_for_units
 from osdp.fsdp_ext.replicate import ReplicaReducer
@@ -287,25 +288,6 @@ def job_ranks_per_node(plan: Plan) -> int:
     return local_ranks
 
 
-def built_on_meta(model: nn.Module) -> bool:
-    """Whether ``model`` (which ``check_model`` took) lies on the meta device, to be given memory after wrapping."""
-    return next(model.parameters()).is_meta
-
-
-def check_built_alike(on_meta: bool) -> None:
-    """Collective: raise on every rank unless every rank's model lies on the meta device or none does."""
-    _check_alike(all_gather_objects(on_meta))
-
-
-def _check_alike(everyone: list[bool]) -> None:
-    if len(set(everyone)) > 1:
-        meta = [r for r, m in enumerate(everyone) if m]
-        raise PlanError(
-            f"rank(s) {meta} built the model on the meta device and rank(s) "
-            f"{[r for r in range(len(everyone)) if r not in meta]} on a real one: build it alike on every rank"
-        )
-
-
 def check_same_plan_everywhere(plan: Plan, local_error: Exception | None, local_ranks: int | None = None,
                                on_meta: bool = False) -> None:
     """Collective: raise on every rank if any rank failed validation, holds another plan, counts another
@@ -318,7 +300,7 @@ def check_same_plan_everywhere(plan: Plan, local_error: Exception | None, local_
             raise local_error
         rank, msg = failed[0]
         raise PlanError(f"rank {rank} rejected the plan: {msg}")
-    _check_alike([meta for _, _, _, meta in reports])
+    check_alike([meta for _, _, _, meta in reports])
     layouts = {n for _, _, n, _ in reports}
     if len(layouts) > 1:
         raise PlanError(
@@ -409,7 +391,7 @@ def apply_plan(
         show_replicated_as_dtensors(model, reducer.slots, meshes.for_replicated_views)
         reducer.view = ReplicatedView(reducer.slots, meshes.for_replicated_views)
     if on_meta:
-        _check_materialized_at_first_forward(model)
+        check_materialized_at_first_forward(model)
     remember_replaced(before, model, replicated)
     setattr(model, _PLAN_ATTR, plan)
     return model
@@ -432,22 +414,6 @@ def _track_divide_factors(model: nn.Module, plan: Plan, grouped: dict[str, list[
     held_by = {name: homes[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
     answering = {m: path for path, m in model.named_modules() if isinstance(m, (FSDPModule, StandIn))}
     track_divide_factors(model, held_by, grouped, answering)
-
-
-def _check_materialized_at_first_forward(model: nn.Module) -> None:
-    # FSDP2 would fail deep in its first forward on parameters still without memory; say what to do instead
-    def check(module: nn.Module, args) -> None:
-        tensors = [*module.named_parameters(), *module.named_buffers()]
-        still = [name for name, t in tensors if t.is_meta]
-        if still:
-            raise RuntimeError(
-                f"the model is still on the meta device ({len(still)} of its {len(tensors)} parameters and buffers: "
-                f"{first_few(still)}): after osdp.wrap, call model.to_empty(device=...) and initialise its "
-                "parameters (or load them) before the first forward"
-            )
-        handle.remove()
-
-    handle = model.register_forward_pre_hook(check, prepend=True)
 
 
 def _make_fsdp_unit(target: nn.Module | list[nn.Module], path: str, decision: UnitPlan, by_ddp: bool, meshes: Meshes,
