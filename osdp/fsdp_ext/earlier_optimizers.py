@@ -23,8 +23,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 # id of an old parameter -> (weak references to it and to the one in its place, its name); by id, as tensors
 # compare by value (a WeakKeyDictionary would compare them), and forgotten when the old one is freed
 _replaced: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
-# optimizer -> the shape of its param groups when last looked at (a group added or changed is looked at again)
+# optimizer -> what it was when last looked at: the wraps done by then and the shape of its param groups (a wrap
+# since, or a group added, and it is looked at again)
 _looked_at: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+_wraps = 0
 _hook = None
 
 
@@ -38,7 +40,8 @@ def remember_replaced(before: dict[str, nn.Parameter], model: nn.Module, kept: s
     plan replaced, and make sure optimizers built earlier step the replacements. ``kept``: the parameters the
     reducer trains as they are (a module shows them as DTensor views of the same memory; stepping them is
     stepping those)."""
-    global _hook
+    global _hook, _wraps
+    _wraps += 1
     after = named_parameter_objects(model)
     for name, old in before.items():
         new = after.get(name)
@@ -49,16 +52,15 @@ def remember_replaced(before: dict[str, nn.Parameter], model: nn.Module, kept: s
         _hook = register_optimizer_step_pre_hook(_step_replacements)
 
 
-def _groups_shape(optimizer: torch.optim.Optimizer) -> tuple:
-    return tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+def _as_looked_at(optimizer: torch.optim.Optimizer) -> tuple:
+    return _wraps, tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
 
 
 def _step_replacements(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
     if not _replaced:
         return
-    shape = _groups_shape(optimizer)
-    if _looked_at.get(optimizer) == shape:
-        return  # the common case: looked at already, nothing added since
+    if _looked_at.get(optimizer) == _as_looked_at(optimizer):
+        return  # the common case: looked at already, nothing wrapped or added since
     for group in optimizer.param_groups:
         params = group["params"]
         for i, p in enumerate(params):
@@ -68,7 +70,7 @@ def _step_replacements(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None
             if p in optimizer.state:
                 optimizer.state[new] = _laid_out_as(new, optimizer.state.pop(p), optimizer, entry[2])
             params[i] = new
-    _looked_at[optimizer] = _groups_shape(optimizer)
+    _looked_at[optimizer] = _as_looked_at(optimizer)
 
 
 def _laid_out_as(new: nn.Parameter, state: dict, optimizer: torch.optim.Optimizer, name: str) -> dict:

@@ -703,8 +703,10 @@ def test_a_loop_calling_methods_registered_with_fsdp2_trains_as_one_process_unde
 
 def _train_with_an_optimizer_built_first(model, wrap, steps_before, rank=0, world_size=1):
     """AdamW built from the model's parameters before wrapping (``wrap`` None: one process, not wrapped),
-    ``steps_before`` steps taken before wrapping, the rest after."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ``steps_before`` steps taken before wrapping, the rest after. The list of parameters it was given is
+    returned (a loop that keeps it keeps the parameters the plan replaced)."""
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-2)
     for i, x in enumerate(_vae_batches()):
         if i == steps_before and wrap is not None:
             osdp.wrap(model, **wrap)
@@ -713,6 +715,7 @@ def _train_with_an_optimizer_built_first(model, wrap, steps_before, rank=0, worl
         _vae_loss(reconstruction, x, mu, log_var).backward()
         opt.step()
         opt.zero_grad()
+    return params
 
 
 def _optimizer_built_first_under_plans(rank, world_size, steps_before):
@@ -721,10 +724,10 @@ def _optimizer_built_first_under_plans(rank, world_size, steps_before):
     wraps = {name: dict(plan=p.to_json()) for name, p in plan_kinds(_vae_built()).items()}
     wraps["searched"] = dict(device_mem="1GiB", example_input=_vae_batches()[0].chunk(world_size)[rank],
                              loss_fn=lambda out: _vae_loss(out[0], out[0].detach(), *out[1:]))
-    out = {}
+    out, alive = {}, []  # the earlier wraps' parameters still held, as in a process training one model after another
     for name, how_to_wrap in wraps.items():
         model = _vae_built()
-        _train_with_an_optimizer_built_first(model, how_to_wrap, steps_before, rank, world_size)
+        alive.append(_train_with_an_optimizer_built_first(model, how_to_wrap, steps_before, rank, world_size))
         state = full_state(model)  # collective
         out[name] = state if rank == 0 else None
     return out
