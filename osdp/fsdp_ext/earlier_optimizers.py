@@ -3,8 +3,8 @@
 FSDP2 replaces a unit's parameters with new ones (sharded DTensors); a parameter the plan replicates stays the
 object it was. So an optimizer built from ``model.parameters()`` before wrapping would train the replicated
 units and leave the sharded ones as they were, silently: what the user's code sees would depend on the plan.
-Each wrap remembers which parameter took which one's place (weakly: neither keeps the other or the model
-alive), and a global optimizer step pre-hook puts the new parameters into the param groups before a step, once
+Each wrap remembers where each replaced parameter lived (weakly: the model's parameters themselves carry no
+weak reference, which ``torch.utils.swap_tensors`` in ``model.to()`` refuses, and nothing is kept alive), and a global optimizer step pre-hook puts the new parameters into the param groups before a step, once
 per optimizer and per change of its groups. An optimizer stepped before wrapping has state for the old
 parameters: each rank keeps its own part of each tensor shaped like its parameter, laid out as the parameter
 now is (its own values, no communication: the same on every rank where every rank stepped alike, as under a
@@ -20,9 +20,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-# id of an old parameter -> (weak references to it and to the one in its place, its name); by id, as tensors
-# compare by value (a WeakKeyDictionary would compare them), and forgotten when the old one is freed
-_replaced: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
+# id of an old parameter -> (a weak reference to it, one to the module it was registered on, its attribute name
+# there, its name in the model); by id, as tensors compare by value (a WeakKeyDictionary would compare them),
+# and forgotten when the old one is freed
+_replaced: dict[int, tuple[weakref.ref, weakref.ref, str, str]] = {}
 # optimizer -> what it was when last looked at: the wraps done by then and the shape of its param groups (a wrap
 # since, or a group added, and it is looked at again)
 _looked_at: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
@@ -46,8 +47,10 @@ def remember_replaced(before: dict[str, nn.Parameter], model: nn.Module, kept: s
     for name, old in before.items():
         new = after.get(name)
         if new is not None and new is not old and old not in kept:
+            owner, _, attribute = name.rpartition(".")
             key = id(old)
-            _replaced[key] = (weakref.ref(old, lambda _, key=key: _replaced.pop(key, None)), weakref.ref(new), name)
+            _replaced[key] = (weakref.ref(old, lambda _, key=key: _replaced.pop(key, None)),
+                              weakref.ref(model.get_submodule(owner)), attribute, name)
     if _replaced and _hook is None:
         _hook = register_optimizer_step_pre_hook(_step_replacements)
 
@@ -65,10 +68,13 @@ def _step_replacements(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None
         params = group["params"]
         for i, p in enumerate(params):
             entry = _replaced.get(id(p))
-            if entry is None or entry[0]() is not p or (new := entry[1]()) is None:
+            if entry is None or entry[0]() is not p or (owner := entry[1]()) is None:
+                continue
+            new = owner._parameters.get(entry[2])
+            if new is None:
                 continue
             if p in optimizer.state:
-                optimizer.state[new] = _laid_out_as(new, optimizer.state.pop(p), optimizer, entry[2])
+                optimizer.state[new] = _laid_out_as(new, optimizer.state.pop(p), optimizer, entry[3])
             params[i] = new
     _looked_at[optimizer] = _as_looked_at(optimizer)
 
