@@ -344,8 +344,8 @@ def _time_at(
     longer a step takes with it checkpointed. How much that is in all comes from whole unhooked steps, all
     those units checkpointed against none, and how it divides among units from the differences of their hooked
     backward segments (a unit whose backward needs little of its forward recomputes little). Each
-    checkpointed step follows a plain one and both are medians of the pairs' differences, so a machine that
-    speeds up or slows down while we measure moves both sides of a difference alike."""
+    checkpointed step follows a plain one, so a machine that speeds up or slows down while we measure moves both
+    sides of a difference alike."""
     timed: dict[str, list[dict]] = {p: [] for p in ("none", *policies)}
     plain: dict[str, list[float]] = {p: [] for p in ("none", *policies)}
     for _ in range(repeats):
@@ -385,7 +385,10 @@ def _time_at(
         # The segments alone over-count: checkpointing moves time across segment boundaries (gpt2-mini:
         # their sum was 1.3x the steps' difference with attention and MLP as units, 2x with whole blocks,
         # which made the search prefer the finer units for checkpointing when they are not faster).
-        extra = max(0.0, statistics.median(c - p for p, c in zip(plain["none"], plain[policy])))
+        # The fastest of each: what interferes on a shared machine (another process, pages reclaimed and faulted
+        # back) only ever adds time, in spikes up to several steps long that a median of two or three pairs'
+        # differences takes in (0.6 of a full recompute measured for a selective one that redoes a ReLU).
+        extra = max(0.0, min(plain[policy]) - min(plain["none"]))
         total = sum(shares.values())
         out["recompute_seconds"][policy] = {path: share * extra / total if total > 0 else 0.0
                                             for path, share in shares.items()}
