@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from osdp._moved import old_names
+from osdp.calibration.nets import describe_seconds
 from osdp.cost.context import scope_option_sets
 from osdp.cost.problem import build_block_problem, build_problems, plan_from_choice
 from osdp.cost.schedule import predict
@@ -366,7 +367,8 @@ def planning_description(
     from the describe cache) while the others wait, and every rank gets it (or rank 0's error). The
     validation and the experiments take theirs from here, so that they predict what ``osdp.wrap`` would."""
     return describe_once(model, example_input, loss_fn=loss_fn, precisions=(mixed_precision,),
-                         granularity=granularity, progress=progress, uneven=tuple(uneven))
+                         granularity=granularity, progress=progress, uneven=tuple(uneven),
+                         time_budget_s=describe_seconds())
 
 
 def planning_descriptions(model: nn.Module, example_input: Any, **settings: Any) -> list[ModelDescription]:

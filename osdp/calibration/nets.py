@@ -148,6 +148,9 @@ class CalibrationProfile:
     # cached with that noise, and every job that uses it is told; None: not checked (the tiny nets' steps, ~1 ms, are too short to tell)
     busy_spread: float | None = None
     about: str = "a few seconds"  # how long it takes on 2 CPU ranks, as the first run tells the user
+    # how long a describe of the model being planned times its steps (``osdp.describe.measured.describe``'s
+    # time_budget_s; 0: the fewest repeats, two)
+    describe_s: float = 20.0
 
 
 # 2 and 4 Linears per unit separate per-unit from per-parameter costs; 3 blocks against 8 separate what a
@@ -191,6 +194,9 @@ PROFILES = {
         ),
         run_s=0.6, min_steps=5, warmup=1, collectives_s=0.3, refits=2, describe_repeats=3, compute_rounds=9,
         meeting_net=MeetingNet(n_layer=2, n_embd=32, n_head=2, seq_len=16, batch=2),
+        # the tests check what a plan does; the plans' speed is judged under the quick profile
+        # (tests/cli/test_validate.py), whose describes take their full time
+        describe_s=0.0,
     ),
 }
 
@@ -200,6 +206,12 @@ def profile_from_env() -> CalibrationProfile:
     if name not in PROFILES:
         raise CalibrationError(f"{PROFILE_ENV}={name!r}: use one of {sorted(PROFILES)}")
     return PROFILES[name]
+
+
+def describe_seconds() -> float:
+    """How long a describe of the model being planned times its steps: ``OSDP_CALIBRATION_PROFILE``'s
+    profile's, else the full profile's."""
+    return profile_from_env().describe_s
 
 
 def profiles_for_job(ddp_overlap: bool) -> tuple[CalibrationProfile, ...]:

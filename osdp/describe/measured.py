@@ -134,6 +134,8 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
         "device": device_name(device), "torch": torch.__version__, "optimizers": list(optimizers),
         "loss_fn": getattr(loss_fn, "__qualname__", repr(loss_fn)) if loss_fn else None,
         "checkpoint_policies": list(checkpoint_policies), "uneven": list(uneven),
+        # a description timed over fewer steps (the tests' calibration profile's) is not one to plan with
+        "timing": [repeats, time_budget_s],
     }
     key = cache_key(key_parts)
     path = cached_path(key)
