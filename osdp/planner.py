@@ -23,7 +23,6 @@ import torch
 import torch.nn as nn
 
 from osdp._moved import old_names
-from osdp.calibration.nets import describe_seconds
 from osdp.cost.context import scope_option_sets
 from osdp.cost.problem import build_block_problem, build_problems, plan_from_choice
 from osdp.cost.schedule import predict
@@ -366,6 +365,8 @@ def planning_description(
     """Collective: a description ``osdp.plan`` searches over: rank 0 describes the model (or reads it
     from the describe cache) while the others wait, and every rank gets it (or rank 0's error). The
     validation and the experiments take theirs from here, so that they predict what ``osdp.wrap`` would."""
+    from osdp.calibration.nets import describe_seconds  # here: planning offline needs no calibration module
+
     return describe_once(model, example_input, loss_fn=loss_fn, precisions=(mixed_precision,),
                          granularity=granularity, progress=progress, uneven=tuple(uneven),
                          time_budget_s=describe_seconds())

@@ -4,8 +4,9 @@ FSDP2 replaces a unit's parameters with new ones (sharded DTensors); a parameter
 object it was. So an optimizer built from ``model.parameters()`` before wrapping would train the replicated
 units and leave the sharded ones as they were, silently: what the user's code sees would depend on the plan.
 Each wrap remembers where each replaced parameter lived (weakly: the model's parameters themselves carry no
-weak reference, which ``torch.utils.swap_tensors`` in ``model.to()`` refuses, and nothing is kept alive), and a global optimizer step pre-hook puts the new parameters into the param groups before a step, once
-per optimizer and per change of its groups. An optimizer stepped before wrapping has state for the old
+weak reference, which ``torch.utils.swap_tensors`` in ``model.to()`` refuses, and nothing is kept alive), and a
+global optimizer step pre-hook puts the new parameters into the param groups before a step, once per optimizer
+and per change of its groups. An optimizer stepped before wrapping has state for the old
 parameters: each rank keeps its own part of each tensor shaped like its parameter, laid out as the parameter
 now is (its own values, no communication: the same on every rank where every rank stepped alike, as under a
 replicating plan); state of another shape cannot be laid out so, and that step raises, saying what to do.
