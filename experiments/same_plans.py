@@ -40,9 +40,9 @@ def plan_lines(runs_json: str) -> list[str]:
         config = models.get_config(result["model"])
         model = models.build(config)
         batch = synthetic_batch(config, batch_size, seq_len)
-        descriptions = describe_granularities(lambda granularity: describe_analytic(
-            model, batch, device, world_size=result["records"][0]["world_size"], granularity=granularity,
-            batch_sizes=[batch_size], progress=False))
+        descriptions = describe_granularities(lambda **g: describe_analytic(
+            model, batch, device, world_size=result["records"][0]["world_size"], batch_sizes=[batch_size],
+            progress=False, **g))
         for record in at_budgets:
             where = f"{record['model']} {record['link']} {record['budget_bytes']}"
             try:

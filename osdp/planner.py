@@ -16,7 +16,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 import torch
@@ -361,15 +361,17 @@ def description_of(plan: Plan, descriptions: Sequence[ModelDescription]) -> Mode
 def planning_description(
     model: nn.Module, example_input: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
     mixed_precision: str = "fp32", granularity: str = "sub-block", progress: bool = True, uneven: Sequence[str] = (),
-) -> ModelDescription:
+    unless_units: Collection[frozenset[str]] = (),
+) -> ModelDescription | None:
     """Collective: a description ``osdp.plan`` searches over: rank 0 describes the model (or reads it
-    from the describe cache) while the others wait, and every rank gets it (or rank 0's error). The
+    from the describe cache) while the others wait, and every rank gets it (or rank 0's error; None where the
+    units are among ``unless_units``, as ``osdp.describe.measured.describe`` says). The
     validation and the experiments take theirs from here, so that they predict what ``osdp.wrap`` would."""
     from osdp.calibration.nets import describe_seconds  # here: planning offline needs no calibration module
 
     return describe_once(model, example_input, loss_fn=loss_fn, precisions=(mixed_precision,),
                          granularity=granularity, progress=progress, uneven=tuple(uneven),
-                         time_budget_s=describe_seconds())
+                         time_budget_s=describe_seconds(), unless_units=unless_units)
 
 
 def planning_descriptions(model: nn.Module, example_input: Any, **settings: Any) -> list[ModelDescription]:
@@ -378,10 +380,11 @@ def planning_descriptions(model: nn.Module, example_input: Any, **settings: Any)
     name = getattr(getattr(model, "config", None), "name", None) or type(model).__name__
     show = Progress(f"describe {name}")
 
-    def one(granularity: str) -> ModelDescription:
+    def one(granularity: str, unless_units: Collection[frozenset[str]]) -> ModelDescription | None:
         index = GRANULARITIES.index(granularity)
         show(f"{granularity} units ({index + 1}/{len(GRANULARITIES)})", index / len(GRANULARITIES))
-        return planning_description(model, example_input, granularity=granularity, progress=False, **settings)
+        return planning_description(model, example_input, granularity=granularity, progress=False,
+                                    unless_units=unless_units, **settings)
 
     descriptions = describe_granularities(one)
     cached = sum(bool(getattr(d, "from_cache", False)) for d in descriptions)
@@ -417,12 +420,14 @@ def _called_depending_on_data(model: nn.Module, example_input: Any) -> tuple[str
     return calls.uneven if calls is not None else ()
 
 
-def describe_granularities(describe_one: Callable[..., ModelDescription]) -> list[ModelDescription]:
-    """``describe_one(granularity=g)`` for every unit granularity that gives other units than the finer ones."""
+def describe_granularities(describe_one: Callable[..., ModelDescription | None]) -> list[ModelDescription]:
+    """``describe_one(granularity=g, unless_units=...)`` for every unit granularity, of those that give other
+    units than the finer ones: a describe told the unit sets already described stops after its first forward
+    where its units are one of them (half the granularities of small models: their blocks are their units)."""
     descriptions: list[ModelDescription] = []
     for unit_size in GRANULARITIES:
-        description = describe_one(granularity=unit_size)
-        if all(d.paths != description.paths for d in descriptions):
+        description = describe_one(granularity=unit_size, unless_units={frozenset(d.paths) for d in descriptions})
+        if description is not None:
             descriptions.append(description)
     return descriptions
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -130,13 +130,15 @@ def describe_analytic(
     name: str | None = None,
     cache: bool = True,
     uneven: Sequence[str] = (),
-) -> ModelDescription:
+    unless_units: Collection[frozenset[str]] = (),
+) -> ModelDescription | None:
     """A ``ModelDescription`` from FLOPs and a fake-tensor trace (see the module docstring).
 
     ``device``: a ``DeviceInfo`` or a preset name (``osdp.machine.presets.DEVICE_PRESETS``;
     ``world_size`` is only needed to build it). ``example_input`` may be real or
     meta tensors; only shapes and dtypes are used. ``cache``: read and write the describe cache. ``uneven``:
-    as ``osdp.describe.measured.describe`` takes it.
+    as ``osdp.describe.measured.describe`` takes it. ``unless_units``: unit path sets already described (at
+    another granularity): None, after one checked forward, where the units found are one of them.
     """
     start = time.perf_counter()
     units_given = units
@@ -153,7 +155,8 @@ def describe_analytic(
     cached = read_cached(path) if cache else None
     if cached is not None:
         show.done(f"from cache {path}")
-        return dataclasses.replace(cached, device=info.name, source=_source(info))
+        return (None if frozenset(cached.paths) in unless_units
+                else dataclasses.replace(cached, device=info.name, source=_source(info)))
 
     mode = FakeTensorMode()
     fake_input = _fake_batch(example_input, mode)
@@ -162,6 +165,9 @@ def describe_analytic(
         show("checking the forward")
         units, routed, held = resolve_units(model, resize_batch(fake_input, sizes[0]), loss_fn, units,
                                             granularity, uneven)
+        if frozenset(u.path for u in units) in unless_units:
+            show.done("the same units as another granularity's")
+            return None
         for prec in precisions:  # bf16 as FSDP2's mixed precision computes it (``in_precision``)
             dtype = PRECISIONS[prec]
             with in_precision(model, units, dtype) if prec != "fp32" else contextlib.nullcontext():

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.nn as nn
@@ -82,7 +82,8 @@ def describe(
     name: str | None = None,
     checkpoint_policies: Sequence[str] = ("full", "selective"),
     uneven: Sequence[str] = (),
-) -> ModelDescription:
+    unless_units: Collection[frozenset[str]] = (),
+) -> ModelDescription | None:
     """Measure ``model`` on the device its parameters are on (see the module docstring).
 
     ``example_input``: a tensor (one argument), a tuple (positional arguments)
@@ -96,16 +97,18 @@ def describe(
     modules other ranks' examples called a different number of times (``osdp.describe.units.uneven_calls``):
     no units of their own. The model's parameters, gradients, buffers, modules' plain attributes (a step
     counter) and RNG state are left as they were, and the user's hooks do not see the measuring passes
-    (``osdp.describe.kept``).
+    (``osdp.describe.kept``). ``unless_units``: unit path sets already described (at another granularity):
+    None, after one checked forward, where the units found are one of them.
     """
     return quietly(model, lambda: _describe(
         model, example_input, loss_fn=loss_fn, batch_sizes=batch_sizes, precisions=precisions, units=units,
         granularity=granularity, optimizers=optimizers, repeats=repeats, time_budget_s=time_budget_s, cache=cache,
-        progress=progress, name=name, checkpoint_policies=tuple(checkpoint_policies), uneven=tuple(uneven)))
+        progress=progress, name=name, checkpoint_policies=tuple(checkpoint_policies), uneven=tuple(uneven),
+        unless_units=unless_units))
 
 
 def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, granularity, optimizers, repeats,
-              time_budget_s, cache, progress, name, checkpoint_policies, uneven) -> ModelDescription:
+              time_budget_s, cache, progress, name, checkpoint_policies, uneven, unless_units) -> ModelDescription | None:
     start = time.perf_counter()
     params = list(model.parameters())
     if not params:
@@ -127,6 +130,9 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
     given_units = units
     units, routed, held = resolve_units(model, resize_batch(example_input, sizes[0]), loss_fn, units, granularity,
                                         uneven)
+    if frozenset(u.path for u in units) in unless_units:
+        show.done("the same units as another granularity's")
+        return None
 
     key_parts = {
         "version": PROFILE_VERSION, "model": model_fingerprint(model), "units": [u.path for u in units],
