@@ -149,7 +149,7 @@ class CalibrationProfile:
     busy_spread: float | None = None
     about: str = "a few seconds"  # how long it takes on 2 CPU ranks, as the first run tells the user
     # how long a describe of the model being planned times its steps (``osdp.describe.measured.describe``'s
-    # time_budget_s; 0: the fewest repeats, two)
+    # time_budget_s; 0: one timed repeat)
     describe_s: float = 20.0
 
 

@@ -199,7 +199,9 @@ def _measure_precision(model: nn.Module, units: Sequence[Unit], example_input: A
         sync = synchronizer(next(model.parameters()).device)
         show(f"{prec}: warm-up")
         step_s = _warm_up(model, resize_batch(example_input, sizes[-1]), loss_fn)
-        reps = repeats or max(2, min(7, int(time_budget_s / max(step_s, 1e-4) / 2.5 / len(sizes))))
+        # as many repeats as the time budget holds, 1 to 7 (a step of a large model that takes seconds is timed
+        # once; so are all with no budget: the tests' calibration profile, whose plans' speed is not judged)
+        reps = repeats or max(1, min(7, int(time_budget_s / max(step_s, 1e-4) / 2.5 / len(sizes))))
         memory, seconds, checks, order = {}, {}, {}, []
         policies = policies if checkpointable(units) else ()
         recompute: dict[str, dict[int, dict[str, float]]] = {p: {} for p in policies}
