@@ -4,7 +4,7 @@
 Gloo's worker thread drops a finished collective's tensors after the caller has moved on; dropping a tensor
 Python made takes the GIL, and a thread that asks for it once the interpreter has begun to shut down aborts
 the process ("terminate called without an active exception"). Each rank here makes that race certain: it
-keeps the GIL (a long switch interval, a busy wait) until an async all-reduce whose tensor only the backend
+keeps the GIL (a long switch interval, a sleep that keeps it) until an async all-reduce whose tensor only the backend
 still holds has written its sum, so the worker thread is waiting for the GIL, then exits. Plain torch aborts;
 a process osdp set up does not.
 """
@@ -43,18 +43,22 @@ RANK_SCRIPT = textwrap.dedent('''
     dist.destroy_process_group()  # as scripts end; ``held`` (and the model) keep the group alive
     sys.setswitchinterval(10.0)  # this thread keeps the GIL until it blocks or the process exits
     summed = torch.ones(1000)
-    address = summed.data_ptr()
+    # the last element: a block freed early would have the allocator's own pointers written at its start
+    address = summed.data_ptr() + 4 * (summed.numel() - 1)
+    if rank == 1:
+        time.sleep(0.5)  # rank 0's all-reduce waits for this rank's: it cannot finish before rank 0 lets go below
     work = held.allreduce([summed])
     del work, summed  # the backend's worker thread holds the last reference to a tensor Python made
     # Wait, GIL held, until the all-reduce has written its sum: the worker thread has finished the
     # collective and now waits for the GIL to drop the tensor (whose memory stays valid until it does).
+    # The wait sleeps through libc with the GIL kept (PyDLL does not release it), leaving the cores to the
+    # worker threads.
+    hold = ctypes.PyDLL(None).usleep
     landed = ctypes.c_float.from_address(address)
     deadline = time.perf_counter() + 30.0
     while landed.value != float(world_size) and time.perf_counter() < deadline:
-        pass
-    settle = time.perf_counter() + 0.2
-    while time.perf_counter() < settle:
-        pass
+        hold(1000)
+    hold(200000)
 ''')
 
 
