@@ -108,7 +108,8 @@ def describe(
 
 
 def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, granularity, optimizers, repeats,
-              time_budget_s, cache, progress, name, checkpoint_policies, uneven, unless_units) -> ModelDescription | None:
+              time_budget_s, cache, progress, name, checkpoint_policies, uneven,
+              unless_units) -> ModelDescription | None:
     start = time.perf_counter()
     params = list(model.parameters())
     if not params:
