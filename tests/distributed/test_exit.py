@@ -3,10 +3,11 @@
 
 Gloo's worker thread drops a finished collective's tensors after the caller has moved on; dropping a tensor
 Python made takes the GIL, and a thread that asks for it once the interpreter has begun to shut down aborts
-the process ("terminate called without an active exception"). Each rank here makes that race certain: it
-keeps the GIL (a long switch interval, a sleep that keeps it) until an async all-reduce whose tensor only the backend
-still holds has written its sum, so the worker thread is waiting for the GIL, then exits. Plain torch aborts;
-a process osdp set up does not.
+the process ("terminate called without an active exception"). Rank 0 here makes that race certain (rank 1
+joins the all-reduce late, so rank 0 has let go of its tensor before the sum can land; rank 1 may race too): it
+keeps the GIL (a long switch interval, a sleep that keeps it) until the async all-reduce whose tensor only the
+backend still holds has written its sum, so the worker thread is waiting for the GIL, then exits. Plain torch
+aborts; a process osdp set up does not.
 """
 
 from __future__ import annotations

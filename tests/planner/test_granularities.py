@@ -8,8 +8,8 @@ import torch
 
 import osdp.describe.analytic as analytic
 import osdp.describe.measured as measured
-from osdp.describe.units import GRANULARITIES, discover_units, trace_calls
 from osdp.describe.batch import call_model
+from osdp.describe.units import GRANULARITIES, discover_units, trace_calls
 from osdp.planner import describe_granularities, planning_descriptions
 
 
