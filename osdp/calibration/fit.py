@@ -237,7 +237,7 @@ def _fit_checkpoints_and_slices(descriptions: dict[str, ModelDescription], jobs:
     """What the checkpointed and the split jobs cost beyond their zero3 twin: per net, the cost per checkpointed
     unit; and, fitted over the nets, per split slice, per byte a split moves and per second of its gathers
     alongside compute."""
-    from scipy.optimize import nnls
+    from scipy.optimize import lsq_linear
 
     ckpt, split_rows, split_extra = [], [], []
     for net, description in descriptions.items():
@@ -258,7 +258,13 @@ def _fit_checkpoints_and_slices(descriptions: dict[str, ModelDescription], jobs:
             split_rows.append([3 * 2 * len(weights), 1e-9 * sum(3 * 4 * o * i for o, i in weights), alongside])
             left_fsdp = param_overhead * len(weights) + zero3_s_per_byte * sum(4 * o * i for o, i in weights)
             split_extra.append(residual[f"calibration-{net}-split"] - zero3 + left_fsdp)
-    slices = nnls(np.array(split_rows, dtype=float), np.array(split_extra))[0] if split_rows else (0.0, 0.0, 0.0)
+    if not split_rows:
+        return ckpt, (0.0, 0.0, 0.0)
+    # four rows for three terms, each a difference of two measured steps: unbounded, the contention took 0.7-4.3
+    # over three quick calibrations of one machine. It is a fraction of the gathers' time alongside compute
+    # (at most all of it: the gathers' thread takes the compute's core while they run), so it is bounded by 1
+    bounds = ([0.0, 0.0, 0.0], [np.inf, np.inf, 1.0])
+    slices = lsq_linear(np.array(split_rows, dtype=float), np.array(split_extra), bounds=bounds).x
     return ckpt, tuple(float(x) for x in slices)
 
 
