@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from osdp.cli.validate import format_report, summarize
+from osdp.cli.validate import format_drift, format_report, summarize
 from osdp.machine.identity import machine_info
 
 RESULTS = Path(__file__).parent / "results"
@@ -166,7 +166,8 @@ def run(args: argparse.Namespace) -> None:
         batch, seq = MODELS[model][:2]
         lines += [f"## {model} (micro-batch {batch}, sequence {seq}, {len(r['records'])} plans, "
                   f"load average {loads[model][0]:.1f} before, {loads[model][1]:.1f} after)", "", "```",
-                  format_report(r["records"], r["summary"]), "```", "", verdict_text(r["summary"], r["records"]), ""]
+                  format_report(r["records"], r["summary"]), format_drift(r["drift"]), "```", "",
+                  verdict_text(r["summary"], r["records"]), ""]
     if default_train:
         t = default_train
         lines += ["## The default `osdp train` run", "",

@@ -20,7 +20,14 @@ already under it):
 3. each plan's step time is the median over its steps of the slowest rank, and
    its peak memory per rank comes from one tracked step
    (``osdp.machine.memory.PeakMemory``: live tensor bytes on CPU,
-   ``max_memory_allocated`` on CUDA), the largest over ranks.
+   ``max_memory_allocated`` on CUDA), the largest over ranks;
+4. beside the plans, a few of the calibration's own jobs run again (``drift_jobs``):
+   their times now against the calibration's say whether the machine still runs
+   as it did when calibrated. A shared machine's speed moves over minutes, and not
+   alike for every cost (on the tests' VM a 1.6x slowdown moved the plans' errors
+   relative to each other by up to 17%): where the machine has changed, the
+   plans' errors measure that change as much as the cost model, and the report
+   says so.
 
 Rank 0 prints predicted against measured with the error of each, the median
 and worst errors and the Kendall tau of the step-time ranking, and writes them
@@ -46,7 +53,7 @@ import torch.nn as nn
 
 from osdp import models
 from osdp.calibration.measured import calibrate
-from osdp.calibration.nets import can_split
+from osdp.calibration.nets import PROFILES, calibration_jobs, can_split
 from osdp.calibration.store import CalibrationKey, MachineCalibration, read_calibration
 from osdp.cli.launch import run_on_ranks
 from osdp.cost.schedule import predict
@@ -60,6 +67,12 @@ from osdp.report import format_bytes, format_table
 from osdp.runtime.jobs import Job, run_jobs
 from osdp.schema.description import ModelDescription
 from osdp.schema.plan import ROOT, Plan, UnitPlan
+
+# Beyond this factor (faster or slower) between the calibration's jobs' times now and then (``machine_drift``,
+# the median over the jobs), the report says the machine no longer runs as calibrated. Each job's own ratio
+# is too noisy to judge by: on the 2-core VM of the tests, 0.67-1.17 over runs whose plans' relative errors
+# stayed within 5% (median)
+DRIFT = 1.25
 
 # --------------------------------------------------------------------------- plans
 
@@ -253,12 +266,8 @@ def validate(
 
     g = torch.Generator().manual_seed(1000 + rank)
     batch = tuple(t.to(device) for t in synthetic_batch(config, batch_size, generator=g))
-    model = build().to(device)
     say(f"describing {model_name} as osdp.plan does (rank 0, the describe cache)")
-    descriptions = {p: planning_description(model, batch, mixed_precision=p) for p in precisions}
-    # a plan taking some blocks apart is priced from the "block" and "nested" descriptions, as the search does
-    coarse, nested = (planning_description(model, batch, granularity=g) for g in ("block", "nested"))
-    del model
+    descriptions, coarse, nested = _describe(build().to(device), batch, precisions)
     # what each plan is priced from: per precision at the default granularity; the per-block plans from two
     described = {p: {"source": d.source, "profile_seconds": d.profile_seconds, "from_cache": d.from_cache,
                      "cache_key": d.cache_key, "checks": d.checks}
@@ -269,8 +278,10 @@ def validate(
     if "bf16" in precisions:  # default_plans adds bf16 plans to a description that has both
         description = dataclasses.replace(description, precisions=tuple(precisions))
     plans = plans_to_validate(description, coarse, nested, batch_size, world_size, device, plan_names)
-    measured = run_jobs({name: Job(build, plan, batch) for name, plan in plans.items()}, device=device,
-                        optimizer=optimizer, time_budget_s=time_budget_s, progress=say, at_once=at_once, passes=passes)
+    references = drift_jobs(device, machine)
+    measured = run_jobs({**{name: Job(build, plan, batch) for name, plan in plans.items()}, **references},
+                        device=device, optimizer=optimizer, time_budget_s=time_budget_s, progress=say,
+                        at_once=at_once, passes=passes)
     records = []
     for name, plan in plans.items():
         pricing = (description_of(plan, [coarse, nested]) if plan.meta.get("granularity")  # per block, grouped
@@ -289,8 +300,54 @@ def validate(
         "profile_seconds": description.profile_seconds,
         "summary": summarize(records),
         "records": records,
+        "drift": machine_drift(machine, {name: measured[name] for name in references}),
         "seconds": time.perf_counter() - start,
     }
+
+
+def _describe(model: nn.Module, batch: tuple[torch.Tensor, ...], precisions: Sequence[str],
+              ) -> tuple[dict[str, ModelDescription], ModelDescription, ModelDescription]:
+    """Collective: the descriptions the plans are priced from, made as ``osdp.plan`` makes them: per precision
+    at the default granularity; and the "block" and "nested" ones, from which a plan taking some blocks apart
+    is priced, as the search prices it."""
+    descriptions = {p: planning_description(model, batch, mixed_precision=p) for p in precisions}
+    coarse, nested = (planning_description(model, batch, granularity=g) for g in ("block", "nested"))
+    return descriptions, coarse, nested
+
+
+def drift_jobs(device: torch.device, machine: MachineCalibration) -> dict[str, Job]:
+    """The calibration's jobs to run again beside the plans: an overhead-bound net's replicated, sharded and
+    split jobs (latency: gloo's, FSDP2's hooks) and the compute net's (the cores' speed); none where the
+    calibration does not record its jobs' times (one given as JSON by hand, one of an unknown profile)."""
+    profile, calibrated = PROFILES.get(machine.key.profile), machine.details.get("jobs") or {}
+    if profile is None or not calibrated:
+        return {}
+    jobs = calibration_jobs(device, profile, splits=can_split(device))
+    overheads = next(spec.name for spec in profile.nets if spec.overheads)
+    compute = next(spec.name for spec in profile.nets if spec.compute)
+    names = [*(f"calibration-{overheads}-{kind}" for kind in ("replicate", "zero3", "split")),
+             f"calibration-{compute}-zero3"]
+    return {name: jobs[name] for name in names if name in jobs and name in calibrated}
+
+
+def machine_drift(machine: MachineCalibration, measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each job of ``drift_jobs``: its forward and backward's time now over the calibration's; ``ratio``: their
+    median (1.0: the machine runs as calibrated); ``changed``: whether it is beyond ``DRIFT`` either way."""
+    calibrated = machine.details.get("jobs") or {}
+    ratios = {name: m["measured_fwd_bwd_s"] / calibrated[name]["measured_fwd_bwd_s"] for name, m in measured.items()}
+    ratio = statistics.median(ratios.values()) if ratios else 1.0
+    return {"ratios": ratios, "ratio": ratio, "changed": not 1 / DRIFT <= ratio <= DRIFT}
+
+
+def format_drift(drift: dict[str, Any]) -> str:
+    if not drift["ratios"]:
+        return "the machine's speed against its calibration's: not measured (the calibration records no job times)"
+    ratios = ", ".join(f"{name.removeprefix('calibration-')} x{r:.2f}" for name, r in drift["ratios"].items())
+    said = f"the calibration's jobs now take x{drift['ratio']:.2f} their calibrated time (median of {ratios})"
+    if drift["changed"]:
+        said += (": the machine no longer runs as it did when calibrated, and the errors above include that; "
+                 "calibrate again (osdp calibrate --force) on a quiet machine to judge the cost model")
+    return said
 
 
 def grouped_plans(coarse: ModelDescription, batch_size: int, world_size: int) -> dict[str, Plan]:
@@ -402,7 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif dist.get_rank() == 0:
             print(f"{args.model}, {result['world_size']} ranks, micro-batch {args.batch_size}, {args.optimizer}, "
                   f"{result['machine']['processor']}")
-            print(format_report(result["records"], result["summary"]), flush=True)
+            print(format_report(result["records"], result["summary"]))
+            print(format_drift(result["drift"]), flush=True)
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(result, indent=1, default=str))

@@ -10,8 +10,9 @@ import warnings
 import pytest
 import torch
 from dist_harness import run_ranks
+from foreign_cpu import ForeignCpu
 
-from osdp.cli.validate import build_parser, format_report, kendall_tau, summarize
+from osdp.cli.validate import build_parser, format_drift, format_report, kendall_tau, machine_drift, summarize
 
 # per-block-b: blocks taken apart priced from two descriptions; not per-block-a, whose whole checkpointed
 # block recomputes in backward after a replicated MLP has freed its activations, which that unit's worse
@@ -62,9 +63,12 @@ def _validate_in(rank, world_size, cache_dir):
 # alike. So the absolute errors are reported and judged against a sanity bound only; the absolute targets are
 # the validation runs' in experiments/validate_cost_model.py, their results committed.
 # Other work competing for the cores moves plans differently (gloo's collectives wait whenever a peer is
-# descheduled): above this load average (the two ranks take two) relative errors are judged against the
-# sanity bound too, and the test says so.
-QUIET_LOAD = (os.cpu_count() or 2) + 0.5
+# descheduled), and so does a change of the machine's own speed between the calibration and the run (a shared
+# VM's; latency-bound costs move more than compute-bound ones). Where other processes (or other virtual
+# machines, by steal) kept more than QUIET_CORES busy on average while the test calibrated and ran, or the
+# calibration's jobs run again beside the plans took more than osdp.cli.validate.DRIFT times (or less than
+# 1/DRIFT) their calibrated time, relative errors are judged against the sanity bound too, and the test says so.
+QUIET_CORES = 0.25
 SANITY = 1.0  # a broken model (a forgotten term, a wrong factor of N) is off by more
 # The validation experiment's target for the worst plan is 20% (experiments/validate_cost_model.py, its results
 # committed). Here one calibration made seconds earlier prices every plan, and on a 2-core AMD EPYC VM the
@@ -75,11 +79,11 @@ WORST = 0.35
 
 
 def test_predictions_out_of_sample_match_a_real_two_rank_run():
-    load = [os.getloadavg()[0]]
+    others = ForeignCpu()
     # its own processes, before the validating run
     calibration = run_ranks(_calibrate, 2, timeout=240)[0]
     result = run_ranks(_validate_tiny, 2, timeout=240)[0]
-    load.append(os.getloadavg()[0])
+    foreign = others.cores()
     # nothing measured in the validating run entered a prediction: it used the earlier run's calibration
     assert result["calibration"] == calibration
     records = {r["plan"]: r for r in result["records"]}
@@ -97,14 +101,19 @@ def test_predictions_out_of_sample_match_a_real_two_rank_run():
     relative = {name: (1 + e) / median_ratio - 1 for name, e in errors.items()}
     said = (f"step time errors: {', '.join(f'{n} {e:+.0%}' for n, e in errors.items())}; relative to the run's "
             f"median ({median_ratio:.2f}): {', '.join(f'{n} {e:+.0%}' for n, e in relative.items())}")
-    if max(load) <= QUIET_LOAD:
+    # the calibration's jobs ran again beside the plans: overhead-bound ones and the compute net's
+    assert len(result["drift"]["ratios"]) == 4 and all(r > 0 for r in result["drift"]["ratios"].values())
+    drift = result["drift"]
+    if (foreign is None or foreign <= QUIET_CORES) and not drift["changed"]:
         # the targets, on the plans' relative prices: the median within 10%; the worst within WORST
         assert max(map(abs, relative.values())) <= WORST, said
         assert statistics.median(map(abs, relative.values())) <= 0.10, said
     else:
         assert max(map(abs, relative.values())) <= SANITY, said
-        warnings.warn(f"load average {max(load):.1f} on {os.cpu_count()} cores: relative step times judged within "
-                      f"{SANITY:.0%} only, not the 10%/20% targets ({said})")
+        why = (f"other work kept {foreign:.2f} of {os.cpu_count()} cores busy while the test ran"
+               if foreign is not None and foreign > QUIET_CORES else
+               f"the calibration's jobs took x{drift['ratio']:.2f} their calibrated time")
+        warnings.warn(f"{why}: relative step times judged within {SANITY:.0%} only, not the targets ({said})")
     # orders of magnitude apart in memory: sharded + checkpointed is far below DDP, and predicted so
     assert records["fsdp-ckpt"]["predicted_peak_bytes"] < records["fsdp"]["predicted_peak_bytes"]
     assert records["fsdp-ckpt"]["measured_peak_bytes"] < records["fsdp"]["measured_peak_bytes"]
@@ -135,6 +144,26 @@ def test_summary_and_report():
     report = format_report(records, s)
     assert "Kendall tau 1.00" in report and "a" in report
     assert kendall_tau([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+
+
+def test_drift_is_the_median_ratio_of_the_calibrations_jobs_now_to_then():
+    from osdp.calibration.store import CalibrationKey, MachineCalibration
+    from osdp.cost.terms import Calibration
+    from osdp.machine.presets import device_preset
+
+    jobs = {"calibration-a-zero3": 0.10, "calibration-a-split": 0.20, "calibration-b-zero3": 0.40}
+    key = CalibrationKey(hosts=("node-a",), device="Some CPU", device_type="cpu", backend="gloo", world_size=2,
+                         threads=1, interface="", torch=torch.__version__, profile="quick")
+    machine = MachineCalibration(key, device_preset("cpu-loopback", 2), Calibration(), 40.0, "2026-12-07 06:00",
+                                 {"jobs": {name: {"measured_fwd_bwd_s": t} for name, t in jobs.items()}})
+    slower = {n: {"measured_fwd_bwd_s": t * f} for (n, t), f in zip(jobs.items(), (1.2, 1.4, 1.3))}
+    drift = machine_drift(machine, slower)
+    assert drift["ratio"] == pytest.approx(1.3) and drift["changed"]  # beyond 1.25x: said
+    assert "x1.30 their calibrated time" in format_drift(drift) and "calibrate again" in format_drift(drift)
+    faster = (0.7, 1.1, 0.9)  # each job's own ratio is noisy: the median judges
+    steady = machine_drift(machine, {n: {"measured_fwd_bwd_s": t * f} for (n, t), f in zip(jobs.items(), faster)})
+    assert steady["ratio"] == pytest.approx(0.9) and not steady["changed"]
+    assert "calibrate again" not in format_drift(steady) and "a-split x1.10" in format_drift(steady)
 
 
 def test_a_tau_of_exactly_the_target_meets_it():
