@@ -321,11 +321,12 @@ def drift_jobs(device: torch.device, machine: MachineCalibration) -> dict[str, J
     profile, calibrated = PROFILES.get(machine.key.profile), machine.details.get("jobs") or {}
     if profile is None or not calibrated:
         return {}
-    jobs = calibration_jobs(device, profile, splits=can_split(device))
-    overheads = next(spec.name for spec in profile.nets if spec.overheads)
-    compute = next(spec.name for spec in profile.nets if spec.compute)
-    names = [*(f"calibration-{overheads}-{kind}" for kind in ("replicate", "zero3", "split")),
-             f"calibration-{compute}-zero3"]
+    overheads = next(spec for spec in profile.nets if spec.overheads)
+    compute = next(spec for spec in profile.nets if spec.compute)
+    # those two nets' jobs only: the full profile's other nets (a 64 MiB one among them) are not built
+    jobs = calibration_jobs(device, dataclasses.replace(profile, nets=(overheads, compute)), splits=can_split(device))
+    names = [*(f"calibration-{overheads.name}-{kind}" for kind in ("replicate", "zero3", "split")),
+             f"calibration-{compute.name}-zero3"]
     return {name: jobs[name] for name in names if name in jobs and name in calibrated}
 
 
