@@ -102,8 +102,8 @@ def test_predictions_out_of_sample_match_a_real_two_rank_run():
     said = (f"step time errors: {', '.join(f'{n} {e:+.0%}' for n, e in errors.items())}; relative to the run's "
             f"median ({median_ratio:.2f}): {', '.join(f'{n} {e:+.0%}' for n, e in relative.items())}")
     # the calibration's jobs ran again beside the plans: overhead-bound ones and the compute net's
-    assert len(result["drift"]["ratios"]) == 4 and all(r > 0 for r in result["drift"]["ratios"].values())
     drift = result["drift"]
+    assert len(drift["ratios"]) == 4 and all(r > 0 for r in drift["ratios"].values())
     if (foreign is None or foreign <= QUIET_CORES) and not drift["changed"]:
         # the targets, on the plans' relative prices: the median within 10%; the worst within WORST
         assert max(map(abs, relative.values())) <= WORST, said

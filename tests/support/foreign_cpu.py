@@ -29,7 +29,7 @@ def _busy_s() -> float | None:
 def _tree_s() -> float:
     """CPU seconds this process and its descendants spent, with those of the children each has reaped."""
     parent, ticks = {}, {}
-    for entry in os.listdir("/proc"):
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if not entry.isdigit():
             continue
         try:
@@ -67,5 +67,9 @@ class ForeignCpu:
         wall = max(time.monotonic() - wall0, 1e-3)
         # ranks that just returned their results are exiting: a walk that reads the fork server before it reaps
         # one and the rank's entry after misses its time. The tree's time only grows: the largest of a few walks
-        own1 = max(_tree_s() for _ in range(3) if time.sleep(0.1) is None)
+        walks = []
+        for _ in range(3):
+            time.sleep(0.1)
+            walks.append(_tree_s())
+        own1 = max(walks)
         return max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
