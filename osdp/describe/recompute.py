@@ -32,7 +32,7 @@ import torch.utils.checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from osdp._torch_private import outside_dispatch_modes
-from osdp.describe.kept import fingerprint
+from osdp.describe.kept import defined_by_torch, fingerprint
 from osdp.schema.plan import CHECKPOINT_POLICIES
 
 _aten = torch.ops.aten
@@ -109,6 +109,7 @@ def checkpoint_unit(module: nn.Module, policy: str = "full") -> None:
                     written = _running_statistics(self) + [b for b, version in versions if b._version != version]
                     _refuse_written_weights(cls, [n for n, p, version, values in weights
                                                   if p._version != version or _values_changed(p, values)])
+                    _refuse_written_buffers(cls, self, [b for b, version in versions if b._version != version])
                     return out
                 with hooks.replaying():
                     return _recompute(written, lambda: cls.forward(self, *args, **kwargs))
@@ -167,8 +168,13 @@ class _InnerHooks:
         calls = {slot: iter(returned) for slot, returned in self.returned.items()}
 
         def wrap(slot, hook):
+            # torch's own hooks compute what the module runs even where they return nothing: prune's and the old
+            # weight_norm's forward pre-hooks set the module's ``weight`` from its parts, which the recompute must
+            # compute again as the forward did
+            always = defined_by_torch(hook)
+
             def replayed(*args, **kwargs):
-                if next(calls.get(slot, iter(())), True):
+                if next(calls.get(slot, iter(())), True) or always:
                     return hook(*args, **kwargs)
                 return None
             return replayed
@@ -208,6 +214,25 @@ def _refuse_written_weights(cls: type, names: list[str]) -> None:
             f"{cls.__name__}'s forward writes its parameter(s) {', '.join(names[:3])} in place, so it "
             "cannot be checkpointed: the recompute in backward would start from what the forward wrote. Give its "
             "unit checkpoint=False in the plan (a searched plan never checkpoints such a unit)"
+        )
+
+
+def _refuse_written_buffers(cls: type, unit: nn.Module, written: list[torch.Tensor]) -> None:
+    # A buffer the forward wrote and may read (spectral_norm's power iteration advancing ``_u`` and ``_v``, a
+    # counter a forward branches on): the recompute would start from the written value and compute another
+    # output than the forward's, which backward would then differentiate. Normalization layers' statistics are
+    # written and not read in training. The describe keeps a searched plan from checkpointing such a unit
+    # (``InPlaceWrites.state_written``); a hand-written plan is refused here, on every rank alike.
+    statistics = {id(b) for m in unit.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+                  for b in m.buffers(recurse=False)}
+    names = {id(b): n for n, b in unit.named_buffers()}
+    written = [names[id(b)] for b in written if id(b) not in statistics and id(b) in names]
+    if written:
+        raise RuntimeError(
+            f"{cls.__name__}'s forward writes its buffer(s) {', '.join(written[:3])} in place, so it cannot be "
+            "checkpointed: the recompute in backward would start from what the forward wrote (spectral_norm's power "
+            "iteration, a step counter). Give its unit checkpoint=False in the plan (a searched plan never "
+            "checkpoints such a unit)"
         )
 
 
