@@ -79,6 +79,18 @@ class TupleOut(nn.Module):
         return (out, h) if self.kind == "tuple" else {"out": out, "hidden": h}
 
 
+class FunctionalSparse(nn.Module):
+    """A table kept as a bare Parameter, looked up with ``F.embedding(..., sparse=True)``: no nn.Embedding says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 4))
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, idx):
+        return self.out(F.embedding(idx, self.table, sparse=True)).sum()
+
+
 def _seeded(cls, *args, **kw):
     torch.manual_seed(0)
     return cls(*args, **kw)
@@ -268,6 +280,10 @@ def _errors_on_every_rank(rank, world_size):
                                              strategy="ddp")),
         "sparse_budget": _message(lambda: osdp.wrap(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)),
                                                     device_mem="1GiB", example_input=torch.zeros(4, 3, dtype=torch.long))),
+        "functional_sparse_budget": _message(lambda: osdp.wrap(_seeded(FunctionalSparse), device_mem="1GiB",
+                                                               example_input=torch.zeros(4, 3, dtype=torch.long))),
+        "functional_sparse_ddp": _message(lambda: osdp.wrap(_seeded(FunctionalSparse), strategy="ddp")(
+            torch.zeros(4, 3, dtype=torch.long)).backward()),
         "lazy": _message(lambda: osdp.wrap(nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 2)), strategy="fsdp")),
         "lazy_budget": _message(lambda: osdp.wrap(nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 2)), device_mem="1GiB",
                                                   example_input=torch.randn(4, 3))),
@@ -419,10 +435,14 @@ def test_models_without_parameters_partly_materialized_renormalizing_rows_or_alr
     for rank, (errors, _, _) in enumerate(on_2):
         assert errors["empty"][:2] == empty and errors["empty_budget"][:2] == empty
         assert errors["half_meta"][:2] == half and errors["half_meta_budget"][:2] == half
-        sparse = ("PlanError", "0: an embedding with sparse=True gives sparse gradients, which FSDP2 cannot "
-                               "reduce-scatter and osdp does not all-reduce; build it with sparse=False (dense "
-                               "gradients), or freeze it")
+        sparse = ("PlanError", "0.weight: sparse gradients (an embedding looked up with sparse=True), which FSDP2 "
+                               "cannot reduce-scatter and osdp does not all-reduce; look it up with sparse=False "
+                               "(dense gradients), or freeze it")
         assert errors["sparse"][:2] == sparse and errors["sparse_budget"][:2] == sparse
+        # looked up by F.embedding: found by the search's backward of the example, or the reducer's first gradient
+        functional = sparse[1].replace("0.weight", "table")
+        assert errors["functional_sparse_budget"][1] == functional, errors["functional_sparse_budget"]
+        assert errors["functional_sparse_ddp"][:2] == ("RuntimeError", functional), errors["functional_sparse_ddp"]
         lazy = ("PlanError", "the model has lazy modules not yet initialized (0.weight, 0.bias): their shapes are "
                              "known only after a forward; call the model once on a batch (model(example)) before "
                              "osdp.wrap")

@@ -39,6 +39,7 @@ from osdp.describe.units import (
     enclosing,
     param_homes,
     routed_containers,
+    sparse_gradients_message,
     trace_calls,
 )
 from osdp.machine.memory import LiveBytesTracker, iter_tensors
@@ -56,10 +57,13 @@ def _step(model: nn.Module, batch: Any, loss_fn, segments: Segments | None = Non
         after_forward()
     if segments is None:
         loss.backward()
-        return
-    segments.start("bwd")
-    loss.backward()
-    segments.close(ROOT)
+    else:
+        segments.start("bwd")
+        loss.backward()
+        segments.close(ROOT)
+    sparse = [name for name, p in model.named_parameters() if p.grad is not None and p.grad.layout != torch.strided]
+    if sparse:
+        raise ProfileError(sparse_gradients_message(", ".join(sparse)))
 
 
 def _checked_forward(model: nn.Module, units: Sequence[Unit] | None, batch: Any, loss_fn) -> Any:

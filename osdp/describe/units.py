@@ -527,3 +527,11 @@ def structure_signature(model: nn.Module) -> str:
 def checkpointable(units: Sequence[Unit]) -> list[Unit]:
     """The units a plan may checkpoint: not the root, none enclosing other units."""
     return [u for u in units if u.path != ROOT and not u.nested]
+
+
+def sparse_gradients_message(names: str) -> str:
+    """Why parameters with sparse gradients (``nn.Embedding(sparse=True)``, ``F.embedding(..., sparse=True)``)
+    cannot be trained under a plan, and what works."""
+    return (f"{names}: sparse gradients (an embedding looked up with sparse=True), which FSDP2 cannot "
+            "reduce-scatter and osdp does not all-reduce; look it up with sparse=False (dense gradients), or "
+            "freeze it")

@@ -66,6 +66,7 @@ from osdp.describe.units import (
     holding_unit,
     is_callable,
     param_homes,
+    sparse_gradients_message,
     structure_signature,
     unit_parameters,
 )
@@ -169,13 +170,10 @@ def check_model(model: nn.Module, device: torch.device) -> None:
         )
     if next(model.parameters(), None) is None:
         raise PlanError("the model has no parameters: there is nothing to shard or replicate")
-    sparse = [name for name, m in model.named_modules()
+    sparse = [f"{name}.weight" if name else "weight" for name, m in model.named_modules()
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
     if sparse:
-        raise PlanError(
-            f"{first_few(sparse)}: an embedding with sparse=True gives sparse gradients, which FSDP2 cannot "
-            "reduce-scatter and osdp does not all-reduce; build it with sparse=False (dense gradients), or freeze it"
-        )
+        raise PlanError(sparse_gradients_message(first_few(sparse)))
     renormed = [name for name, m in model.named_modules()
                 if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
     if renormed and world()[1] > 1:

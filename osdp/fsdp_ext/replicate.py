@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from osdp._torch_private import output_tensors, queue_at_backward_end, set_implicit_replication
+from osdp.describe.units import sparse_gradients_message
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's: the first bucket small, so the first all-reduce starts early
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb
@@ -324,6 +325,8 @@ class ReplicaReducer:
                 state.holds_reduced = False
 
     def _on_gradient(self, param: nn.Parameter) -> None:
+        if param.grad is not None and param.grad.layout != torch.strided:  # F.embedding(..., sparse=True)
+            raise RuntimeError(sparse_gradients_message(self.names.get(param, "a replicated parameter")))
         self._arm()
         state = self._state.get(param)
         if state is None:
