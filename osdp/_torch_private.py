@@ -116,6 +116,24 @@ def outside_dispatch_modes() -> Any:
     return _disable_current_modes()
 
 
+@contextlib.contextmanager
+def outside_selective_checkpointing() -> Iterator[None]:
+    """A context in which the selective checkpointing modes on top of the dispatch mode stack do not see the ops
+    run; every mode below them (a memory tracker's) still does."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    popped = []
+    while (stack := _get_current_dispatch_mode_stack()) and isinstance(
+            stack[-1], (_CachingTorchDispatchMode, _CachedTorchDispatchMode)):
+        popped.append(_pop_mode())
+    try:
+        yield
+    finally:
+        for mode in reversed(popped):
+            _push_mode(mode)
+
+
 def output_tensors(output: Any) -> list:
     """The tensors in a forward's output, found as ``DistributedDataParallel`` finds them."""
     from torch.nn.parallel.distributed import _find_tensors

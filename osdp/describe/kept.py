@@ -103,6 +103,10 @@ def defined_by_torch(hook: Any) -> bool:
     return _defined_in(hook).split(".")[0] == "torch"
 
 
+def defined_by_fsdp(hook: Any) -> bool:
+    return _defined_in(hook).startswith("torch.distributed.fsdp")
+
+
 def _held_tables(model: nn.Module) -> list[tuple[Any, str, dict]]:
     """(owner, table name, the table as it is) for every hook table with a user's hook in it."""
     tables = []

@@ -31,8 +31,8 @@ import torch.nn as nn
 import torch.utils.checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from osdp._torch_private import outside_dispatch_modes
-from osdp.describe.kept import defined_by_torch, fingerprint
+from osdp._torch_private import outside_dispatch_modes, outside_selective_checkpointing
+from osdp.describe.kept import defined_by_fsdp, defined_by_torch, fingerprint
 from osdp.schema.plan import CHECKPOINT_POLICIES
 
 _aten = torch.ops.aten
@@ -144,7 +144,7 @@ class _InnerHooks:
     def _swapped(self, wrap):
         swapped = [(hooks, key, hook) for hooks, key, hook in self._hooked()]
         for hooks, key, hook in swapped:
-            hooks[key] = wrap((id(hooks), key), hook)
+            hooks[key] = wrap((id(hooks), key), _unseen_by_selective(hook) if defined_by_fsdp(hook) else hook)
         try:
             yield
         finally:
@@ -180,6 +180,19 @@ class _InnerHooks:
             return replayed
 
         return self._swapped(wrap)
+
+
+def _unseen_by_selective(hook):
+    """An FSDP2 hook of a unit nested in the checkpointed one, its ops hidden from selective checkpointing: they
+    gather and free that unit's parameters as FSDP2's state says, which differs between the forward and the
+    recompute in backward (a unit called once under no_grad and once with grad gathers twice in the forward, once
+    in the recompute), and selective checkpointing matches the two op by op."""
+
+    @functools.wraps(hook)
+    def unseen(*args, **kwargs):
+        with outside_selective_checkpointing():
+            return hook(*args, **kwargs)
+    return unseen
 
 
 _CHECKED_FORWARDS = 2  # training forwards whose weights' values are compared too
