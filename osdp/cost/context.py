@@ -57,6 +57,7 @@ def _context(
         unit_neighbours(description, precision, device.world_size) if neighbours is None else neighbours,
         _ddp_last_bucket([(p, shapes[p]) for p in [ROOT, *sequence_order(description)]]),
         math.ceil((description.input_bytes_per_sample + description.output_bytes_per_sample) * batch_size),
+        description.buffer_bytes,
     )
 
 
@@ -147,5 +148,5 @@ def _options_of(
 
 def _base(ctx: _Context) -> int:
     """What every moment of every plan holds: the calibration's margin, the batch and the model's output, the
-    math libraries' workspaces."""
-    return int(ctx.calibration.margin_bytes) + ctx.held_bytes + ctx.device.workspace_bytes
+    model's buffers, the math libraries' workspaces."""
+    return int(ctx.calibration.margin_bytes) + ctx.held_bytes + ctx.buffer_bytes + ctx.device.workspace_bytes

@@ -122,6 +122,8 @@ class _Context:
     # the micro-batch and what the model returns for it (``logits, loss = model(x, y)``): the training loop holds
     # both through the step
     held_bytes: int = 0
+    # the model's buffers, which every rank holds all step whatever the plan (ModelDescription.buffer_bytes)
+    buffer_bytes: int = 0
 
     @property
     def compute_bytes(self) -> int:

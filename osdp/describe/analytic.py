@@ -41,7 +41,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from osdp.describe.batch import ProfileError, batch_size_of, input_bytes_per_sample, input_spec, resize_batch
+from osdp.describe.batch import ProfileError, batch_size_of, held_all_step, input_spec, resize_batch
 from osdp.describe.measure import fit_costs, in_precision, memory_pass, resolve_units, unit_profiles
 from osdp.describe.cache import PROFILE_VERSION, cache_key, cached_path, model_fingerprint, read_cached
 from osdp.describe.units import Unit, build_units, checkpointable, structure_signature
@@ -183,9 +183,7 @@ def describe_analytic(
         optimizer_s_per_byte={},
         source=_source(info),
         device=info.name,
-        input_spec=input_spec(example_input),
-        input_bytes_per_sample=input_bytes_per_sample(example_input),
-        output_bytes_per_sample=held / sizes[0],
+        **held_all_step(model, example_input, held, sizes[0]),
         forward_order=tuple(order),
         profile_seconds=time.perf_counter() - start,
         granularity=granularity if units_given is None else "given",

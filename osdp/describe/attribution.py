@@ -234,6 +234,7 @@ class _Saved:
     """
 
     def __init__(self, segments: Segments, param_keys: set[int], chain: Callable[[torch.Tensor], Any] | None):
+        # param_keys: the storages of the model's parameters and buffers, which no unit's saving keeps alive
         self.segments, self.param_keys, self.chain = segments, param_keys, chain
         self.first_saver: dict[int, str] = {}
         self.nbytes: dict[int, int] = {}

@@ -74,6 +74,27 @@ def held_output_bytes(output: Any, *counted: Any) -> int:
     return sum(nbytes for key, nbytes in storages.items() if key not in known)
 
 
+def state_storage_keys(model: nn.Module) -> set[int]:
+    """The storages of the model's parameters and buffers: they live all step whatever the plan, so a forward that
+    saves one for backward (a conv kernel, a pruning mask, a causal mask's slice) saves no activation."""
+    return {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+
+
+def buffer_bytes(model: nn.Module) -> int:
+    """Bytes of the model's buffers, each storage once, but those a parameter shares: FSDP2 shards parameters only,
+    so every rank holds every buffer all step (PyTorch's FSDPMemTracker counts them, as BUFFER)."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in model.buffers()}
+    return sum(nbytes for key, nbytes in storages.items() if key not in params)
+
+
+def held_all_step(model: nn.Module, example_input: Any, held_output: int, rows: int) -> dict[str, Any]:
+    """A description's fields for what the training loop and the model hold all step whatever the plan: the
+    example's spec and bytes, the output's (``held_output`` bytes for ``rows`` samples), the buffers'."""
+    return dict(input_spec=input_spec(example_input), input_bytes_per_sample=input_bytes_per_sample(example_input),
+                output_bytes_per_sample=held_output / rows, buffer_bytes=buffer_bytes(model))
+
+
 def input_bytes_per_sample(example_input: Any) -> float:
     """Bytes of the example's storages (each once, however many views share it) per sample."""
     storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in iter_tensors(example_input)}

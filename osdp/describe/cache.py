@@ -16,7 +16,7 @@ import torch.nn as nn
 from osdp.schema.description import ModelDescription
 from osdp.store import cache_dir
 
-PROFILE_VERSION = 20  # bump when what is measured changes: old cache entries are ignored
+PROFILE_VERSION = 21  # bump when what is measured changes: old cache entries are ignored
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -30,6 +30,8 @@ def model_fingerprint(model: nn.Module) -> str:
         parts.append(f"{name}:{type(m).__qualname__}:{settings}")
     for name, p in model.named_parameters():
         parts.append(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}")
+    for name, b in model.named_buffers():  # held all step (ModelDescription.buffer_bytes), read by the forward
+        parts.append(f"{name}:{tuple(b.shape)}:{b.dtype}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 

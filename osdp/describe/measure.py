@@ -23,11 +23,10 @@ from osdp.describe.attribution import (
     Segments,
     UnrunMembers,
     _Saved,
-    _storage_key,
     _Timer,
     _working_sets,
 )
-from osdp.describe.batch import ProfileError, call_model, held_output_bytes, loss_of, without_grad
+from osdp.describe.batch import ProfileError, call_model, held_output_bytes, loss_of, state_storage_keys, without_grad
 from osdp.describe.forward_caches import disable_caches_in_training
 from osdp.describe.recompute import checkpoint_unit, undo_checkpoint
 from osdp.describe.units import (
@@ -260,7 +259,9 @@ def _segments_pass(
     bytes, every segment's working set, the root's saved bytes after the forward, and the segments (the units'
     forward order, those the model's own reentrant checkpoint ran again in backward)."""
     model.zero_grad(set_to_none=True)
-    param_keys = {_storage_key(p) for p in model.parameters()}
+    # a parameter or buffer a forward saves is no activation: it lives all step (a buffer is priced as such,
+    # ModelDescription.buffer_bytes), and the tracker counts it apart from the working sets
+    state_keys = state_storage_keys(model)
     # per segment: phase, owner, the owner's saved bytes plus temporaries at the segment's peak, root saved live
     segments_seen: list[tuple[str, str, int, int, int, int]] = []
     pending: dict[str, list[nn.Parameter]] = {}  # gradients of a unit whose backward is running
@@ -300,7 +301,7 @@ def _segments_pass(
             tracker.mark(t, "activations")
             kept_by_selective.saved()
 
-        saved = _Saved(segments, param_keys, chain=on_saved)
+        saved = _Saved(segments, state_keys, chain=on_saved)
         unrun = UnrunMembers(model, routed, units, saved)
         enclosing = {u.path for u in units if u.nested or u.path == ROOT}
         grad_hooks = [

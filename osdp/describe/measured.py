@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from osdp.describe.attribution import synchronizer
 from osdp.describe.cache import PROFILE_VERSION, cache_key, cached_path, model_fingerprint, read_cached
-from osdp.describe.batch import ProfileError, batch_size_of, input_bytes_per_sample, input_spec, resize_batch
+from osdp.describe.batch import ProfileError, batch_size_of, held_all_step, input_spec, resize_batch
 from osdp.describe.kept import quietly
 from osdp.describe.measure import (
     _device_of,
@@ -173,9 +173,7 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
         optimizer_s_per_byte=opt,
         source=f"measured on {device_name(device)}",
         device=device_name(device),
-        input_spec=input_spec(example_input),
-        input_bytes_per_sample=input_bytes_per_sample(example_input),
-        output_bytes_per_sample=held / sizes[0],
+        **held_all_step(model, example_input, held, sizes[0]),
         forward_order=tuple(order),
         checks=checks,
         profile_seconds=time.perf_counter() - start,

@@ -165,6 +165,10 @@ class ModelDescription:
     # bytes of what the model returns per sample (its storages, but the parameters' and the input's): the training
     # loop holds the output through backward and into the next forward (osdp.describe.batch.held_output_bytes)
     output_bytes_per_sample: float = 0.0
+    # bytes of the model's buffers (each storage once, but a parameter's): every rank holds all of them all step,
+    # whatever the plan (FSDP2 shards parameters only), so they are priced apart from any unit's activations
+    # (osdp.describe.batch.buffer_bytes); 0 in older descriptions
+    buffer_bytes: int = 0
     forward_order: tuple[str, ...] = ()  # units in the order their forward ends (FSDP2 prefetches backward by it)
     checks: Mapping[str, Any] = field(default_factory=dict)  # whole step vs sum of units, per precision and size
     profile_seconds: float = 0.0

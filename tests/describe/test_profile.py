@@ -651,3 +651,45 @@ def test_a_model_that_runs_only_with_its_users_hook_is_described_with_it():
     d = describe(model, torch.randn(4, 8, dtype=torch.float64), loss_fn=lambda out: out.sum(), **FAST)
     assert sum(u.numel for u in d.units) == sum(p.numel() for p in model.parameters())
     assert counts["fwd"] > 0
+
+
+class _SmoothsWithABuffer(nn.Module):
+    """A Linear, then a fixed conv kernel kept in a buffer (saved for backward by conv1d) and a positional table
+    in a buffer added to the output (sliced, saved by nothing)."""
+
+    def __init__(self, h=8):
+        super().__init__()
+        self.fc = nn.Linear(h, h)
+        self.register_buffer("kernel", torch.tensor([0.25, 0.5, 0.25]).repeat(h, 1, 1))
+        self.register_buffer("table", torch.randn(64, h))
+        self.h = h
+
+    def forward(self, x):
+        y = F.conv1d(self.fc(x).transpose(1, 2), self.kernel, padding=1, groups=self.h).transpose(1, 2)
+        return y + self.table[: x.shape[1]]
+
+
+@pytest.mark.parametrize("source", ["measured", "analytic"])
+def test_buffers_are_held_all_step_and_no_unit_saves_them(source):
+    """Every rank holds every buffer all step whatever the plan (FSDP2 shards parameters only; FSDPMemTracker
+    counts them): the description carries their bytes, the cost model's base holds them, and a buffer a forward
+    saves for backward (the conv kernel) is no unit's activation."""
+    from osdp.cost.context import _base, _context
+    from osdp.machine.presets import device_preset
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _SmoothsWithABuffer())
+    x = torch.randn(B, T, 8)
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    if source == "analytic":
+        d = describe_analytic(model, x, "h100-nvlink", world_size=8, loss_fn=loss_fn, progress=False, cache=False)
+    else:
+        d = describe(model, x, loss_fn=loss_fn, **FAST)
+    assert d.buffer_bytes == (8 * 3 + 64 * 8) * 4
+    # the unit saves fc's input and the conv's input (its output, transposed: one storage each), not the kernel
+    assert d.unit("1").costs["fp32"].act_bytes.bytes(B) == 2 * B * T * 8 * 4
+    device = device_preset("cpu-loopback", 2)
+    with_buffers = _base(_context(d, device, B, "fp32", "adamw", None))
+    without = _base(_context(ModelDescription.from_json(d.to_json().replace(
+        f'"buffer_bytes": {d.buffer_bytes}', '"buffer_bytes": 0')), device, B, "fp32", "adamw", None))
+    assert with_buffers - without == d.buffer_bytes

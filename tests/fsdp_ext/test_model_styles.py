@@ -50,6 +50,8 @@ PLANNING_LOSS = {
     "momentum_encoder": lambda out: out,
     "shared_module": lambda out: out,
     "data_ema": lambda out: out,
+    "buffer_blocks": lambda out: out,
+    "pruned_weight_norm": lambda out: out,
 }
 
 

@@ -6,6 +6,7 @@ arguments), ``loss(output, batch, step)`` (what the user's loop computes).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -631,6 +632,85 @@ class DataEMA(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class SinusoidalPositions(nn.Module):
+    """The Annotated Transformer's PositionalEncoding: a buffer (and a dropout), no parameter."""
+
+    def __init__(self, h, max_len=64):
+        super().__init__()
+        self.dropout = nn.Dropout(0.0)
+        pe = torch.zeros(max_len, h)
+        position = torch.arange(0, max_len).unsqueeze(1)
+        div_term = torch.exp(torch.arange(0, h, 2) * -(math.log(10000.0) / h))
+        pe[:, 0::2] = torch.sin(position * div_term)
+        pe[:, 1::2] = torch.cos(position * div_term)
+        self.register_buffer("pe", pe.unsqueeze(0))
+
+    def forward(self, x):
+        return self.dropout(x + self.pe[:, : x.size(1)].requires_grad_(False))
+
+
+class FixedSmoothing(nn.Module):
+    """A fixed smoothing over the sequence: a depthwise convolution's kernel kept in a buffer."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.register_buffer("kernel", torch.tensor([0.25, 0.5, 0.25]).repeat(h, 1, 1))
+        self.h = h
+
+    def forward(self, x):
+        return F.conv1d(x.transpose(1, 2), self.kernel, padding=1, groups=self.h).transpose(1, 2)
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.norm = nn.LayerNorm(h)
+        self.fc = nn.Linear(h, h)
+
+    def forward(self, x):
+        return x + F.gelu(self.fc(self.norm(x)))
+
+
+class BufferBlocks(nn.Module):
+    """Modules holding only buffers (positions, a smoothing kernel the forward saves for backward) between blocks:
+    every rank holds the buffers all step, whatever the plan."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, h)
+        self.pos = SinusoidalPositions(h)
+        self.blocks = nn.Sequential(ResidualMLP(h), FixedSmoothing(h), ResidualMLP(h), FixedSmoothing(h))
+        self.head = nn.Linear(h, VOCAB)
+
+    def forward(self, tokens, targets):
+        logits = self.head(self.blocks(self.pos(self.emb(tokens))))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class PrunedWeightNormed(nn.Module):
+    """torch's hook-based utilities as older code uses them: a pruned Linear (weight_orig, a weight_mask buffer,
+    ``weight`` computed by a forward pre-hook) and the older hook-based ``weight_norm`` (HiFi-GAN's)."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        import warnings
+
+        from torch.nn.utils import prune
+
+        self.emb = nn.Embedding(VOCAB, h)
+        self.fc1 = nn.Linear(h, 2 * h)
+        prune.l1_unstructured(self.fc1, "weight", amount=0.3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecated for the parametrization
+            self.fc2 = torch.nn.utils.weight_norm(nn.Linear(2 * h, h))
+        self.head = nn.Linear(h, VOCAB)
+
+    def forward(self, tokens, targets):
+        x = self.emb(tokens)
+        logits = self.head(x + self.fc2(F.gelu(self.fc1(x))))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 def _translation(rows, g):
     return (torch.randint(0, VOCAB, (rows, SEQ), generator=g),
             torch.randint(0, TARGET_VOCAB, (rows, TARGET_SEQ), generator=g))
@@ -755,6 +835,8 @@ STYLES = {
     "momentum_encoder": (MomentumEncoder, _tokens, lambda out, batch, step: out, lambda b: b),
     "shared_module": (SharedModuleEncoderDecoder, _tokens, lambda out, batch, step: out, lambda b: b),
     "data_ema": (DataEMA, _tokens, lambda out, batch, step: out, lambda b: b),
+    "buffer_blocks": (BufferBlocks, _tokens, lambda out, batch, step: out, lambda b: b),
+    "pruned_weight_norm": (PrunedWeightNormed, _tokens, lambda out, batch, step: out, lambda b: b),
     "gru_attention": (AttentionGRUSeq2Seq, _translation,
                       lambda out, batch, step: F.nll_loss(out.flatten(0, 1), batch[1].flatten()), lambda b: b),
 }
