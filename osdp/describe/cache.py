@@ -16,7 +16,7 @@ import torch.nn as nn
 from osdp.schema.description import ModelDescription
 from osdp.store import cache_dir
 
-PROFILE_VERSION = 21  # bump when what is measured changes: old cache entries are ignored
+PROFILE_VERSION = 22  # bump when what is measured changes: old cache entries are ignored
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -36,6 +36,7 @@ from osdp.describe.units import (
     checkpointable,
     discover_units,
     enclosing,
+    holding_unit,
     param_homes,
     routed_containers,
     sparse_gradients_message,
@@ -236,12 +237,23 @@ def _recomputed_working_sets(
         memory[path]["recompute_peak"] = max(memory[path]["recompute_peak"], peak - credit[path])
 
 
+def _keeping_graphs(model: nn.Module, units: Sequence[Unit]) -> set[str]:
+    """The units whose modules keep, after the forward, a tensor it computed with grad as a plain attribute (an
+    auxiliary loss on ``self.aux_loss``, an attention map kept for display), and the units inside them: its graph
+    holds a checkpoint's inputs past the unit's backward, until the next forward replaces it."""
+    paths = [u.path for u in units]
+    holders = {holding_unit(name, paths) for name, m in model.named_modules()
+               if any(t.grad_fn is not None for k, v in vars(m).items() if not k.startswith("_")
+                      for t in iter_tensors(v))}
+    return {p for p in paths for h in holders if p == h or p.startswith(h + ".") or h == ROOT}
+
+
 def _checkpoint_memory(memory: dict[str, dict[str, int]], units: Sequence[Unit], writes: InPlaceWrites,
-                       kept_by_selective: KeptBySelective, saved: _Saved) -> None:
+                       kept_by_selective: KeptBySelective, saved: _Saved, keeping: set[str]) -> None:
     """Per checkpointable unit, after the forward: whether a checkpoint may take it at all, what selective
     checkpointing keeps (the inputs and SAVED_OPS' outputs) and the FLOPs each policy's recompute redoes."""
     for u in checkpointable(units):
-        if u.path in writes.inputs_written or u.path in writes.state_written:
+        if u.path in writes.inputs_written or u.path in writes.state_written or u.path in keeping:
             memory[u.path]["no_checkpoint"] = 1
         elif u.path not in writes.kept_written:  # else offered none or full only
             memory[u.path]["sac"] = (memory[u.path]["ckpt"] + kept_by_selective.bytes.get(u.path, 0)
@@ -319,7 +331,7 @@ def _segments_pass(
             root_total = saved.live.get(ROOT, 0)
             for path, rows in linear_rows.rows.items():  # UnitWorkload.split_rows
                 memory.setdefault(path, {})["split_rows"] = rows
-            _checkpoint_memory(memory, units, writes, kept_by_selective, saved)
+            _checkpoint_memory(memory, units, writes, kept_by_selective, saved, _keeping_graphs(model, units))
 
         try:
             with segments, linear_rows, unrun, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), \

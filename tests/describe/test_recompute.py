@@ -283,3 +283,41 @@ def test_a_unit_whose_weights_torchs_hooks_compute_recomputes_them(policy):
         assert set(got) == set(expected)
         for name in expected:
             torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6)
+
+
+class _Keeping(nn.Module):
+    """Its forward keeps, as a plain attribute, a tensor it computed with grad (an attention map kept for display),
+    or that tensor detached."""
+
+    def __init__(self, detach: bool):
+        super().__init__()
+        self.fc, self.detach, self.kept = nn.Linear(16, 16), detach, None
+
+    def forward(self, x):
+        y = self.fc(x).softmax(-1)
+        self.kept = y.detach() if self.detach else y
+        return y
+
+
+class _KeepingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.keeps_graph, self.keeps_values, self.plain = _Keeping(False), _Keeping(True), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.plain(self.keeps_values(self.keeps_graph(x))).square().mean()
+
+
+def test_a_unit_keeping_a_tensor_with_its_graph_is_offered_no_checkpoint():
+    """The kept tensor's graph holds a checkpoint's inputs past the unit's backward, to the next forward (a plan
+    checkpointing such blocks measured 7 KiB over its budget); a value kept detached holds no graph."""
+    from osdp.describe.analytic import describe_analytic
+    from osdp.describe.measured import describe
+    from osdp.machine.presets import device_preset
+
+    example = torch.randn(8, 16)
+    for description in (describe(_KeepingNet(), example, cache=False, progress=False),
+                        describe_analytic(_KeepingNet(), example, device_preset("cpu-loopback", 2), cache=False,
+                                          progress=False)):
+        offered = {u.path: u.costs["fp32"].checkpointable for u in description.units if u.path}
+        assert offered == {"keeps_graph": False, "keeps_values": True, "plain": True}, (description.source, offered)

@@ -52,6 +52,7 @@ PLANNING_LOSS = {
     "data_ema": lambda out: out,
     "buffer_blocks": lambda out: out,
     "pruned_weight_norm": lambda out: out,
+    "attention_maps": lambda out: out,
 }
 
 

@@ -711,6 +711,36 @@ class PrunedWeightNormed(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class DisplayedAttention(nn.Module):
+    """Self-attention that keeps its map for display as a plain attribute, not detached (explainability code)."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.norm = nn.LayerNorm(h)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.proj = nn.Linear(h, h)
+        self.attn_map = None
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        self.attn_map = (q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5).softmax(-1)
+        return x + self.proj(self.attn_map @ v)
+
+
+class AttentionMaps(nn.Module):
+    def __init__(self, h=32):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, h)
+        self.blocks = nn.ModuleList([DisplayedAttention(h) for _ in range(2)])
+        self.head = nn.Linear(h, VOCAB)
+
+    def forward(self, tokens, targets):
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
 def _translation(rows, g):
     return (torch.randint(0, VOCAB, (rows, SEQ), generator=g),
             torch.randint(0, TARGET_VOCAB, (rows, TARGET_SEQ), generator=g))
@@ -837,6 +867,7 @@ STYLES = {
     "data_ema": (DataEMA, _tokens, lambda out, batch, step: out, lambda b: b),
     "buffer_blocks": (BufferBlocks, _tokens, lambda out, batch, step: out, lambda b: b),
     "pruned_weight_norm": (PrunedWeightNormed, _tokens, lambda out, batch, step: out, lambda b: b),
+    "attention_maps": (AttentionMaps, _tokens, lambda out, batch, step: out, lambda b: b),
     "gru_attention": (AttentionGRUSeq2Seq, _translation,
                       lambda out, batch, step: F.nll_loss(out.flatten(0, 1), batch[1].flatten()), lambda b: b),
 }
