@@ -229,10 +229,6 @@ def test_a_unit_whose_forward_advances_a_buffer_it_reads_is_offered_no_checkpoin
     a hand-written plan that does is refused in the first forward."""
     from torch.nn.utils.parametrizations import spectral_norm
 
-    from osdp.describe.analytic import describe_analytic
-    from osdp.describe.measured import describe
-    from osdp.machine.presets import device_preset
-
     torch.manual_seed(0)
     layer = spectral_norm(nn.Linear(16, 32))
     recomputed = copy.deepcopy(layer)
@@ -240,12 +236,20 @@ def test_a_unit_whose_forward_advances_a_buffer_it_reads_is_offered_no_checkpoin
     x = torch.randn(4, 16)
     with pytest.raises(RuntimeError, match="writes its buffer.*cannot be checkpointed"):  # a hand-written plan
         grads_of(recomputed, x)
+    for source, offered in checkpoint_offered(_Mixed):
+        assert offered == {"spectral": False, "normed": True, "plain": True}, (source, offered)
+
+
+def checkpoint_offered(build) -> list[tuple[str, dict[str, bool]]]:
+    """Per description of ``build()`` (measured, analytic): whether each unit is offered a checkpoint."""
+    from osdp.describe.analytic import describe_analytic
+    from osdp.describe.measured import describe
+    from osdp.machine.presets import device_preset
+
     example = torch.randn(8, 16)
-    for description in (describe(_Mixed(), example, cache=False, progress=False),
-                        describe_analytic(_Mixed(), example, device_preset("cpu-loopback", 2), cache=False,
-                                          progress=False)):
-        offered = {u.path: u.costs["fp32"].checkpointable for u in description.units if u.path}
-        assert offered == {"spectral": False, "normed": True, "plain": True}, (description.source, offered)
+    descriptions = (describe(build(), example, cache=False, progress=False),
+                    describe_analytic(build(), example, device_preset("cpu-loopback", 2), cache=False, progress=False))
+    return [(d.source, {u.path: u.costs["fp32"].checkpointable for u in d.units if u.path}) for d in descriptions]
 
 
 class _HookComputedWeights(nn.Module):
@@ -311,13 +315,5 @@ class _KeepingNet(nn.Module):
 def test_a_unit_keeping_a_tensor_with_its_graph_is_offered_no_checkpoint():
     """The kept tensor's graph holds a checkpoint's inputs past the unit's backward, to the next forward (a plan
     checkpointing such blocks measured 7 KiB over its budget); a value kept detached holds no graph."""
-    from osdp.describe.analytic import describe_analytic
-    from osdp.describe.measured import describe
-    from osdp.machine.presets import device_preset
-
-    example = torch.randn(8, 16)
-    for description in (describe(_KeepingNet(), example, cache=False, progress=False),
-                        describe_analytic(_KeepingNet(), example, device_preset("cpu-loopback", 2), cache=False,
-                                          progress=False)):
-        offered = {u.path: u.costs["fp32"].checkpointable for u in description.units if u.path}
-        assert offered == {"keeps_graph": False, "keeps_values": True, "plain": True}, (description.source, offered)
+    for source, offered in checkpoint_offered(_KeepingNet):
+        assert offered == {"keeps_graph": False, "keeps_values": True, "plain": True}, (source, offered)
