@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from osdp.describe.recompute import MATMULS, SAVED_OPS, kept_by_selective
+from osdp.describe.recompute import MATMULS, SAVED_OPS, kept_by_selective, statistics_buffers
 from osdp.describe.units import Unit, alike_members, checkpointable, holding_unit, param_homes
 from osdp.machine.memory import iter_tensors, written_tensors
 from osdp.schema.plan import ROOT
@@ -511,8 +511,7 @@ class InPlaceWrites(TorchDispatchMode):
         self.inputs_written: set[str] = set()
         self.kept_written: set[str] = set()
         self.state_written: set[str] = set()
-        statistics = {id(b) for m in segments.model.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
-                      for b in m.buffers(recurse=False)}
+        statistics = {id(b) for b in statistics_buffers(segments.model)}
         self._state = {_storage_key(t) for t in (*segments.model.buffers(), *segments.model.parameters())
                        if id(t) not in statistics}
 

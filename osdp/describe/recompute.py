@@ -236,8 +236,7 @@ def _refuse_written_buffers(cls: type, unit: nn.Module, written: list[torch.Tens
     # output than the forward's, which backward would then differentiate. Normalization layers' statistics are
     # written and not read in training. The describe keeps a searched plan from checkpointing such a unit
     # (``InPlaceWrites.state_written``); a hand-written plan is refused here, on every rank alike.
-    statistics = {id(b) for m in unit.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
-                  for b in m.buffers(recurse=False)}
+    statistics = {id(b) for b in statistics_buffers(unit)}
     names = {id(b): n for n, b in unit.named_buffers()}
     written = [names[id(b)] for b in written if id(b) not in statistics and id(b) in names]
     if written:
@@ -247,6 +246,13 @@ def _refuse_written_buffers(cls: type, unit: nn.Module, written: list[torch.Tens
             "iteration, a step counter). Give its unit checkpoint=False in the plan (a searched plan never "
             "checkpoints such a unit)"
         )
+
+
+def statistics_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """Normalization layers' buffers (running statistics, ``num_batches_tracked``): a training forward writes them
+    and does not read them, so a recompute that starts from what the forward wrote computes the same output."""
+    return [b for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+            for b in m.buffers(recurse=False)]
 
 
 def _running_statistics(module: nn.Module) -> list[torch.Tensor]:
