@@ -79,6 +79,7 @@ from osdp.fsdp_ext.mixed_precision import keep_mixed_precision_current
 from osdp.fsdp_ext.divide_factors import track_divide_factors
 from osdp.fsdp_ext.meta import built_on_meta, check_alike, check_materialized_at_first_forward
 from osdp.fsdp_ext.earlier_optimizers import named_parameter_objects, remember_replaced
+from osdp.fsdp_ext.evaluation import reshard_after_evaluating
 from osdp.fsdp_ext.module_api import StandIn, UnitExtras, extend_unit, stand_in_for_units
 from osdp.fsdp_ext.replicate import ReplicaReducer
 from osdp.fsdp_ext.replicated_view import ReplicatedView
@@ -398,7 +399,7 @@ def apply_plan(
 def _around_the_units(model: nn.Module, plan: Plan, groups: dict[str, list[str]]) -> None:
     """What the units' forwards and backwards need around FSDP2's: resharding in eval, bf16 copies kept current,
     caches off where a recompute must save what the forward saved, a graph-building backward refused."""
-    _reshard_when_evaluating(model, groups)
+    _resharded_when_evaluating(model, groups)
     if plan.mixed_precision == "bf16":
         keep_mixed_precision_current(model)
     if any(d.checkpoint for d in plan.units):
@@ -508,7 +509,7 @@ def _own_modules(unit: nn.Module, nested: set[nn.Module]) -> list[nn.Module]:
 
 def reducer_storages(model: nn.Module) -> list[torch.UntypedStorage]:
     """Storages the DDP reducer of a wrapped model's replicated units owns (its gradient buckets)."""
-    replicated = getattr(model, _REPLICATED_ATTR, None)
+    replicated = _reducer_of(model)
     return [] if replicated is None else replicated.bucket_storages()
 
 
@@ -525,15 +526,17 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     model.set_requires_gradient_sync(requires_gradient_sync)
 
 
-def _reshard_when_evaluating(model: nn.Module, groups: dict[str, list[str]]) -> None:
-    """``_reshard_after_forward_without_grad`` on every FSDP2 unit, after the last module of a group;
-    ``_pre_backward_through_views`` on every one."""
+def _resharded_when_evaluating(model: nn.Module, groups: dict[str, list[str]]) -> None:
+    """``fsdp_ext.evaluation`` on the model, and ``_pre_backward_through_views`` on every FSDP2 unit."""
     not_last = {model.get_submodule(p) for members in groups.values() for p in members[:-1]}
+    reshard_after_evaluating(model, not_last, _reducer_of)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.register_forward_hook(_pre_backward_through_views)
-            if module not in not_last:
-                module.register_forward_hook(_reshard_after_forward_without_grad)
+
+
+def _reducer_of(model: nn.Module) -> ReplicaReducer | None:
+    return getattr(model, _REPLICATED_ATTR, None)
 
 
 # FSDP2 warns of what _pre_backward_through_views handles, at every forward of such a unit
@@ -549,16 +552,6 @@ def _pre_backward_through_views(module: FSDPModule, args, output):
         for t in iter_tensors(output):
             if t.requires_grad and t._base is not None and t._base.requires_grad:
                 t._base.register_hook(fsdp_pre_backward(module))
-    return output
-
-
-def _reshard_after_forward_without_grad(module: FSDPModule, args, output):
-    # A forward under no_grad (evaluation) has no backward to reshard the units that keep their parameters
-    # gathered after forward (zero2, the root): reshard them now. That frees their memory for inference, and
-    # while they stay gathered model.parameters() yields the unsharded tensors, so an optimizer made after
-    # evaluation would step those, not the shards (plain FSDP2 does the same: up to 0.25 off one process).
-    if not torch.is_grad_enabled():
-        module.reshard()
     return output
 
 

@@ -10,11 +10,16 @@ and per change of its groups. An optimizer stepped before wrapping has state for
 parameters: each rank keeps its own part of each tensor shaped like its parameter, laid out as the parameter
 now is (its own values, no communication: the same on every rank where every rank stepped alike, as under a
 replicating plan); state of another shape cannot be laid out so, and that step raises, saying what to do.
+
+The same look-up serves gathered parameters an optimizer was built from after evaluation
+(``fsdp_ext.evaluation``, ``step_in_its_place``), and what must be settled before any step (a root kept
+gathered) runs first (``settle_before_each_step``).
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -28,8 +33,9 @@ _replaced: dict[int, tuple[weakref.ref, weakref.ref, str, str]] = {}
 # optimizer -> what it was when last looked at: the wraps done by then and the shape of its param groups (a wrap
 # since, or a group added, and it is looked at again)
 _looked_at: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
-_wraps = 0
+_changes = 0  # wraps and gathered parameters noted so far
 _hook = None
+_settle: list[Callable[[], None]] = []  # run before every step, before the look-up
 
 
 def named_parameter_objects(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -42,25 +48,54 @@ def remember_replaced(before: dict[str, nn.Parameter], model: nn.Module, kept: s
     plan replaced, and make sure optimizers built earlier step the replacements. ``kept``: the parameters the
     reducer trains as they are (a module shows them as DTensor views of the same memory; stepping them is
     stepping those)."""
-    global _hook, _wraps
-    _wraps += 1
+    global _changes
+    _changes += 1
     after = named_parameter_objects(model)
     for name, old in before.items():
         new = after.get(name)
         if new is not None and new is not old and old not in kept:
             owner, _, attribute = name.rpartition(".")
-            key = id(old)
-            _replaced[key] = (weakref.ref(old, lambda _, key=key: _replaced.pop(key, None)),
-                              weakref.ref(model.get_submodule(owner)), attribute, name)
-    if _replaced and _hook is None:
+            _note(old, model.get_submodule(owner), attribute, name)
+    if _replaced:
+        _ensure_hook()
+
+
+def step_in_its_place(param: nn.Parameter, owner: nn.Module, attribute: str, name: str) -> None:
+    """Make an optimizer holding ``param`` step what ``owner`` registers as ``attribute`` at the step instead."""
+    global _changes
+    entry = _replaced.get(id(param))
+    if entry is None or entry[0]() is not param:
+        _note(param, owner, attribute, name)
+        _changes += 1
+        _ensure_hook()
+
+
+def settle_before_each_step(settle: Callable[[], None]) -> None:
+    """Call ``settle()`` before every optimizer step, before the look-up (once however often asked)."""
+    if settle not in _settle:
+        _settle.append(settle)
+    _ensure_hook()
+
+
+def _note(old: nn.Parameter, owner: nn.Module, attribute: str, name: str) -> None:
+    key = id(old)
+    _replaced[key] = (weakref.ref(old, lambda _, key=key: _replaced.pop(key, None)), weakref.ref(owner), attribute,
+                      name)
+
+
+def _ensure_hook() -> None:
+    global _hook
+    if _hook is None:
         _hook = register_optimizer_step_pre_hook(_step_replacements)
 
 
 def _as_looked_at(optimizer: torch.optim.Optimizer) -> tuple:
-    return _wraps, tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+    return _changes, tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
 
 
 def _step_replacements(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+    for settle in _settle:
+        settle()
     if not _replaced:
         return
     if _looked_at.get(optimizer) == _as_looked_at(optimizer):

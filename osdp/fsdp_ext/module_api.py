@@ -52,6 +52,7 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from osdp._torch_private import replicated_by_fsdp2
 from osdp.fsdp_ext.divide_factors import divide_factors_of
+from osdp.fsdp_ext.evaluation import put_at_rest
 from osdp.fsdp_ext.forward_errors import explaining
 from osdp.fsdp_ext.forward_methods import registered_by_fsdp2, with_osdp_hooks
 from osdp.fsdp_ext.replicate import ReplicaReducer, Slot
@@ -111,6 +112,20 @@ class UnitModule:
             "osdp.integrations.hf.Trainer (same arguments), in an accelerate loop "
             "osdp.integrations.hf.prepare(accelerator, model, optimizer, dataloader)"
         )
+
+    # parameters handed out are the ones training steps, never those an evaluating forward left gathered
+    # (fsdp_ext.evaluation); parameters() goes through named_parameters()
+    def named_parameters(self, *args, **kwargs):
+        put_at_rest()
+        return super().named_parameters(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        put_at_rest()
+        return super().state_dict(*args, **kwargs)
+
+    def reshard(self) -> None:
+        put_at_rest()
+        super().reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         super().set_requires_gradient_sync(requires_gradient_sync, recurse=recurse)

@@ -296,9 +296,16 @@ class ReplicaReducer:
         grads_from = [t for t in output_tensors(output) if t.requires_grad] if torch.is_grad_enabled() else []
         if grads_from and (self._state or self.view is not None):
             register_multi_grad_hook(grads_from, self._arm, mode="any")
-        elif not grads_from and self.view is not None and not self._in_backward:
-            self.view.to_rest()  # no backward through this forward: the step's parameters are the views again
+        elif not grads_from and torch.is_grad_enabled():
+            self.rest()  # no backward through this forward: the step's parameters are the views again
+        # (a forward without gradients leaves them plain, as FSDP2 leaves its root gathered: fsdp_ext.evaluation
+        # calls rest() when the parameters are needed at rest)
         return output
+
+    def rest(self) -> None:
+        """Show the parameters as DTensors again (outside a backward)."""
+        if self.view is not None and not self._in_backward:
+            self.view.to_rest()
 
     def _arm(self, *_) -> None:
         if self._in_backward:

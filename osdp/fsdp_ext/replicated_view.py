@@ -9,8 +9,8 @@ teacher); whether that works must not depend on the plan.
 So between steps each such parameter is registered as a DTensor replicated on the world mesh, a view of the
 same memory, and its gradient as a DTensor view of the plain one: optimizers built from ``model.parameters()``
 step DTensors, as under FSDP2, and write the memory forward uses. From the model's forward until the backward
-that follows it has ended (or the forward's end, when no backward can follow) the plain parameters are
-registered in their place, as FSDP2 registers its unsharded parameters for forward and backward; a
+that follows it has ended (or the forward's end, when no backward can follow; after a forward without
+gradients, until ``fsdp_ext.evaluation`` puts them at rest) the plain parameters are registered in their place, as FSDP2 registers its unsharded parameters for forward and backward; a
 checkpointed unit's recompute finds them too. What the user changed between steps reaches the plain
 parameters as the forward begins: ``requires_grad``, a gradient set to None or replaced, a parameter replaced
 in its module (``load_state_dict(..., assign=True)``: its DTensor's memory becomes the new plain parameter,

@@ -8,8 +8,11 @@ evaluation after training, CPU autocast, and bf16 parameters with fp32 reduction
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from cases import build_toy, every_mode_plans, toy_batches
 from dist_harness import run_ranks
 from training_check import assert_matches_reference, cloned, full_state, reference, sgd, train, train_under_plans
@@ -318,3 +321,112 @@ def test_bf16_parameters_with_fp32_reduction_train_as_one_process_in_bf16():
     assert_matches_reference([[r[split]] for r in out], ref, [names[split]], atol=1e-2, loss_rtol=2**-8)
     for name, (losses, state) in zip(plans, out[0]):  # the optimizer keeps fp32 parameters
         assert all(v.dtype == torch.float32 for v in state.values()), name
+
+
+class _Tower(nn.Module):
+    def __init__(self, d_in, h=64, d_out=16):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d_in if i == 0 else h, h), nn.GELU()) for i in range(2))
+        self.proj = nn.Linear(h, d_out, bias=False)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return F.normalize(self.proj(x), dim=-1)
+
+
+class _TwoTowers(nn.Module):
+    """CLIP's shape: two encoders, and a temperature the training and evaluation loops read off the root (a
+    scalar, which FSDP2 cannot shard; a shift of the text embeddings is the root's sharded parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.visual, self.text = _Tower(12), _Tower(10)
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+        self.text_shift = nn.Parameter(torch.zeros(16))
+
+    def forward(self, image, text):
+        return self.visual(image), self.text(text) + self.text_shift
+
+
+def _two_towers():
+    torch.manual_seed(0)
+    return _TwoTowers()
+
+
+def _image_text_batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 12, generator=g), torch.randn(8, 10, generator=g)) for _ in range(3)]
+
+
+def _contrastive_loop(model, optimizer_made, rank=0, world_size=1):
+    """CLIP's loop: each step evaluates the whole batch (scores scaled by ``model.logit_scale`` outside the
+    forward), then trains on this rank's half, clamping the temperature after the step. ``optimizer_made``:
+    "before" the loop from model.parameters(); "after" the first evaluation, in groups holding the temperature
+    itself and the towers' parameters, with one more evaluation between each backward and step. One process
+    trains each half's loss in turn, averaged, as the two ranks do."""
+
+    def evaluate():
+        model.eval()
+        with torch.no_grad():
+            image_emb, text_emb = model(image, text)
+            out.append(model.logit_scale.exp() * image_emb @ text_emb.T)
+        model.train()
+
+    opt = sgd(model) if optimizer_made == "before" else None
+    out = []
+    for image, text in _image_text_batches():
+        evaluate()
+        if opt is None:
+            opt = torch.optim.SGD([{"params": [model.logit_scale, model.text_shift], "lr": 0.05},
+                                   {"params": model.visual.parameters()}, {"params": model.text.parameters()}],
+                                  lr=0.2, momentum=0.9)
+        n = image.shape[0] // world_size
+        image_emb, text_emb = model(image[rank * n:(rank + 1) * n], text[rank * n:(rank + 1) * n])
+        halves = []
+        for a in range(0, n, 4):
+            logits = model.logit_scale.exp() * image_emb[a:a + 4] @ text_emb[a:a + 4].T
+            halves.append((F.cross_entropy(logits, torch.arange(4)) + F.cross_entropy(logits.T, torch.arange(4))) / 2)
+        loss = sum(halves) / len(halves)
+        loss.backward()
+        if optimizer_made == "after":
+            evaluate()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, math.log(100))
+        out.append(loss.item())
+    return out
+
+
+def _contrastive(rank, world_size, plans_json, optimizer_made):
+    results = []
+    for plan_json in plans_json:
+        model = _two_towers()
+        osdp.wrap(model, plan=plan_json)
+        out = _contrastive_loop(model, optimizer_made, rank, world_size)
+        state = full_state(model)  # collective: every rank takes part
+        results.append((out, state if rank == 0 else None))
+    return results
+
+
+def test_a_loop_reading_the_roots_parameters_after_evaluation_equals_one_process():
+    # FSDP2 keeps its root gathered after a forward without gradients and CLIP's evaluation reads the temperature
+    # there; under every plan it must read a plain tensor, and an optimizer built or stepped then must step the
+    # parameters training uses
+    plans = every_mode_plans(_two_towers())
+    for optimizer_made in ("before", "after"):
+        reference_model = _two_towers()
+        ref = _contrastive_loop(reference_model, optimizer_made)
+        ref_state = cloned(reference_model.state_dict())
+        out = run_ranks(_contrastive, 2, [p.to_json() for p in plans.values()], optimizer_made, timeout=180)
+        for i, name in enumerate(plans):
+            case = f"{name}, optimizer made {optimizer_made}"
+            for rank_out in out:
+                for got, want in zip(rank_out[i][0], ref):
+                    if isinstance(want, torch.Tensor):  # every rank evaluates the whole batch
+                        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=case)
+            losses = [(a + b) / 2 for a, b in zip(out[0][i][0], out[1][i][0]) if not isinstance(a, torch.Tensor)]
+            assert max(abs(a - b) for a, b in zip(losses, [r for r in ref if not isinstance(r, torch.Tensor)])) <= 1e-5, case
+            for key, want in ref_state.items():
+                torch.testing.assert_close(out[0][i][1][key], want, atol=1e-5, rtol=0, msg=f"{case}: {key}")

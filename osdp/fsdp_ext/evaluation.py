@@ -1,0 +1,87 @@
+"""What a forward without gradients (evaluation) leaves gathered, and until when.
+
+A forward under ``no_grad`` has no backward to reshard what FSDP2 keeps gathered after forward. Units inside the
+root are resharded at once (their memory is inference's). The root's parameters stay as the forward used them,
+as FSDP2 keeps its root's: plain tensors, which evaluation loops combine with the forward's outputs (CLIP's
+``model.logit_scale.exp() * image @ text.T``). That must hold under every plan, so the parameters the reducer
+replicates stay plain too (``fsdp_ext.replicated_view``), wherever the plan put the root's parameters.
+
+They are put back at rest (sharded; the replicated ones shown as DTensors again) before anything that must see
+the parameters training steps: an optimizer step (``fsdp_ext.earlier_optimizers``, which also puts the shards in
+place of gathered parameters an optimizer was built from meanwhile), ``parameters()``, ``named_parameters()`` and
+``state_dict()`` of any unit (``fsdp_ext.module_api``), ``reshard()``. The next forward takes them as they are.
+Plain FSDP2 leaves them gathered there: an optimizer built after evaluation then steps the gathered copies,
+which the next gather overwrites (up to 0.25 off one process).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+from osdp.fsdp_ext.earlier_optimizers import settle_before_each_step, step_in_its_place
+from osdp.fsdp_ext.replicate import ReplicaReducer
+
+# the roots kept as a forward without gradients left them, each with where its reducer is found
+_kept: "weakref.WeakKeyDictionary[nn.Module, Callable[[nn.Module], ReplicaReducer | None]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def reshard_after_evaluating(model: nn.Module, not_last_of_group: set[nn.Module],
+                             reducer_of: Callable[[nn.Module], ReplicaReducer | None]) -> None:
+    """Reshard every FSDP2 unit inside ``model`` after a forward without gradients (a group's after its last
+    module: none of ``not_last_of_group``); keep the root's parameters and its reducer's (``reducer_of(model)``,
+    which must not hold the model) as the forward left them until something needs them at rest (see the module
+    docstring)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and module is not model and module not in not_last_of_group:
+            module.register_forward_hook(_reshard_after_forward_without_grad)
+
+    def keep_if_evaluating(root: nn.Module, args, output):
+        if not torch.is_grad_enabled():
+            _kept[root] = reducer_of
+            _step_at_rest_in_place_of_kept(root, reducer_of(root))
+        return output
+
+    model.register_forward_pre_hook(_used_again, prepend=True)
+    model.register_forward_hook(keep_if_evaluating)
+    settle_before_each_step(put_at_rest)
+
+
+def put_at_rest() -> None:
+    """Put every root kept as an evaluating forward left it at rest (before a step, or handing parameters out)."""
+    while _kept:
+        root, reducer_of = _kept.popitem()
+        if isinstance(root, FSDPModule):
+            FSDPModule.reshard(root)
+        if (reducer := reducer_of(root)) is not None:
+            reducer.rest()
+
+
+def _reshard_after_forward_without_grad(module: FSDPModule, args, output):
+    if not torch.is_grad_enabled():
+        FSDPModule.reshard(module)  # this unit's alone: a root kept meanwhile stays so
+    return output
+
+
+def _used_again(root: nn.Module, *_) -> None:
+    _kept.pop(root, None)  # the forward takes the parameters as they are
+
+
+def _step_at_rest_in_place_of_kept(root: nn.Module, reducer: ReplicaReducer | None) -> None:
+    # An optimizer built from kept parameters steps what is registered in their place at the step: the shards,
+    # the replicated views (stepped on the plain parameters again: fsdp_ext.replicated_view). FSDP2 registers
+    # one gathered parameter object per parameter for as long as the unit lives.
+    state = root._get_fsdp_state() if isinstance(root, FSDPModule) else None
+    for group in state._fsdp_param_groups if state is not None else ():
+        for fsdp_param in group.fsdp_params:
+            gathered = getattr(fsdp_param, "_unsharded_param", None)
+            if gathered is not None:
+                info = fsdp_param._module_info
+                step_in_its_place(gathered, info.module, info.param_name, fsdp_param._param_fqn)
+    for slot in reducer.slots if reducer is not None else ():
+        step_in_its_place(slot.param, slot.module, slot.name, slot.path)
