@@ -381,6 +381,8 @@ def apply_plan(
             own = set(owned[path])
             extra.reducer, extra.replicated = reducer, [s for s in reducer.slots if s.param in own]
         extend_unit(model.get_submodule(path), extra)
+    if reducer is not None:
+        reducer.root_slots = extras[ROOT].replicated
     stand_in_for_units(model, shardable)
     _track_divide_factors(model, plan, grouped)
     _around_the_units(model, plan, groups)

@@ -3,8 +3,9 @@
 A forward under ``no_grad`` has no backward to reshard what FSDP2 keeps gathered after forward. Units inside the
 root are resharded at once (their memory is inference's). The root's parameters stay as the forward used them,
 as FSDP2 keeps its root's: plain tensors, which evaluation loops combine with the forward's outputs (CLIP's
-``model.logit_scale.exp() * image @ text.T``). That must hold under every plan, so the parameters the reducer
-replicates stay plain too (``fsdp_ext.replicated_view``), wherever the plan put the root's parameters.
+``model.logit_scale.exp() * image @ text.T``). That must hold under every plan, so those of the root's
+parameters the reducer replicates stay plain too (``fsdp_ext.replicated_view``); every other unit's are DTensors
+then, whether the plan shards or replicates them.
 
 They are put back at rest (sharded; the replicated ones shown as DTensors again) before anything that must see
 the parameters training steps: an optimizer step (``fsdp_ext.earlier_optimizers``, which also puts the shards in
@@ -41,6 +42,7 @@ def reshard_after_evaluating(model: nn.Module, not_last_of_group: set[nn.Module]
         if isinstance(module, FSDPModule) and module is not model and module not in not_last_of_group:
             module.register_forward_hook(_reshard_after_forward_without_grad)
 
+    @torch._dynamo.disable  # under model.compile(), as FSDP2's own hooks: bookkeeping, nothing to trace
     def keep_if_evaluating(root: nn.Module, args, output):
         if not torch.is_grad_enabled():
             _kept[root] = reducer_of
@@ -62,12 +64,14 @@ def put_at_rest() -> None:
             reducer.rest()
 
 
+@torch._dynamo.disable
 def _reshard_after_forward_without_grad(module: FSDPModule, args, output):
     if not torch.is_grad_enabled():
         FSDPModule.reshard(module)  # this unit's alone: a root kept meanwhile stays so
     return output
 
 
+@torch._dynamo.disable
 def _used_again(root: nn.Module, *_) -> None:
     _kept.pop(root, None)  # the forward takes the parameters as they are
 
@@ -83,5 +87,5 @@ def _step_at_rest_in_place_of_kept(root: nn.Module, reducer: ReplicaReducer | No
             if gathered is not None:
                 info = fsdp_param._module_info
                 step_in_its_place(gathered, info.module, info.param_name, fsdp_param._param_fqn)
-    for slot in reducer.slots if reducer is not None else ():
+    for slot in reducer.root_slots if reducer is not None else ():
         step_in_its_place(slot.param, slot.module, slot.name, slot.path)

@@ -139,6 +139,7 @@ class ReplicaReducer:
         self._next = 0  # the next bucket to all-reduce in this backward: in bucket order, on every rank
         self._mixed = any(isinstance(p, DTensor) for p in model.parameters())
         self.view = None  # fsdp_ext.replicated_view: the parameters shown as DTensors between steps
+        self.root_slots: list[Slot] = []  # the root unit's own: plain after a forward without gradients
         # a model built on the meta device gets its memory and values after wrapping (model.to_empty, then the
         # user's initialisation): rank 0's values and the buckets wait for its first forward
         self._on_meta = any(p.is_meta for p in self.params)
@@ -296,14 +297,15 @@ class ReplicaReducer:
         grads_from = [t for t in output_tensors(output) if t.requires_grad] if torch.is_grad_enabled() else []
         if grads_from and (self._state or self.view is not None):
             register_multi_grad_hook(grads_from, self._arm, mode="any")
-        elif not grads_from and torch.is_grad_enabled():
-            self.rest()  # no backward through this forward: the step's parameters are the views again
-        # (a forward without gradients leaves them plain, as FSDP2 leaves its root gathered: fsdp_ext.evaluation
-        # calls rest() when the parameters are needed at rest)
+        elif not grads_from and self.view is not None and not self._in_backward:
+            # no backward through this forward: the step's parameters are the views again, but for the root's
+            # after a forward without gradients, which stay plain as FSDP2 keeps its root gathered until
+            # fsdp_ext.evaluation calls rest()
+            self.view.to_rest(keep=set() if torch.is_grad_enabled() else {s.param for s in self.root_slots})
         return output
 
     def rest(self) -> None:
-        """Show the parameters as DTensors again (outside a backward)."""
+        """Show every parameter as a DTensor again (outside a backward)."""
         if self.view is not None and not self._in_backward:
             self.view.to_rest()
 

@@ -10,7 +10,8 @@ So between steps each such parameter is registered as a DTensor replicated on th
 same memory, and its gradient as a DTensor view of the plain one: optimizers built from ``model.parameters()``
 step DTensors, as under FSDP2, and write the memory forward uses. From the model's forward until the backward
 that follows it has ended (or the forward's end, when no backward can follow; after a forward without
-gradients, until ``fsdp_ext.evaluation`` puts them at rest) the plain parameters are registered in their place, as FSDP2 registers its unsharded parameters for forward and backward; a
+gradients, the root unit's until ``fsdp_ext.evaluation`` puts them at rest) the plain parameters are registered in
+their place, as FSDP2 registers its unsharded parameters for forward and backward; a
 checkpointed unit's recompute finds them too. What the user changed between steps reaches the plain
 parameters as the forward begins: ``requires_grad``, a gradient set to None or replaced, a parameter replaced
 in its module (``load_state_dict(..., assign=True)``: its DTensor's memory becomes the new plain parameter,
@@ -44,6 +45,7 @@ class ReplicatedView:
         self._shown: dict[nn.Parameter, nn.Parameter] = {}  # plain parameter -> its DTensor view
         self._grads: dict[nn.Parameter, DTensor] = {}  # plain parameter -> the view of its gradient last shown
         self.computing = True
+        self._kept: set[nn.Parameter] = set()  # plain while the others are at rest (to_rest's keep)
         self.to_rest()
         _step_optimizers_on_plain_parameters()
 
@@ -55,6 +57,7 @@ class ReplicatedView:
         if self.computing:
             return
         self.computing = True
+        self._kept = set()
         made: dict[int, nn.Parameter] = {}  # id(view) -> the plain parameter made for it here (a tied weight: one)
         for slot in self.slots:
             shown = slot.now()
@@ -100,17 +103,24 @@ class ReplicatedView:
         else:  # set by the user
             plain.grad = _local(grad)
 
-    def to_rest(self) -> None:
-        """Register the DTensor views, with views of the plain gradients."""
-        if not self.computing:
+    def to_rest(self, keep: set[nn.Parameter] = frozenset()) -> None:
+        """Register the DTensor views, with views of the plain gradients; the plain parameters in ``keep``
+        stay registered until the next call."""
+        if not self.computing and not self._kept:
             return
         self.computing = False
+        self._kept = set()
         live = set()
         for slot in self.slots:
             plain = slot.now()
+            if plain is not None and plain is self._shown.get(slot.param):
+                live.add(slot.param)  # at rest already (kept by the last call: the others)
             if plain is None or plain is not slot.param:
                 continue  # replaced during a step: the next forward takes it
             live.add(plain)
+            if plain in keep:
+                self._kept.add(plain)
+                continue
             shown = self._shown.get(plain)
             if shown is None:
                 shown = self._shown[plain] = nn.Parameter(self._replicated(plain.detach()),
