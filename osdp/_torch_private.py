@@ -256,6 +256,30 @@ def fsdp_skip_post_backward_if_never_gathered(module: Any) -> None:
     _around_post_backward(module, "_osdp_skips_ungathered", around)
 
 
+def fsdp_gather_outside_inference_mode(module: Any) -> None:
+    """Make a ``fully_shard``-ed module gather (and make its gathered parameters) as outside ``torch.inference_mode``.
+
+    FSDP2 makes a unit's gathered parameters and all-gather outputs at its first gather and copies into them at
+    every gather after; made under inference mode (an evaluation before any training: Lightning's sanity check,
+    a zero-shot score) they are inference tensors, which no later gather outside it may write to, so training
+    fails. Made as normal tensors they serve both (a forward in inference mode reads them as any tensor)."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        for name in ("unshard", "wait_for_unshard"):
+            if not hasattr(group, f"_osdp_{name}"):
+                setattr(group, f"_osdp_{name}", True)
+                setattr(group, name, _outside_inference_mode(getattr(group, name)))
+
+
+def _outside_inference_mode(method: Callable) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode(False):
+            return method(*args, **kwargs)
+
+    return run
+
+
 def fsdp_keep_forward_writes(module: Any, fingerprint: Callable[[torch.Tensor], Any]) -> None:
     """Make a ``fully_shard``-ed module's parameters keep what a forward wrote to them in place while gathered (a
     momentum encoder's update under ``no_grad``, a weight decayed in its own forward): FSDP2 frees the gathered

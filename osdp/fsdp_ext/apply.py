@@ -86,6 +86,7 @@ from osdp.fsdp_ext.replicated_view import ReplicatedView
 from osdp.fsdp_ext.state_dict import load_under_any_plan, show_replicated_as_dtensors
 from osdp.fsdp_ext.unused import reduce_where_any_rank_has_gradients
 from osdp._torch_private import (
+    fsdp_gather_outside_inference_mode,
     fsdp_keep_forward_writes,
     fsdp_pre_backward,
     fsdp_refuse_graph_building_backward,
@@ -437,6 +438,7 @@ def _make_fsdp_unit(target: nn.Module | list[nn.Module], path: str, decision: Un
     if hasattr(first, "_get_fsdp_state"):
         # a forward's in-place writes to its gathered parameters stay, as unsharded
         fsdp_keep_forward_writes(first, fingerprint)
+        fsdp_gather_outside_inference_mode(first)  # an evaluation first under inference_mode, then training
 
 
 def _reduce_unevenly_used(model: nn.Module, plan: Plan, replicated: set[nn.Parameter],

@@ -3,8 +3,11 @@
 A LightningModule holding a tiny GPT (tied embeddings) calls ``osdp.wrap(self.net, plan=...)`` in
 ``configure_model()``, under a ddp, a zero2, an fsdp and a mixed plan, and is trained by
 ``Trainer(strategy=OSDPStrategy(), accelerator="cpu", devices=2)`` for a few SGD steps (clipping on, with
-and without gradient accumulation); the mean of the ranks' losses and the final parameters equal, within
-1e-5, plain training in one process on the global batch. A checkpoint saved by Lightning's
+and without gradient accumulation; validated as Lightning does by default, a sanity check before the first
+step and again at the epoch's end); the mean of the ranks' losses and the final parameters equal, within
+1e-5, plain training in one process on the global batch, and the sanity check's losses the untrained model's.
+(Over gloo Lightning validates under ``no_grad``, over NCCL under ``inference_mode``: that order is tested in
+``tests/runtime/test_training_loop.py``.) A checkpoint saved by Lightning's
 ``ModelCheckpoint`` at step 2 and resumed in fresh processes (as after a kill) ends as the uninterrupted
 run. Setups that cannot work fail on every rank, before any step, with an error that names the problem.
 
@@ -63,7 +66,7 @@ class LitGPT(L.LightningModule):
     def __init__(self, plan_json=None, adam=False):
         super().__init__()
         self.net = build()
-        self.plan_json, self.adam, self.losses = plan_json, adam, []
+        self.plan_json, self.adam, self.losses, self.validated = plan_json, adam, [], []
 
     def configure_model(self):
         from osdp.integrations.lightning import osdp_roots
@@ -76,6 +79,11 @@ class LitGPT(L.LightningModule):
         self.losses.append(loss.item())
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        loss = self.net(*batch)
+        self.validated.append((batch, loss.item(), self.trainer.sanity_checking))
+        return loss
+
     def configure_optimizers(self):
         return make_optimizer(self.parameters(), self.adam)
 
@@ -86,13 +94,13 @@ def _rank_environment(rank, world_size):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
 
 
-def trainer(steps=STEPS, accumulate=1, clip=CLIP, callbacks=(), precision="32-true"):
+def trainer(steps=STEPS, accumulate=1, clip=CLIP, callbacks=(), precision="32-true", sanity_steps=0):
     from osdp.integrations.lightning import OSDPStrategy
 
     return L.Trainer(strategy=OSDPStrategy(), accelerator="cpu", devices=WORLD, max_steps=steps,
                      accumulate_grad_batches=accumulate, gradient_clip_val=clip, precision=precision,
                      callbacks=list(callbacks), enable_checkpointing=bool(callbacks), logger=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=sanity_steps)
 
 
 def loader(n):
@@ -182,8 +190,19 @@ def _train(rank, world_size, plan_jsons, accumulate):
     out = {}
     for name, plan_json in plan_jsons.items():
         module = LitGPT(plan_json)
-        t = trainer(accumulate=accumulate)
-        t.fit(module, loader(world_size * PER_RANK * STEPS * accumulate))
+        if accumulate == 1:
+            # with validation as Lightning runs it by default: a sanity check in inference mode before any
+            # training step, and again at the epoch's end
+            t = trainer(sanity_steps=2)
+            t.fit(module, loader(world_size * PER_RANK * STEPS), loader(world_size * PER_RANK * 2))
+            sanity = [(batch, loss) for batch, loss, checking in module.validated if checking]
+            assert len(sanity) == 2 and len(module.validated) == 4, (name, len(module.validated))
+            untrained = build()
+            for batch, loss in sanity:  # this rank's batches, through the untrained model in one process
+                assert abs(untrained(*batch).item() - loss) <= ATOL, (name, loss)
+        else:
+            t = trainer(accumulate=accumulate)
+            t.fit(module, loader(world_size * PER_RANK * STEPS * accumulate))
         assert isinstance(t.strategy, OSDPStrategy) and t.strategy.launcher is None, "Lightning launched processes"
         assert t.global_step == STEPS, (name, t.global_step)
         assert not isinstance(t.strategy.model, torch.nn.parallel.DistributedDataParallel)

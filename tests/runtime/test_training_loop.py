@@ -206,6 +206,46 @@ def test_evaluation_without_gradients_after_training_equals_one_process():
                              [f"{n} after evaluation" for n in names])
 
 
+def _evaluate_first(rank, world_size, plans_json):
+    """Evaluation under ``torch.inference_mode`` before any training (Lightning's sanity check, a zero-shot
+    score), training, evaluation again, training."""
+    results = []
+    for plan_json in plans_json:
+        model = build_toy()
+        osdp.wrap(model, plan=plan_json)
+        results.append(_inference_then_training(model, rank, world_size))
+        state = full_state(model)  # collective: every rank takes part
+        results[-1] += (state if rank == 0 else None,)
+    return results
+
+
+def _inference_then_training(model, rank=0, world_size=1):
+    batches, logits, losses = toy_batches(), [], []
+    for i in (0, 2):
+        model.eval()
+        with torch.inference_mode():
+            logits.append(model(batches[i][0]).clone())  # every rank, the whole batch
+        model.train()
+        losses += train(model, batches[i:i + 2], rank, world_size)
+    return logits, losses
+
+
+def test_evaluation_in_inference_mode_before_training_equals_one_process():
+    # FSDP2 makes a unit's gathered parameters at its first gather: made in inference mode they would be
+    # inference tensors, which no gather outside it may write to again
+    plans = every_mode_plans(build_toy())
+    ref_model = build_toy()
+    ref_logits, ref_losses = _inference_then_training(ref_model)
+    names = ["zero2", "fsdp", "mixed_b", "split"]
+    out = run_ranks(_evaluate_first, 2, [plans[n].to_json() for n in names], timeout=180)
+    for i, name in enumerate(names):
+        for rank_results in out:
+            for got, want in zip(rank_results[i][0], ref_logits):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=name)
+    assert_matches_reference([[r[1:] for r in rank_results] for rank_results in out],
+                             (ref_losses, cloned(ref_model.state_dict())), [f"{n}, inference first" for n in names])
+
+
 def _autocast(rank, world_size, plans_json):
     from osdp.split import SplitLinear
 
