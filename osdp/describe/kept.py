@@ -77,7 +77,8 @@ def fingerprint(t: torch.Tensor) -> tuple[float, float]:
     """The sum and norm of ``t``'s values: whether a write through ``t.data`` (which bumps no version and keeps
     the memory) changed it, for one read of it."""
     with torch.no_grad():
-        flat = t.detach().reshape(-1).float()
+        t = t.detach()
+        flat = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1).float()  # a complex one's both parts
         return float(flat.sum()), float(torch.linalg.vector_norm(flat))
 
 
