@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from osdp.cost.terms import (
     _DTYPE_BYTES,
@@ -128,6 +128,14 @@ class _Context:
     @property
     def compute_bytes(self) -> int:
         return _DTYPE_BYTES[self.precision]
+
+
+def _widening(unit: UnitProfile) -> Callable[[int], int]:
+    """Bytes counted at 4 per parameter element -> at the unit's own bytes per element (the same where all of its
+    parameters are fp32)."""
+    if unit.numel == 0 or unit.param_bytes == 4 * unit.numel:
+        return lambda nbytes: nbytes
+    return lambda nbytes: math.ceil(nbytes * unit.param_bytes / (4 * unit.numel))
 
 
 def _collective(group: CollectiveModel, kind: str, nbytes: float, messages: int = 1) -> float:
@@ -200,6 +208,12 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     mode = runs_as(unit.path, mode, ctx.precision)
     n, b, dt = ctx.n, ctx.b, ctx.compute_bytes
     cal, opt = ctx.calibration, ctx.optimizer
+    # the terms below count 4 bytes per parameter element (fp32); a model keeping some in another dtype (a complex
+    # spectral weight, a float64 scale) holds their shards, gradients, optimizer states and reductions that wide,
+    # and gathers them so in an fp32 plan (a bf16 plan gathers its bf16 copies)
+    widen = _widening(unit)
+    if ctx.precision == "fp32":
+        dt = widen(dt)
     costs = unit.costs[ctx.precision]
     enclosing = bool(unit.nested) or unit.path == ROOT
     blocks = unit.blocks  # a group of k identical blocks: its costs are one block's (UnitProfile.group)
@@ -223,16 +237,16 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
 
     # -- memory ------------------------------------------------------------------
     states = OPTIMIZER_STATES[opt]
-    persistent = 4 * shard_numel * (1 + states) + (4 * len(unit.param_shapes) if opt == "adamw" else 0)
+    persistent = widen(4 * shard_numel * (1 + states)) + (4 * len(unit.param_shapes) if opt == "adamw" else 0)
     gathered = dt * fsdp_padded  # FSDP's unsharded parameters (and its flat all-gather buffer)
-    rs_input = _REDUCE_BYTES * fsdp_padded
-    grad = 4 * shard_numel
+    rs_input = widen(_REDUCE_BYTES * fsdp_padded)
+    grad = widen(4 * shard_numel)
     policy = checkpoint_policy(ckpt)
     kept = costs.kept_bytes(b, policy)  # per block
     act = blocks * kept
     foreach = ctx.device.device_type == "cuda"
-    foreach_temps = _FOREACH_TEMPS[opt] * 4 * shard_numel if foreach else 0
-    largest_shard = max((4 * math.ceil(math.prod(s) / shard_n) for s in unit.param_shapes), default=0)
+    foreach_temps = widen(_FOREACH_TEMPS[opt] * 4 * shard_numel) if foreach else 0
+    largest_shard = widen(max((4 * math.ceil(math.prod(s) / shard_n) for s in unit.param_shapes), default=0))
     ddp = mode == "replicate" and replicates_with_ddp(ctx.precision)
     # what the unit holds all step, from its forward until its backward, and from its backward to the step's end
     if ddp:  # DDP: parameters used in place, gradients are views into buckets that live all step
@@ -271,7 +285,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     else:
         # FSDP2 reshards (frees what ``before`` holds beyond the activations) and frees the unsharded gradients
         # before it reduces: then the input, its copy (on CPU) and the new shard are alive
-        reduce_out = _REDUCE_BYTES * fsdp_padded // shard_n
+        reduce_out = widen(_REDUCE_BYTES * fsdp_padded // shard_n)
         post += max(reduce_copy + reduce_out - dt * fsdp_full - (max(before, after) - act), 0)
     if policy == "selective" and costs.sac_unsaved_bytes is not None:  # kept beside the backward's working set
         unsaved = costs.sac_unsaved_bytes.signed_bytes(b)  # until the backward ends
@@ -320,10 +334,10 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
     world = ctx.device.collectives
     if ddp:
         # DDP all-reduces 25 MiB buckets across units: each unit pays its bytes and its share of an alpha
-        reduced = _REDUCE_BYTES * fsdp_full
+        reduced = widen(_REDUCE_BYTES * fsdp_full)
         comm = _collective(world, "all_reduce", DDP_BUCKET_BYTES) * reduced / DDP_BUCKET_BYTES if reduced else 0.0
     elif mode == "replicate":
-        comm = _collective(world, "all_reduce", _REDUCE_BYTES * fsdp_full)
+        comm = _collective(world, "all_reduce", widen(_REDUCE_BYTES * fsdp_full))
     else:
         gathers = 2 if reshards_after_forward(unit.path, mode) else 1
         comm = (gathers * _collective(gather_group, "all_gather", gathered)
@@ -341,7 +355,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
         slice_bytes += (gathers * dt + _REDUCE_BYTES) * weight
     comm += split_comm
     overlap = cal.overlap_for(ctx.device)
-    per_byte = cal.unit_s_per_byte.get(mode, 0.0) * 4 * fsdp_full * _link_share(gather_group, world)
+    per_byte = cal.unit_s_per_byte.get(mode, 0.0) * widen(4 * fsdp_full) * _link_share(gather_group, world)
     hideable = 0.0
     if ddp:  # DDP's all-reduce, gloo's in-training cost of it included, runs while backward goes on
         # the all-reduce alone: DDP copies gradients into its buckets on the backward's thread
@@ -369,7 +383,7 @@ def unit_cost(unit: UnitProfile, option: UnitPlan | Sequence[Any], ctx: _Context
             cal.compute_scale * fwd_s, cal.compute_scale * backward)
     optimizer_s = (  # the per-tensor cost is DTensor dispatch: DDP's parameters are plain tensors
         (0.0 if ddp else ctx.calibration.optimizer_tensor_s * len(unit.param_shapes))
-        + ctx.optimizer_s_per_byte * 4 * shard_numel
+        + ctx.optimizer_s_per_byte * widen(4 * shard_numel)
     )
     time_s = compute + exposed + meeting_wait + overhead + optimizer_s
     parts = {

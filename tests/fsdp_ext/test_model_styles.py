@@ -53,6 +53,7 @@ PLANNING_LOSS = {
     "buffer_blocks": lambda out: out,
     "pruned_weight_norm": lambda out: out,
     "attention_maps": lambda out: out,
+    "fourier": lambda out: out,
 }
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import prune
+import model_styles
 from cases import build_reference, build_toy, every_mode_plans, reference_batches, toy_batches
 from dist_harness import run_ranks
 from training_check import assert_matches_reference, reference, train_under_plans
@@ -73,39 +74,8 @@ def test_a_unit_called_without_grad_then_with_and_hook_computed_weights_train_as
     assert_matches_reference(out, reference(_self_distillation, batches), list(plans))
 
 
-class SpectralConv(nn.Module):
-    """A Fourier neural operator's layer: complex weights on the lowest modes of the signal."""
-
-    def __init__(self, channels=8, modes=5):
-        super().__init__()
-        self.modes = modes
-        self.weight = nn.Parameter(torch.randn(channels, channels, modes, dtype=torch.cfloat) / channels**2)
-
-    def forward(self, x):
-        xf = torch.fft.rfft(x)
-        out = torch.zeros_like(xf)
-        out[:, :, :self.modes] = torch.einsum("bix,iox->box", xf[:, :, :self.modes], self.weight)
-        return torch.fft.irfft(out, n=x.shape[-1])
-
-
-class FourierOperator(nn.Module):
-    def __init__(self, channels=8):
-        super().__init__()
-        self.lift = nn.Linear(2, channels)
-        self.spectral = nn.ModuleList(SpectralConv(channels) for _ in range(2))
-        self.pointwise = nn.ModuleList(nn.Conv1d(channels, channels, 1) for _ in range(2))
-        self.project = nn.Linear(channels, 1)
-
-    def forward(self, x, y):
-        h = self.lift(x).transpose(1, 2)
-        for spectral, pointwise in zip(self.spectral, self.pointwise):
-            h = F.gelu(spectral(h) + pointwise(h))
-        return F.mse_loss(self.project(h.transpose(1, 2)).squeeze(-1), y)
-
-
 def _fourier_operator():
-    torch.manual_seed(0)
-    return FourierOperator()
+    return model_styles.build("fourier")
 
 
 def _training_warnings(rank, world_size, build, batches, plans_json):
@@ -119,8 +89,7 @@ def test_complex_parameters_train_as_one_process_without_warnings():
     # a parameter's check for writes through .data reads both parts of a complex one (casting it to real warned at
     # every gather and missed writes to the imaginary part)
     plans = every_mode_plans(_fourier_operator())
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 16, 2, generator=g), torch.randn(8, 16, generator=g)) for _ in range(3)]
+    batches = model_styles.batches("fourier", 8, 3)
     out = run_ranks(_training_warnings, 2, _fourier_operator, batches, [p.to_json() for p in plans.values()])
     assert all(not messages for _, messages in out), out[0][1]
     assert_matches_reference([r for r, _ in out], reference(_fourier_operator, batches), list(plans))

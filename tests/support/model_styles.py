@@ -741,6 +741,44 @@ class AttentionMaps(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
+class SpectralConv(nn.Module):
+    """A Fourier neural operator's layer: complex weights on the lowest modes of the signal."""
+
+    def __init__(self, channels=8, modes=5):
+        super().__init__()
+        self.modes = modes
+        self.weight = nn.Parameter(torch.randn(channels, channels, modes, dtype=torch.cfloat) / channels**2)
+
+    def forward(self, x):
+        xf = torch.fft.rfft(x)
+        out = torch.zeros_like(xf)
+        out[:, :, :self.modes] = torch.einsum("bix,iox->box", xf[:, :, :self.modes], self.weight)
+        return torch.fft.irfft(out, n=x.shape[-1])
+
+
+class FourierOperator(nn.Module):
+    """A Fourier neural operator (complex spectral weights) with a float64 gain per channel on the root: parameters
+    of 8 bytes an element in an fp32 model; returns the loss."""
+
+    def __init__(self, channels=8):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(channels, 1, dtype=torch.float64))
+        self.lift = nn.Linear(2, channels)
+        self.spectral = nn.ModuleList(SpectralConv(channels) for _ in range(2))
+        self.pointwise = nn.ModuleList(nn.Conv1d(channels, channels, 1) for _ in range(2))
+        self.project = nn.Linear(channels, 1)
+
+    def forward(self, x, y):
+        h = self.lift(x).transpose(1, 2) * self.gain.float()
+        for spectral, pointwise in zip(self.spectral, self.pointwise):
+            h = F.gelu(spectral(h) + pointwise(h))
+        return F.mse_loss(self.project(h.transpose(1, 2)).squeeze(-1), y)
+
+
+def _signal_pairs(rows, g):
+    return torch.randn(rows, 16, 2, generator=g), torch.randn(rows, 16, generator=g)
+
+
 def _translation(rows, g):
     return (torch.randint(0, VOCAB, (rows, SEQ), generator=g),
             torch.randint(0, TARGET_VOCAB, (rows, TARGET_SEQ), generator=g))
@@ -868,6 +906,7 @@ STYLES = {
     "buffer_blocks": (BufferBlocks, _tokens, lambda out, batch, step: out, lambda b: b),
     "pruned_weight_norm": (PrunedWeightNormed, _tokens, lambda out, batch, step: out, lambda b: b),
     "attention_maps": (AttentionMaps, _tokens, lambda out, batch, step: out, lambda b: b),
+    "fourier": (FourierOperator, _signal_pairs, lambda out, batch, step: out, lambda b: b),
     "gru_attention": (AttentionGRUSeq2Seq, _translation,
                       lambda out, batch, step: F.nll_loss(out.flatten(0, 1), batch[1].flatten()), lambda b: b),
 }
