@@ -593,3 +593,51 @@ def test_a_plan_checkpointing_a_unit_whose_forward_writes_its_weights_is_refused
         assert all(torch.equal(p.full_tensor(), r) for p, r in zip(model.parameters(), reference.parameters()))
     finally:
         dist.destroy_process_group()
+
+
+class _HeadMadeInForward(nn.Module):
+    """A head sized from the first batch, made in the forward (as Keras builds layers)."""
+
+    def __init__(self, h=16):
+        super().__init__()
+        self.emb = nn.Embedding(32, h)
+        self.body = nn.Sequential(nn.Linear(h, 2 * h), nn.GELU(), nn.Linear(2 * h, h))
+        self.head = None
+
+    def forward(self, x, y):
+        h = self.body(self.emb(x))
+        if self.head is None:
+            self.head = nn.Linear(h.shape[-1], 32)
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def test_parameters_a_forward_makes_after_wrapping_are_refused_and_an_example_makes_them_before():
+    """No unit would hold them: each rank would train its own copy on its data, silently. A plan given without an
+    example is refused at the first forward; with an example the search's forward makes them, and the model
+    trains as one process."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 32, (4, 6), generator=g), torch.randint(0, 32, (4, 6), generator=g)
+    torch.manual_seed(0)
+    model = _HeadMadeInForward()
+    osdp.wrap(model, plan=Plan([UnitPlan(u.path, "zero3") for u in osdp.discover_units(model)]))
+    try:
+        with pytest.raises(RuntimeError, match=r"made parameter\(s\) head.weight, head.bias in its forward"):
+            model(x, y)
+    finally:
+        dist.destroy_process_group()
+    model = _HeadMadeInForward()
+    osdp.wrap(model, device_mem="1GiB", example_input=(x, y))
+    try:
+        reference = _HeadMadeInForward()
+        reference(x, y)  # makes its head, then starts from the wrapped model's values
+        reference.load_state_dict(full_state(model))
+        for m in (reference, model):
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            m(x, y).backward()
+            opt.step()
+        state = full_state(model)
+        assert set(state) == set(reference.state_dict())
+        for name, ref in reference.state_dict().items():
+            torch.testing.assert_close(state[name], ref, atol=1e-6, rtol=0, msg=name)
+    finally:
+        dist.destroy_process_group()
