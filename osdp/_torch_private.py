@@ -280,6 +280,34 @@ def _outside_inference_mode(method: Callable) -> Callable:
     return run
 
 
+def fsdp_carry_gradient_hooks(module: Any, hooks_of: Callable[[Any, str], list]) -> None:
+    """Register on each gathered parameter of a ``fully_shard``-ed module the gradient hooks its parameter had
+    before wrapping (``hooks_of(owner module, attribute)``: ``p.register_hook(fn)`` in a model's ``__init__``,
+    masking rows of an embedding). FSDP2 computes with new gathered parameters, so hooks on the old ones would
+    never run; DDP runs them on each rank's gradient before its reduction, and so do these."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            info = fsdp_param._module_info
+            hooks = hooks_of(info.module, info.param_name)
+            if hooks and not getattr(fsdp_param, "_osdp_carries_hooks", False):
+                fsdp_param._osdp_carries_hooks = True
+                _carry_hooks(fsdp_param, hooks)
+
+
+def _carry_hooks(fsdp_param: Any, hooks: list) -> None:
+    to_unsharded = fsdp_param.to_unsharded
+
+    def unsharded() -> None:
+        to_unsharded()
+        gathered = fsdp_param._unsharded_param  # made at the first gather, the same object after
+        if not getattr(gathered, "_osdp_hooks_carried", False):
+            gathered._osdp_hooks_carried = True
+            for hook in hooks:
+                gathered.register_hook(hook)
+
+    fsdp_param.to_unsharded = unsharded
+
+
 def fsdp_keep_forward_writes(module: Any, fingerprint: Callable[[torch.Tensor], Any]) -> None:
     """Make a ``fully_shard``-ed module's parameters keep what a forward wrote to them in place while gathered (a
     momentum encoder's update under ``no_grad``, a weight decayed in its own forward): FSDP2 frees the gathered

@@ -87,6 +87,7 @@ from osdp.fsdp_ext.replicated_view import ReplicatedView
 from osdp.fsdp_ext.state_dict import load_under_any_plan, show_replicated_as_dtensors
 from osdp.fsdp_ext.unused import reduce_where_any_rank_has_gradients
 from osdp._torch_private import (
+    fsdp_carry_gradient_hooks,
     fsdp_gather_outside_inference_mode,
     fsdp_keep_forward_writes,
     fsdp_pre_backward,
@@ -377,6 +378,7 @@ def apply_plan(
         for path in members:
             extras[path] = UnitExtras(split_linears=[m for m in _own_modules(module, {modules[p] for p in unit.nested})
                                                      if isinstance(m, SplitLinear)])
+    _carry_gradient_hooks(model, before)
     reducer = _reduce_unevenly_used(model, plan, replicated, fsdp_held)
     for path, extra in extras.items():
         if reducer is not None:
@@ -441,6 +443,20 @@ def _make_fsdp_unit(target: nn.Module | list[nn.Module], path: str, decision: Un
         # a forward's in-place writes to its gathered parameters stay, as unsharded
         fsdp_keep_forward_writes(first, fingerprint)
         fsdp_gather_outside_inference_mode(first)  # an evaluation first under inference_mode, then training
+
+
+def _carry_gradient_hooks(model: nn.Module, before: dict[str, nn.Parameter]) -> None:
+    """The gradient hooks the model's parameters had (``before``: by name, before the plan was applied) on the
+    parameters FSDP2 computes with; a replicated parameter stays the object it was, with its hooks."""
+    hooks = {}
+    for name, p in before.items():
+        if p._backward_hooks:
+            owner, _, attribute = name.rpartition(".")
+            hooks[(id(model.get_submodule(owner)), attribute)] = list(p._backward_hooks.values())
+    if hooks:
+        for module in model.modules():
+            if isinstance(module, FSDPModule) and hasattr(module, "_get_fsdp_state"):
+                fsdp_carry_gradient_hooks(module, lambda owner, attribute: hooks.get((id(owner), attribute)))
 
 
 def _reduce_unevenly_used(model: nn.Module, plan: Plan, replicated: set[nn.Parameter],

@@ -220,7 +220,9 @@ def splittable_linears(
     elements and is not a DTensor already, and neither the weight nor the
     module is shared: the weight appears once among the parameters of
     ``root`` (default ``module``; pass the whole model to see ties across
-    units). Shared by the cost model, the search and ``apply_split``.
+    units); nor does the weight or bias have gradient hooks of the user's
+    (``weight.register_hook(fn)``), which expect the whole gradient and would
+    see slices. Shared by the cost model, the search and ``apply_split``.
     """
     excluded = {id(m) for m in exclude}
     occurrences = collections.Counter(id(p) for _, p in (root or module).named_parameters(remove_duplicate=False))
@@ -231,7 +233,8 @@ def splittable_linears(
             return
         if type(m) is nn.Linear:
             w = m.weight
-            if w.numel() >= min_numel and not isinstance(w, DTensor) and occurrences[id(w)] == 1:
+            hooked = any(p is not None and p._backward_hooks for p in (w, m.bias))
+            if w.numel() >= min_numel and not isinstance(w, DTensor) and occurrences[id(w)] == 1 and not hooked:
                 found.append((name, m))
             return
         for child_name, child in m.named_children():

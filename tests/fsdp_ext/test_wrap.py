@@ -1,5 +1,6 @@
 """osdp.wrap under every mode: N-rank training equals single-process training of the global batch (a toy GPT, the
-reference models, a self-distilling model with hook-computed weights, a Fourier operator with complex weights)."""
+reference models, a self-distilling model with hook-computed weights, a Fourier operator with complex weights, gradient
+hooks on parameters)."""
 
 import functools
 import warnings
@@ -93,3 +94,35 @@ def test_complex_parameters_train_as_one_process_without_warnings():
     out = run_ranks(_training_warnings, 2, _fourier_operator, batches, [p.to_json() for p in plans.values()])
     assert all(not messages for _, messages in out), out[0][1]
     assert_matches_reference([r for r, _ in out], reference(_fourier_operator, batches), list(plans))
+
+
+class NewTokenRows(nn.Module):
+    """Only the new tokens' embedding rows trained (a gradient hook masks the old rows'), and a Linear whose
+    gradient a hook halves: hooks registered on the parameters in ``__init__``, before any wrapping."""
+
+    def __init__(self, h=64, vocab=64, old=48):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, h)
+        self.body = nn.Sequential(nn.Linear(h, 2 * h), nn.GELU(), nn.Linear(2 * h, h))
+        self.head = nn.Linear(h, vocab)
+        self.register_buffer("new_rows", (torch.arange(vocab) >= old).float()[:, None])
+        self.emb.weight.register_hook(lambda g: g * self.new_rows)
+        self.body[0].weight.register_hook(lambda g: g * 0.5)
+
+    def forward(self, tokens, targets):
+        return F.cross_entropy(self.head(self.body(self.emb(tokens))).flatten(0, 1), targets.flatten())
+
+
+def _new_token_rows():
+    torch.manual_seed(0)
+    return NewTokenRows()
+
+
+def test_gradient_hooks_on_parameters_run_under_every_plan():
+    # FSDP2 computes with new gathered parameters: the hooks are carried onto them (and a hooked Linear is never
+    # split, its hook expecting the whole gradient); without, sharded plans trained the masked rows
+    plans = every_mode_plans(_new_token_rows())
+    assert "split" in plans
+    batches = toy_batches()
+    out = run_ranks(train_under_plans, 2, _new_token_rows, batches, [p.to_json() for p in plans.values()])
+    assert_matches_reference(out, reference(_new_token_rows, batches), list(plans))
