@@ -16,7 +16,7 @@ import torch.nn as nn
 from osdp.schema.description import ModelDescription
 from osdp.store import cache_dir
 
-PROFILE_VERSION = 22  # bump when what is measured changes: old cache entries are ignored
+PROFILE_VERSION = 23  # bump when what is measured changes: old cache entries are ignored
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -28,8 +28,8 @@ def model_fingerprint(model: nn.Module) -> str:
             if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))
         )
         parts.append(f"{name}:{type(m).__qualname__}:{settings}")
-    for name, p in model.named_parameters():
-        parts.append(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}")
+    for name, p in model.named_parameters():  # a gradient hook keeps its Linear from being split
+        parts.append(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}:{bool(p._backward_hooks)}")
     for name, b in model.named_buffers():  # held all step (ModelDescription.buffer_bytes), read by the forward
         parts.append(f"{name}:{tuple(b.shape)}:{b.dtype}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
