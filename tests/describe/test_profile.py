@@ -117,7 +117,9 @@ def test_selective_recompute_is_measured_and_cheaper_than_full_where_matmuls_dom
             return self.head(torch.tanh(self.mlp(x))).square().mean()
 
     torch.manual_seed(0)
-    d = describe(Wide(), torch.randn(512, 2048), **{**FAST, "repeats": 3}, batch_sizes=(256, 512))
+    # the fastest of six pairs: three were not enough where a burst of another process spans a unit's steps
+    # (a selective recompute measured at 0.74 of the full one, once in four runs of this file)
+    d = describe(Wide(), torch.randn(512, 2048), **{**FAST, "repeats": 6}, batch_sizes=(256, 512))
     mlp = d.unit("mlp").costs["fp32"]
     assert mlp.recompute_seconds(512, "selective") < 0.5 * mlp.recompute_seconds(512)
     assert mlp.sac_bytes.bytes(512) == 512 * (2048 + 2048) * 4  # its input, the first matmul's output
