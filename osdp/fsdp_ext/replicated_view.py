@@ -122,6 +122,8 @@ class ReplicatedView:
                 self._kept.add(plain)
                 continue
             shown = self._shown.get(plain)
+            if shown is not None and not _same_memory(_local(shown), plain):
+                shown = self._take_memory_back(plain, shown)
             if shown is None:
                 shown = self._shown[plain] = nn.Parameter(self._replicated(plain.detach()),
                                                           requires_grad=plain.requires_grad)
@@ -142,6 +144,20 @@ class ReplicatedView:
             self._shown.pop(gone)
             self._grads.pop(gone, None)
 
+    def _take_memory_back(self, plain: nn.Parameter, shown: nn.Parameter) -> nn.Parameter | None:
+        """The forward gave ``plain`` memory of its own (``p.data = p.data * m + q.data * (1 - m)``: a momentum
+        encoder's update in older code). Its values go to the view's memory, which ``plain`` takes back, so that
+        the next forward (which computes in the view's memory, as the user may have swapped it) keeps the write;
+        None where the new memory differs in shape or dtype (a new view is made)."""
+        local = _local(shown)
+        if (local.shape, local.dtype, local.device) != (plain.shape, plain.dtype, plain.device):
+            self._shown.pop(plain)
+            self._grads.pop(plain, None)
+            return None
+        with torch.no_grad():
+            local.copy_(plain.detach())
+        plain.data = local
+        return shown
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The memory behind ``t``: a DTensor's local tensor (no autograd edge to the DTensor), a tensor itself."""

@@ -545,8 +545,9 @@ class AttentionGRUSeq2Seq(nn.Module):
 
 
 class MomentumEncoder(nn.Module):
-    """MoCo's key encoder: a copy of the query encoder, frozen, moved towards it in place under ``no_grad`` at
-    the start of every training forward (the momentum update is in the model's own forward); returns the loss."""
+    """MoCo's key encoder: a copy of the query encoder, frozen, moved towards it under ``no_grad`` at the start of
+    every training forward (the momentum update is in the model's own forward): the weights given new memory, as
+    MoCo writes it (``k.data = k.data * m + q.data * (1 - m)``), the biases in place; returns the loss."""
 
     def __init__(self, h=32, m=0.9):
         super().__init__()
@@ -561,8 +562,11 @@ class MomentumEncoder(nn.Module):
     def forward(self, tokens, targets):
         if self.training:
             with torch.no_grad():
-                for k, q in zip(self.key.parameters(), self.query.parameters()):
-                    k.mul_(self.m).add_(q, alpha=1 - self.m)
+                for (name, k), q in zip(self.key.named_parameters(), self.query.parameters()):
+                    if name.endswith("weight"):
+                        k.data = k.data * self.m + q.data * (1 - self.m)
+                    else:
+                        k.mul_(self.m).add_(q, alpha=1 - self.m)
         x = self.emb(tokens)
         logits = self.head(self.query(x) + self.key(x))
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
