@@ -96,30 +96,52 @@ def checkpoint_unit(module: nn.Module, policy: str = "full") -> None:
             hooks = _InnerHooks(self)
 
             # the unit's keyword arguments go to it through a closure: passed on, checkpoint() would take the
-            # ones it knows as its own (a forward's ``debug=True`` would set checkpoint's debug mode)
-            def run(*args):
+            # ones it knows as its own (a forward's ``debug=True`` would set checkpoint's debug mode); and each
+            # tensor once, as a recompute inside another's (a unit in a checkpointed unit) unpacks every argument
+            # apart, and a forward may test them for identity (self-attention's ``query is key``)
+            distinct, positions = _distinct_tensors(args)
+
+            def run(*distinct):
                 nonlocal written
+                given = tuple(distinct[i] if i is not None else a for i, a in zip(positions, args))
                 if written is None:
                     versions = [(b, b._version) for b in self.buffers()]
                     check = _checks_values(self)
                     weights = [(n, p, p._version, fingerprint(p) if check and _plain(p) else None)
                                for n, p in self.named_parameters()]
                     with hooks.recording():
-                        out = cls.forward(self, *args, **kwargs)
+                        out = cls.forward(self, *given, **kwargs)
                     written = _running_statistics(self) + [b for b, version in versions if b._version != version]
                     _refuse_written_weights(cls, [n for n, p, version, values in weights
                                                   if p._version != version or _values_changed(p, values)])
                     _refuse_written_buffers(cls, self, [b for b, version in versions if b._version != version])
                     return out
                 with hooks.replaying():
-                    return _recompute(written, lambda: cls.forward(self, *args, **kwargs))
+                    return _recompute(written, lambda: cls.forward(self, *given, **kwargs))
 
-            return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **context)
+            return torch.utils.checkpoint.checkpoint(run, *distinct, use_reentrant=False, **context)
 
         prefix = "SelectivelyCheckpointed" if policy == "selective" else "Checkpointed"
         checkpointed = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})
         _CHECKPOINTED[(cls, policy)], _ORIGINAL[checkpointed] = checkpointed, (cls, policy)
     module.__class__ = _CHECKPOINTED[(cls, policy)]
+
+
+def _distinct_tensors(args: tuple) -> tuple[list, list[int | None]]:
+    """The arguments as given once each (tensors by identity, everything else by position), and for each
+    argument its index in that list (None: not a tensor, passed as it was)."""
+    distinct: list = []
+    seen: dict[int, int] = {}
+    positions: list[int | None] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if id(a) not in seen:
+                seen[id(a)] = len(distinct)
+                distinct.append(a)
+            positions.append(seen[id(a)])
+        else:
+            positions.append(None)
+    return distinct, positions
 
 
 class _InnerHooks:

@@ -317,3 +317,29 @@ def test_a_unit_keeping_a_tensor_with_its_graph_is_offered_no_checkpoint():
     checkpointing such blocks measured 7 KiB over its budget); a value kept detached holds no graph."""
     for source, offered in checkpoint_offered(_KeepingNet):
         assert offered == {"keeps_graph": False, "keeps_values": True, "plain": True}, (source, offered)
+
+
+class SelfAttentionBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]  # query is key is value: one packed projection
+
+
+@pytest.mark.parametrize("inner", ["full", "selective"])
+def test_a_unit_checkpointed_inside_a_checkpointed_unit_gives_the_same_gradients(inner):
+    """A recompute inside another's gives a unit its arguments apart; nn.MultiheadAttention tests query, key and
+    value for identity, and would project them otherwise (saving other tensors than its forward did)."""
+    torch.manual_seed(0)
+    plain, x = nn.Sequential(SelfAttentionBlock(), SelfAttentionBlock()), torch.randn(2, 5, 16)
+    nested = copy.deepcopy(plain)
+    checkpoint_unit(nested[0].attn, inner)
+    checkpoint_unit(nested)
+    for model in (plain, nested):
+        model(x).square().sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), nested.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
