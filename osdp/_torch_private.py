@@ -366,6 +366,25 @@ def _write_back_shard(fsdp_param: Any, gathered: torch.Tensor) -> None:
             fsdp_param.sharded_param._local_tensor.copy_(chunks[rank])
 
 
+def dtensor_local_part(dtensor: Any, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full`` (a plain tensor of ``dtensor``'s global shape) as ``dtensor`` lays it out."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(full.shape, dtensor.device_mesh, dtensor.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def register_foreach_type(cls: type) -> None:
+    """Let optimizers and ``torch.nn.utils`` run their foreach kernels on tensors of class ``cls`` (a DTensor
+    subclass), as ``torch.distributed.tensor`` lets them on DTensors."""
+    from torch.optim.optimizer import _foreach_supported_types as optimizer_types
+    from torch.utils._foreach_utils import _foreach_supported_types as util_types
+
+    for types in (optimizer_types, util_types):
+        if cls not in types:
+            types.append(cls)
+
+
 def fsdp_collective_comm(module: Any, collective: str) -> Any:
     """The ``all_gather`` or ``reduce_scatter`` object of a ``fully_shard``-ed module's parameter group (None
     if it has none)."""

@@ -77,6 +77,7 @@ from osdp.fsdp_ext.forward_errors import double_backward_error
 from osdp.fsdp_ext.groups import group_members
 from osdp.fsdp_ext.mixed_precision import keep_mixed_precision_current
 from osdp.fsdp_ext.added_parameters import refuse_parameters_made_in_forward
+from osdp.fsdp_ext.assigned_data import make_data_assignable_at_first_forward, make_parameters_data_assignable
 from osdp.fsdp_ext.divide_factors import track_divide_factors
 from osdp.fsdp_ext.meta import built_on_meta, check_alike, check_materialized_at_first_forward
 from osdp.fsdp_ext.earlier_optimizers import named_parameter_objects, remember_replaced
@@ -395,8 +396,10 @@ def apply_plan(
     if reducer is not None:
         show_replicated_as_dtensors(model, reducer.slots, meshes.for_replicated_views)
         reducer.view = ReplicatedView(reducer.slots, meshes.for_replicated_views)
+    make_parameters_data_assignable(model)
     if on_meta:
         check_materialized_at_first_forward(model)
+        make_data_assignable_at_first_forward(model)
     refuse_parameters_made_in_forward(model)
     remember_replaced(before, model, replicated)
     setattr(model, _PLAN_ATTR, plan)

@@ -17,9 +17,10 @@ parameters as the forward begins: ``requires_grad``, a gradient set to None or r
 in its module (``load_state_dict(..., assign=True)``: its DTensor's memory becomes the new plain parameter,
 which the reducer then follows).
 
-Optimizers step the plain parameters: a step hook puts each view's plain parameter in its place in the
-optimizer for the step (its state moves with it, and stays plain tensors), as stepping DTensors dispatches
+Torch's optimizers step the plain parameters: a step hook puts each view's plain parameter in its place in
+the optimizer for the step (its state moves with it, and stays plain tensors), as stepping DTensors dispatches
 every op through DTensor, 2% of a small model's step on CPU (gpt2-mini, 2 ranks), which DDP does not pay.
+L-BFGS and optimizers of the user's own step the views (``_steps_each_parameter_alone``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from osdp.fsdp_ext.assigned_data import make_data_assignable
 from osdp.fsdp_ext.replicate import mixes_plain_and_dtensors, open_implicit_replication
 
 
@@ -128,6 +130,7 @@ class ReplicatedView:
                 shown = self._shown[plain] = nn.Parameter(self._replicated(plain.detach()),
                                                           requires_grad=plain.requires_grad)
                 shown._osdp_plain, shown._osdp_view = plain, weakref.ref(self)  # for the optimizer step
+                make_data_assignable(shown)
             elif shown.requires_grad != plain.requires_grad:
                 shown.requires_grad_(plain.requires_grad)
             grad = plain.grad
@@ -192,7 +195,18 @@ def _swap(optimizer: torch.optim.Optimizer, mapping) -> None:
                     state[other] = state.pop(p)
 
 
+def _steps_each_parameter_alone(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is one of torch's that update each parameter from its own state and gradient (all
+    but L-BFGS, which joins every parameter into one vector). Only those step the plain parameters: any other
+    (L-BFGS, the user's own) steps the views, so that what it joins across parameters is DTensors alone, as
+    under FSDP2, not plain tensors beside sharded DTensors."""
+    cls = type(optimizer)
+    return cls.__module__.startswith("torch.optim.") and cls is not torch.optim.LBFGS
+
+
 def _to_plain(optimizer: torch.optim.Optimizer, *_) -> None:
+    if not _steps_each_parameter_alone(optimizer):
+        return
     swapped = {}
 
     def plain_of(shown):

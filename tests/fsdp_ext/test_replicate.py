@@ -237,8 +237,8 @@ def _frozen_after_backward(rank, world_size):
     model.requires_grad_(False)  # nothing for the reducer to reduce; the backward still runs, to the input
     inputs = torch.randn(4, 8, requires_grad=True)
     model(inputs).sum().backward()
-    return sorted({type(p).__name__ for p in model.parameters()}), inputs.grad is not None
+    return all(isinstance(p, DTensor) for p in model.parameters()), inputs.grad is not None
 
 
 def test_a_backward_with_nothing_to_reduce_shows_the_views_again():
-    assert run_ranks(_frozen_after_backward, 2, timeout=120) == [(["DTensor"], True)] * 2
+    assert run_ranks(_frozen_after_backward, 2, timeout=120) == [(True, True)] * 2

@@ -1,8 +1,8 @@
 """The training-loop features people use, on a wrapped model, each against one process.
 
 Gradient accumulation with split weights (one reduction per window, counted), gradient clipping across
-units that live on different meshes and tensor kinds, AdamW's fused and foreach implementations,
-evaluation after training, CPU autocast, and bf16 parameters with fp32 reduction.
+units that live on different meshes and tensor kinds, AdamW's fused and foreach implementations, SAM and
+L-BFGS, evaluation after training, CPU autocast, and bf16 parameters with fp32 reduction.
 """
 
 from __future__ import annotations
@@ -165,6 +165,87 @@ def test_foreach_and_fused_adamw_equal_one_process():
         names = ["mixed_a", "split"]
         out = run_ranks(_adamw, 2, [plans[n].to_json() for n in names], kind, timeout=180)
         assert_matches_reference(out, ref, [f"{n}, {kind} AdamW" for n in names])
+
+
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation as its users copy it: a step up the gradient, a second gradient there, and
+    the weights put back through ``p.data = old_p`` before the base optimizer steps."""
+
+    def __init__(self, params, rho=0.05, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = torch.optim.SGD(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.norm(torch.stack([p.grad.norm(p=2) for p in params]), p=2)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["old_p"] = p.data.clone()
+                    p.add_(p.grad * (group["rho"] / (norm + 1e-12)))
+        self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+        self.zero_grad()
+
+
+def _step_beyond_one_parameter(model, kind, rank=0, world_size=1):
+    """SAM's two steps, or L-BFGS (every parameter joined into one vector) with its closure; this rank's losses."""
+    if kind == "sam":
+        opt = SAM(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3, history_size=4)
+    losses = []
+    for inputs, targets in toy_batches()[:3]:
+        n = inputs.shape[0] // world_size
+        inputs, targets = inputs[rank * n:(rank + 1) * n], targets[rank * n:(rank + 1) * n]
+        if kind == "sam":
+            loss = model(inputs, targets)
+            loss.backward()
+            opt.first_step()
+            model(inputs, targets).backward()
+            opt.second_step()
+        else:
+            def closure():
+                opt.zero_grad()
+                loss = model(inputs, targets)
+                loss.backward()
+                return loss
+            loss = opt.step(closure)
+        losses.append(loss.item())
+    return losses
+
+
+def _beyond_one_parameter(rank, world_size, plans_json, kind):
+    results = []
+    for plan_json in plans_json:
+        model = build_toy()
+        osdp.wrap(model, plan=plan_json)
+        losses = _step_beyond_one_parameter(model, kind, rank, world_size)
+        state = full_state(model)  # collective: every rank takes part
+        results.append((losses, state if rank == 0 else None))
+    return results
+
+
+def test_optimizers_reaching_beyond_one_parameter_equal_one_process():
+    """SAM assigns ``p.data`` (a no-op on a DTensor: the parameter's class makes it write, sharded or
+    replicated) and L-BFGS joins every parameter's gradient into one vector (plain tensors beside sharded
+    DTensors would not join: optimizers other than torch's per-parameter ones step DTensors only)."""
+    plans = every_mode_plans(build_toy())
+    names = ["mixed_a", "split"]
+    for kind in ("sam", "lbfgs"):
+        ref_model = build_toy()
+        ref = (_step_beyond_one_parameter(ref_model, kind), cloned(ref_model.state_dict()))
+        out = run_ranks(_beyond_one_parameter, 2, [plans[n].to_json() for n in names], kind, timeout=240)
+        assert_matches_reference(out, ref, [f"{n}, {kind}" for n in names])
 
 
 def _train_then_evaluate(rank, world_size, plans_json):
