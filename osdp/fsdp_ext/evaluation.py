@@ -10,7 +10,10 @@ then, whether the plan shards or replicates them.
 They are put back at rest (sharded; the replicated ones shown as DTensors again) before anything that must see
 the parameters training steps: an optimizer step (``fsdp_ext.earlier_optimizers``, which also puts the shards in
 place of gathered parameters an optimizer was built from meanwhile), ``parameters()``, ``named_parameters()`` and
-``state_dict()`` of any unit (``fsdp_ext.module_api``), ``reshard()``. The next forward takes them as they are.
+``state_dict()`` of any unit (``fsdp_ext.module_api``), ``reshard()``; and as the next forward begins, which
+gathers them again. Those calls may come on one rank alone (rank 0 saving ``model.state_dict()``, logging
+parameter norms), so the next forward must not take them as they are where they are still gathered: its rank
+would skip the gather the others wait in.
 Plain FSDP2 leaves them gathered there: an optimizer built after evaluation then steps the gathered copies,
 which the next gather overwrites (up to 0.25 off one process).
 """
@@ -57,11 +60,14 @@ def reshard_after_evaluating(model: nn.Module, not_last_of_group: set[nn.Module]
 def put_at_rest() -> None:
     """Put every root kept as an evaluating forward left it at rest (before a step, or handing parameters out)."""
     while _kept:
-        root, reducer_of = _kept.popitem()
-        if isinstance(root, FSDPModule):
-            FSDPModule.reshard(root)
-        if (reducer := reducer_of(root)) is not None:
-            reducer.rest()
+        _put_root_at_rest(*_kept.popitem())
+
+
+def _put_root_at_rest(root: nn.Module, reducer_of: Callable[[nn.Module], ReplicaReducer | None]) -> None:
+    if isinstance(root, FSDPModule):
+        FSDPModule.reshard(root)
+    if (reducer := reducer_of(root)) is not None:
+        reducer.rest()
 
 
 @torch._dynamo.disable
@@ -73,7 +79,9 @@ def _reshard_after_forward_without_grad(module: FSDPModule, args, output):
 
 @torch._dynamo.disable
 def _used_again(root: nn.Module, *_) -> None:
-    _kept.pop(root, None)  # the forward takes the parameters as they are
+    # every rank gathers the root again, whether or not something put it at rest on this rank meanwhile
+    if (reducer_of := _kept.pop(root, None)) is not None:
+        _put_root_at_rest(root, reducer_of)
 
 
 def _step_at_rest_in_place_of_kept(root: nn.Module, reducer: ReplicaReducer | None) -> None:

@@ -8,11 +8,13 @@ L-BFGS, evaluation after training, CPU autocast, and bf16 parameters with fp32 r
 from __future__ import annotations
 
 import copy
+import io
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from cases import build_toy, every_mode_plans, toy_batches
 from dist_harness import run_ranks
 from training_check import assert_matches_reference, cloned, full_state, reference, sgd, train, train_under_plans
@@ -81,7 +83,6 @@ def test_accumulation_with_split_weights_reduces_once_per_window_and_equals_one_
 def _clip(rank, world_size, plans_json, max_norm, clip="osdp"):
     """Each plan trained with gradients clipped every step: by ``osdp.clip_grad_norm_`` on the model, or (``clip=
     "torch"``) by ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()``, as users write it."""
-    from torch.distributed.tensor import DTensor
 
     results = []
     for plan_json in plans_json:
@@ -258,6 +259,10 @@ def _train_then_evaluate(rank, world_size, plans_json):
         model.eval()
         with torch.no_grad():
             logits = model(batches[2][0])  # every rank, the whole batch: the same logits on each
+            if rank == 0:  # as DDP users save and log: on rank 0 alone, which must not leave it gathering apart
+                torch.save(model.state_dict(), io.BytesIO())
+                assert all(isinstance(p, DTensor) for _, p in model.named_parameters())  # at rest, as logged
+            torch.testing.assert_close(model(batches[2][0]), logits, atol=0, rtol=0)
         model.train()
         # training goes on after evaluation, with an optimizer made then (train makes one): it must get the
         # shards, not the parameters a zero2 unit would still hold gathered after a forward without backward
