@@ -393,17 +393,24 @@ def apply_plan(
     _around_the_units(model, plan, groups)
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     load_under_any_plan(model)
-    if reducer is not None:
-        show_replicated_as_dtensors(model, reducer.slots, meshes.for_replicated_views)
-        reducer.view = ReplicatedView(reducer.slots, meshes.for_replicated_views)
-    make_parameters_data_assignable(model)
+    _at_rest_as_dtensors(model, reducer, meshes, on_meta)
     if on_meta:
         check_materialized_at_first_forward(model)
-        make_data_assignable_at_first_forward(model)
     refuse_parameters_made_in_forward(model)
     remember_replaced(before, model, replicated)
     setattr(model, _PLAN_ATTR, plan)
     return model
+
+
+def _at_rest_as_dtensors(model: nn.Module, reducer: ReplicaReducer | None, meshes: Meshes, on_meta: bool) -> None:
+    """Between steps every parameter is a DTensor, as under FSDP2 (the reducer's shown as views of its plain
+    ones), and one whose ``.data`` can be assigned (``fsdp_ext.assigned_data``)."""
+    if reducer is not None:
+        show_replicated_as_dtensors(model, reducer.slots, meshes.for_replicated_views)
+        reducer.view = ReplicatedView(reducer.slots, meshes.for_replicated_views)
+    make_parameters_data_assignable(model)
+    if on_meta:  # to_empty makes new ones before the first forward
+        make_data_assignable_at_first_forward(model)
 
 
 def _around_the_units(model: nn.Module, plan: Plan, groups: dict[str, list[str]]) -> None:
