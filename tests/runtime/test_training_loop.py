@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from cases import build_toy, every_mode_plans, toy_batches
 from dist_harness import run_ranks
-from training_check import assert_matches_reference, cloned, full_state, reference, sgd, train, train_under_plans
+from training_check import (assert_matches_reference, cloned, full_state, reference, run_under_plans, sgd, train,
+                            train_under_plans)
 
 import osdp
 from osdp.distributed import collectives as comm
@@ -226,14 +227,8 @@ def _step_beyond_one_parameter(model, kind, rank=0, world_size=1):
 
 
 def _beyond_one_parameter(rank, world_size, plans_json, kind):
-    results = []
-    for plan_json in plans_json:
-        model = build_toy()
-        osdp.wrap(model, plan=plan_json)
-        losses = _step_beyond_one_parameter(model, kind, rank, world_size)
-        state = full_state(model)  # collective: every rank takes part
-        results.append((losses, state if rank == 0 else None))
-    return results
+    return run_under_plans(rank, build_toy, plans_json,
+                           lambda model: _step_beyond_one_parameter(model, kind, rank, world_size))
 
 
 def test_optimizers_reaching_beyond_one_parameter_equal_one_process():
@@ -526,14 +521,8 @@ def _contrastive_loop(model, optimizer_made, rank=0, world_size=1):
 
 
 def _contrastive(rank, world_size, plans_json, optimizer_made):
-    results = []
-    for plan_json in plans_json:
-        model = _two_towers()
-        osdp.wrap(model, plan=plan_json)
-        out = _contrastive_loop(model, optimizer_made, rank, world_size)
-        state = full_state(model)  # collective: every rank takes part
-        results.append((out, state if rank == 0 else None))
-    return results
+    return run_under_plans(rank, _two_towers, plans_json,
+                           lambda model: _contrastive_loop(model, optimizer_made, rank, world_size))
 
 
 def test_a_loop_reading_the_roots_parameters_after_evaluation_equals_one_process():

@@ -61,13 +61,19 @@ def reference(build, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def train_under_plans(rank, world_size, build, batches, plans_json):
     """On every rank: for each plan, build the same model, wrap, train; return losses and full state."""
+    return run_under_plans(rank, build, plans_json, lambda model: train(model, batches, rank, world_size))
+
+
+def run_under_plans(rank, build, plans_json, run):
+    """On every rank: for each plan, build the same model, wrap, ``run(model)``; return what it returned and
+    rank 0's full state."""
     results = []
     for plan_json in plans_json:
         model = build()
         osdp.wrap(model, plan=plan_json)
-        losses = train(model, batches, rank, world_size)
+        out = run(model)
         state = full_state(model)  # collective: every rank takes part
-        results.append((losses, state if rank == 0 else None))
+        results.append((out, state if rank == 0 else None))
     return results
 
 
