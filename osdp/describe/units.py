@@ -378,8 +378,11 @@ def _resolve_sharing(model: nn.Module, candidates: Iterable[str], calls: CallTra
                 if not _is_within(owner, path)
             ]
             outside += [q for q in module_paths[id(module)] if q != path]
-            if calls is not None:  # used where this unit's forward is not running: not gathered there
-                outside += [running[-1] for p in module.parameters() for running in calls.uses.get(id(p), ())
+            if calls is not None:  # used where this unit's forward is not running: not gathered there; the
+                # innermost forward running around the use outside this unit (a module inside it may be running,
+                # called through a method of this one: a VAE's ``encode``)
+                outside += [next(r for r in reversed(running) if not _is_within(r, path))
+                            for p in module.parameters() for running in calls.uses.get(id(p), ())
                             if path not in running]
             if outside:
                 path = _called_ancestor(_common_ancestor([path, *outside]), modules)

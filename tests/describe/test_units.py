@@ -178,3 +178,35 @@ def test_a_weight_read_through_data_outside_its_owner_is_a_use_there():
         assert all(any(running[-1] == "" for running in traced.uses[key]) for key in used), through_data
         paths = {u.path for u in osdp.discover_units(model, traced, "block")}
         assert "online" not in paths and "head" in paths, (through_data, paths)
+
+
+def test_a_module_called_through_a_method_is_no_unit_but_the_modules_it_runs_are():
+    """A VAE's ``encode`` called by its owner: the VAE's forward never runs, so it is no unit (FSDP2 would not
+    gather it), while the Linears ``encode`` calls run their own forwards and may be units."""
+    from osdp.describe.units import trace_calls
+
+    class VAE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.mu, self.dec = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(4, 8)
+
+        def encode(self, x):
+            return self.mu(torch.relu(self.enc(x)))
+
+        def forward(self, x):  # never called here
+            return self.dec(self.encode(x))
+
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vae, self.head = VAE(), nn.Linear(4, 8)
+
+        def forward(self, x):
+            z = self.vae.encode(x)
+            return self.vae.dec(z) + self.head(z)
+
+    model = Owner()
+    traced = trace_calls(model, lambda: model(torch.randn(2, 8)))
+    for granularity in ("sub-block", "block", "nested"):
+        paths = {u.path for u in osdp.discover_units(model, traced, granularity)}
+        assert "vae" not in paths and "" in paths, (granularity, paths)
