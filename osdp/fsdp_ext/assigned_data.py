@@ -17,6 +17,9 @@ what works.
 
 from __future__ import annotations
 
+import copy
+import sys
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -24,16 +27,28 @@ from torch.distributed.tensor import DTensor
 from osdp._torch_private import dtensor_local_part, register_foreach_type
 
 _TENSOR_DATA = torch._C.TensorBase.data  # the attribute every tensor's ``.data`` is
+_PARAMETER_NEW = nn.Parameter.__new__.__code__
 
 
 class AssignableDTensor(DTensor):
     """A DTensor parameter whose ``.data`` can be assigned (the module's docstring). Its operations give
-    plain DTensors, as any DTensor's do, but ``detach()``: ``nn.Parameter(p)`` (``Module._apply``, as
-    ``model.float()`` or ``to_empty`` run it) requires that one to keep the class."""
+    plain DTensors, as any DTensor's do (a state dict's values are DTensors, which ``torch.load`` with
+    ``weights_only`` and ``copy.deepcopy`` take), but ``detach()`` called by ``nn.Parameter(p)``, which requires
+    the class kept (``Module._apply`` makes one of the parameter itself: ``model.to(device)``)."""
+
+    def __deepcopy__(self, memo: dict) -> "AssignableDTensor":
+        self.__class__ = DTensor  # copied as the DTensor it is (Tensor's deepcopy wants clone() to keep the class)
+        try:
+            copied = copy.deepcopy(self, memo)
+        finally:
+            self.__class__ = AssignableDTensor
+        make_data_assignable(copied)
+        return copied
 
     def detach(self) -> DTensor:
         detached = super().detach()
-        make_data_assignable(detached)
+        if sys._getframe(1).f_code is _PARAMETER_NEW:
+            make_data_assignable(detached)
         return detached
 
     @property

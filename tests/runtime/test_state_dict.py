@@ -1,6 +1,9 @@
 """State dicts round-trip whatever the plan: full (unsharded) and sharded (DCP), across plans, and
 ``model.state_dict()`` / ``load_state_dict`` across plans."""
 
+import copy
+import io
+
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_harness import run_ranks
@@ -75,6 +78,15 @@ def _export(rank, world_size):
     return full_state(model), probe, model(probe).detach()
 
 
+def _kept_and_reloaded(state):
+    """As a training script keeps its best state and saves it: a deep copy, ``torch.save``, ``torch.load`` (which
+    takes only the tensor types it knows, DTensor among them)."""
+    buffer = io.BytesIO()
+    torch.save(copy.deepcopy(state), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
 def _state_dicts_across_plans(rank, world_size, plans_json):
     from cases import build_toy, toy_batches
 
@@ -83,7 +95,9 @@ def _state_dicts_across_plans(rank, world_size, plans_json):
         model = build_toy()
         osdp.wrap(model, plan=plan_json)
         train(model, toy_batches()[:2], rank, world_size)
-        trained[name] = (model.state_dict(), full_state(model))
+        trained[name] = (_kept_and_reloaded(model.state_dict()), full_state(model))
+        for (key, param), copied in zip(model.named_parameters(), copy.deepcopy(list(model.parameters()))):
+            assert torch.equal(copied.to_local(), param.to_local()) and copied.requires_grad, key
     unwrapped = build_toy()
     train(unwrapped, [tuple(t[:2] for t in b) for b in toy_batches()[:1]])  # another state, plain and full
     trained["unwrapped"] = (unwrapped.state_dict(), {k: v.clone() for k, v in unwrapped.state_dict().items()})
