@@ -58,7 +58,8 @@ class AssignableDTensor(DTensor):
     @data.setter
     def data(self, value: torch.Tensor) -> None:
         if not isinstance(value, torch.Tensor):
-            _TENSOR_DATA.__set__(self, value)  # PyTorch's own error
+            _TENSOR_DATA.__set__(self, value)  # raises PyTorch's own error
+            return
         if value.shape != self.shape or value.dtype != self.dtype:
             raise RuntimeError(
                 f"osdp: a parameter of shape {tuple(self.shape)} and dtype {self.dtype} was assigned `.data` of "

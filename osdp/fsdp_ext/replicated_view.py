@@ -162,6 +162,7 @@ class ReplicatedView:
         plain.data = local
         return shown
 
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The memory behind ``t``: a DTensor's local tensor (no autograd edge to the DTensor), a tensor itself."""
     return t._local_tensor.detach() if isinstance(t, DTensor) else t.detach()
