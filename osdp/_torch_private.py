@@ -39,6 +39,7 @@ __all__ = [
     "output_tensors",
     "outside_dispatch_modes",
     "queue_at_backward_end",
+    "selective_contexts_read_again",
     "set_implicit_replication",
     "ddp_bucket_bytes",
     "ddp_check_reducer_finalized",
@@ -114,6 +115,32 @@ def outside_dispatch_modes() -> Any:
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+def selective_contexts_read_again(contexts: tuple) -> tuple:
+    """Selective checkpointing's pair of contexts (``create_selective_checkpoint_contexts``), their storage of
+    kept outputs made one a recompute reads without using it up: a second backward through a graph kept with
+    ``retain_graph=True`` recomputes as the first did, as under full checkpointing (torch's own storage raises
+    "Trying to backward an extra time"). The kept outputs live until the checkpointed region's graph is freed,
+    as the region's saved inputs do; a recompute reads each once anyway. Where torch stores them another way
+    (an older torch), the pair as it was."""
+    from collections import defaultdict
+
+    import torch.utils.checkpoint as checkpoint
+
+    used_up = getattr(checkpoint, "_CONSUMED", None)
+    caching, cached = contexts
+    if used_up is None or not isinstance(getattr(caching, "storage", None), dict) \
+            or getattr(cached, "storage", None) is not caching.storage:
+        return contexts
+
+    class _ReadAgain(dict):
+        def __setitem__(self, index, entry):
+            if entry is not used_up:
+                super().__setitem__(index, entry)
+
+    caching.storage = cached.storage = defaultdict(_ReadAgain)
+    return contexts
 
 
 @contextlib.contextmanager

@@ -31,7 +31,11 @@ import torch.nn as nn
 import torch.utils.checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from osdp._torch_private import outside_dispatch_modes, outside_selective_checkpointing
+from osdp._torch_private import (
+    outside_dispatch_modes,
+    outside_selective_checkpointing,
+    selective_contexts_read_again,
+)
 from osdp.describe.kept import defined_by_fsdp, defined_by_torch, fingerprint
 from osdp.schema.plan import CHECKPOINT_POLICIES
 
@@ -70,7 +74,7 @@ def selective_context():
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    return selective_contexts_read_again(create_selective_checkpoint_contexts(policy))
 
 
 _CHECKPOINTED: dict[tuple[type, str], type] = {}  # (class, policy) -> its checkpointed subclass

@@ -313,7 +313,10 @@ class ReplicaReducer:
         if self._in_backward:
             return
         if self.view is not None:
-            self.view.carry_grads()
+            if self.view.computing:
+                self.view.carry_grads()
+            else:  # a second backward through a retained graph: a checkpointed unit's recompute computes again
+                self.view.to_compute()
         self._follow_requires_grad()
         self._let_reduced_pass_the_divide_factor()
         self._in_backward = True
