@@ -114,13 +114,13 @@ class ReplicatedView:
         self._kept = set()
         live = set()
         for slot in self.slots:
-            plain = slot.now()
-            if plain is not None and plain is self._shown.get(slot.param):
-                live.add(slot.param)  # at rest already (kept by the last call: the others)
-            if plain is None or plain is not slot.param:
+            now, plain = slot.now(), slot.param
+            if now is None or (now is not plain and now is not self._shown.get(plain)):
                 continue  # replaced during a step: the next forward takes it
+            # ``now`` may be the view already: at rest by the last call (kept the others), or put back by the
+            # caller around a forward (torch.func.functional_call with the model's own parameters)
             live.add(plain)
-            if plain in keep:
+            if now is plain and plain in keep:
                 self._kept.add(plain)
                 continue
             shown = self._shown.get(plain)
