@@ -254,6 +254,14 @@ def _gradient_penalty_step(critic, rank=0, world_size=1):
     return critic
 
 
+def _regularised_step(model, rank=0, world_size=1):
+    """A loss adding an L2 term over every parameter, read between forward and backward, as tutorials write it."""
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0)).chunk(world_size)[rank]
+    loss = model(x, x) + 1e-2 * sum(p.square().sum() for p in model.parameters())
+    loss.backward()
+    return model
+
+
 def _errors_on_every_rank(rank, world_size):
     x = torch.randint(0, 64, (4, 16))
     def half_meta():
@@ -302,6 +310,10 @@ def _errors_on_every_rank(rank, world_size):
         "written_input": _message(lambda: _first_step_of("inplace", rank, world_size, strategy="zero2")),
         "double_backward": _message(lambda: _gradient_penalty_step(osdp.wrap(_critic(), strategy="fsdp"), rank,
                                                                    world_size)),
+        "regularised_sharded": _message(lambda: _regularised_step(osdp.wrap(_seeded(GPT), plan=_mixed_plan(GPT())),
+                                                                  rank, world_size)),
+        "regularised_replicated": [p.grad.full_tensor().clone() for p in _regularised_step(
+            osdp.wrap(_seeded(GPT), strategy="ddp"), rank, world_size).parameters()],
         # what the message says works: the same step replicated, its gradients then averaged over the ranks
         "double_backward_replicated": [p.grad.full_tensor().clone() for p in _gradient_penalty_step(
             osdp.wrap(_critic(), strategy="ddp"), rank, world_size).parameters()],
@@ -392,6 +404,23 @@ def test_a_backward_building_a_graph_through_units_fsdp2_holds_says_to_replicate
     reference = [p.grad for p in _gradient_penalty_step(_critic()).parameters()]
     for errors, _, _ in on_2:
         replicated = errors["double_backward_replicated"]
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(replicated, reference))
+
+
+def test_a_loss_mixing_sharded_parameters_into_the_output_says_where_to_compute_it(on_2):
+    """An L2 term over ``model.parameters()`` between forward and backward: replicated (and zero2) units show
+    their parameters whole there and train as one process; units freed after forward show DTensor shards, whose
+    gradients failed deep in backward (a bare AssertionError, or an FSDP2 op without a sharding strategy);
+    every rank now raises one error saying where to compute the term, as the backward begins."""
+    kinds_and_texts = {errors["regularised_sharded"][:2] for errors, _, _ in on_2}
+    assert len(kinds_and_texts) == 1, kinds_and_texts
+    ((kind, text),) = kinds_and_texts
+    assert kind == "UnitBoundaryError" and "the loss combined the model's output with DTensors" in text, text
+    assert "in the model's forward" in text and "weight_decay" in text, text
+    reference = [p.grad for p in _regularised_step(_seeded(GPT)).parameters()]
+    for errors, _, _ in on_2:
+        replicated = errors["regularised_replicated"]
+        assert len(replicated) == len(reference)
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(replicated, reference))
 
 

@@ -73,7 +73,7 @@ from osdp.describe.units import (
 from osdp.distributed import all_gather_objects, ranks_per_node, world
 from osdp.distributed import collectives as comm
 from osdp.distributed.group import ensure_process_group, job_device
-from osdp.fsdp_ext.forward_errors import double_backward_error
+from osdp.fsdp_ext.forward_errors import double_backward_error, refuse_dtensor_gradients_into_outputs
 from osdp.fsdp_ext.groups import group_members
 from osdp.fsdp_ext.mixed_precision import keep_mixed_precision_current
 from osdp.fsdp_ext.added_parameters import refuse_parameters_made_in_forward
@@ -415,12 +415,14 @@ def _at_rest_as_dtensors(model: nn.Module, reducer: ReplicaReducer | None, meshe
 
 def _around_the_units(model: nn.Module, plan: Plan, groups: dict[str, list[str]]) -> None:
     """What the units' forwards and backwards need around FSDP2's: resharding in eval, bf16 copies kept current,
-    caches off where a recompute must save what the forward saved, a graph-building backward refused."""
+    caches off where a recompute must save what the forward saved, a graph-building backward and DTensors in
+    the loss refused."""
     _resharded_when_evaluating(model, groups)
     if plan.mixed_precision == "bf16":
         keep_mixed_precision_current(model)
     if any(d.checkpoint for d in plan.units):
         disable_caches_in_training(model)  # a recomputed forward must save what the first one saved
+    refuse_dtensor_gradients_into_outputs(model)
     for path, unit in ((p, m) for p, m in model.named_modules() if isinstance(m, FSDPModule)):
         fsdp_refuse_graph_building_backward(unit, lambda path=path: double_backward_error(display_path(path)))
 

@@ -15,6 +15,12 @@ ends, and the created graph's own backward then fails on freed memory (or, told 
 reduced too early). Replicated units keep their parameters whole and take it; ``double_backward_error`` names
 the unit.
 
+And a loss combining the model's output with parameters read between forward and backward (a regulariser
+``loss + sum(p.square().sum() for p in model.parameters())``): where the plan frees a unit's gathered parameters
+after forward (zero3, split) they are its DTensor shards there, and the DTensor part of the loss sends DTensor
+gradients into the plain graph, which fails deep in backward, in a place that depends on the plan;
+``refuse_dtensor_gradients_into_outputs`` raises as that backward begins, on every rank alike.
+
 A searched plan and a baseline given ``example_input`` find such modules in a forward of the example and make
 the module that uses the parameter, or writes, the unit. A plan given without an example cannot; each unit's
 forward turns the error into ``UnitBoundaryError`` saying so, on every rank alike (every rank runs the same
@@ -26,6 +32,10 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+import torch
+from torch.distributed.tensor import DTensor
+
+from osdp._torch_private import output_tensors
 from osdp.schema.plan import PlanError
 
 _MIXED_DTENSOR = "got mixed torch.Tensor and DTensor"
@@ -89,3 +99,32 @@ def double_backward_error(unit_path: str) -> UnitBoundaryError:
         "Units the plan replicates in fp32 keep them: give the units such a backward goes through mode "
         "'replicate' in an fp32 plan (osdp.wrap(model, strategy='ddp') replicates all), or compute the penalty "
         "without create_graph")
+
+
+def dtensor_loss_error() -> UnitBoundaryError:
+    return UnitBoundaryError(
+        "the loss combined the model's output with DTensors: parameters read between forward and backward (a "
+        "regulariser loss + sum(p.square().sum() for p in model.parameters())) are the ranks' DTensor shards "
+        "where the plan frees a unit's gathered parameters after forward (zero3, split), as under FSDP2. Compute "
+        "such a term in the model's forward, where every plan has gathered them, or use the optimizer's "
+        "weight_decay")
+
+
+def refuse_dtensor_gradients_into_outputs(model: torch.nn.Module) -> None:
+    """Raise ``dtensor_loss_error`` as a backward begins if the gradient reaching a plain output of ``model``'s
+    forward is a DTensor (the loss mixed a DTensor into it): every rank at the same point, before the units'
+    gradients are reduced."""
+
+    def check(grad):
+        if isinstance(grad, DTensor):
+            raise dtensor_loss_error()
+        return grad
+
+    def hook(_module, _args, output):
+        if torch.is_grad_enabled():
+            for t in output_tensors(output):
+                if t.requires_grad and not isinstance(t, DTensor):
+                    t.register_hook(check)
+        return output
+
+    model.register_forward_hook(hook)

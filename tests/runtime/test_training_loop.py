@@ -244,6 +244,68 @@ def test_optimizers_reaching_beyond_one_parameter_equal_one_process():
         assert_matches_reference(out, ref, [f"{n}, {kind}" for n in names])
 
 
+def _two_losses_through_one_graph(model, batches, rank=0, world_size=1):
+    """Multi-task code's step: two losses on one forward, each given its own backward, the first keeping the graph
+    (checkpointed units recompute in both: replicated ones from their plain parameters, selective ones from
+    their kept outputs again)."""
+    opt, losses = sgd(model), []
+    for inputs, targets in batches:
+        n = inputs.shape[0] // world_size
+        logits = model(inputs[rank * n:(rank + 1) * n])
+        task = F.cross_entropy(logits.flatten(0, 1), targets[rank * n:(rank + 1) * n].flatten())
+        task.backward(retain_graph=True)
+        logits.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(task.item())
+    return losses
+
+
+def test_two_backwards_through_one_retained_graph_equal_one_process():
+    plans = every_mode_plans(build_toy())
+    names = ["mixed_a", "mixed_b"]  # replicated units checkpointed fully; selectively
+    ref_model = build_toy()
+    ref = (_two_losses_through_one_graph(ref_model, toy_batches()), cloned(ref_model.state_dict()))
+    out = run_ranks(_retained_under_plans, 2, [plans[n].to_json() for n in names], timeout=180)
+    assert_matches_reference(out, ref, [f"{n}, retained graph" for n in names])
+
+
+def _retained_under_plans(rank, world_size, plans_json):
+    return run_under_plans(rank, build_toy, plans_json,
+                           lambda model: _two_losses_through_one_graph(model, toy_batches(), rank, world_size))
+
+
+def _functional_steps(model, batches, rank=0, world_size=1):
+    """Steps through ``torch.func.functional_call`` with the model's own parameters (as code written for
+    ``torch.func`` runs its model): the call puts the parameters it was given back in place after the forward."""
+    opt, losses = sgd(model), []
+    for inputs, targets in batches:
+        n = inputs.shape[0] // world_size
+        rows = (inputs[rank * n:(rank + 1) * n], targets[rank * n:(rank + 1) * n])
+        loss = torch.func.functional_call(model, dict(model.named_parameters()), rows)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _functional_under_plans(rank, world_size, plans_json):
+    return run_under_plans(rank, build_toy, plans_json,
+                           lambda model: _functional_steps(model, toy_batches(), rank, world_size))
+
+
+def test_functional_call_with_the_models_own_parameters_equals_one_process():
+    """Replicated units lost every gradient (their views were back in place when the backward ended, and were
+    taken for parameters replaced during the step): the model did not train under ``ddp``, split or per-block plans."""
+    plans = every_mode_plans(build_toy())
+    names = ["ddp", "split"]
+    ref_model = build_toy()
+    ref = (_functional_steps(ref_model, toy_batches()), cloned(ref_model.state_dict()))
+    out = run_ranks(_functional_under_plans, 2, [plans[n].to_json() for n in names], timeout=180)
+    assert_matches_reference(out, ref, [f"{n}, functional_call" for n in names])
+
+
 def _train_then_evaluate(rank, world_size, plans_json):
     results = []
     for plan_json in plans_json:
