@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
 
 from osdp.distributed import collectives as comm
 from osdp.distributed.layouts import to_parameter_layout
@@ -32,6 +33,14 @@ def split_layout(out_features: int, world_size: int, k: int) -> tuple[int, list[
     rows = math.ceil(out_features / world_size)
     pieces = min(k, rows)
     return rows, [rows // pieces + (1 if i < rows % pieces else 0) for i in range(pieces)]
+
+
+@register_sharding([torch.ops.aten._is_any_true.default, torch.ops.aten._is_all_true.default])
+def _whole_tensor_checks(_tensor):
+    # Anomaly detection (torch.autograd.detect_anomaly) checks every gradient a backward node gives for NaN with
+    # these ops; a split weight's is a DTensor (from ``to_local``'s backward), which DTensor has no strategy for:
+    # checked on the whole tensor, as anomaly detection checks it under every other plan (it is slow anyway).
+    return [([Replicate()], [Replicate()])]
 
 
 class _SplitLinearFunction(torch.autograd.Function):

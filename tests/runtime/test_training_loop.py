@@ -2,7 +2,8 @@
 
 Gradient accumulation with split weights (one reduction per window, counted), gradient clipping across
 units that live on different meshes and tensor kinds, AdamW's fused and foreach implementations, SAM and
-L-BFGS, evaluation after training, CPU autocast, and bf16 parameters with fp32 reduction.
+L-BFGS, two backwards through one retained graph, ``torch.func.functional_call``, anomaly detection, evaluation
+after training, CPU autocast, and bf16 parameters with fp32 reduction.
 """
 
 from __future__ import annotations
@@ -244,66 +245,71 @@ def test_optimizers_reaching_beyond_one_parameter_equal_one_process():
         assert_matches_reference(out, ref, [f"{n}, {kind}" for n in names])
 
 
-def _two_losses_through_one_graph(model, batches, rank=0, world_size=1):
-    """Multi-task code's step: two losses on one forward, each given its own backward, the first keeping the graph
-    (checkpointed units recompute in both: replicated ones from their plain parameters, selective ones from
-    their kept outputs again)."""
+def _steps(step, model, rank=0, world_size=1) -> list[float]:
+    """Train on the toy batches, each step's forward and backward as ``step(model, inputs, targets)`` writes them
+    (it returns the loss), then SGD's step."""
     opt, losses = sgd(model), []
-    for inputs, targets in batches:
+    for inputs, targets in toy_batches():
         n = inputs.shape[0] // world_size
-        logits = model(inputs[rank * n:(rank + 1) * n])
-        task = F.cross_entropy(logits.flatten(0, 1), targets[rank * n:(rank + 1) * n].flatten())
-        task.backward(retain_graph=True)
-        logits.square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(task.item())
-    return losses
-
-
-def test_two_backwards_through_one_retained_graph_equal_one_process():
-    plans = every_mode_plans(build_toy())
-    names = ["mixed_a", "mixed_b"]  # replicated units checkpointed fully; selectively
-    ref_model = build_toy()
-    ref = (_two_losses_through_one_graph(ref_model, toy_batches()), cloned(ref_model.state_dict()))
-    out = run_ranks(_retained_under_plans, 2, [plans[n].to_json() for n in names], timeout=180)
-    assert_matches_reference(out, ref, [f"{n}, retained graph" for n in names])
-
-
-def _retained_under_plans(rank, world_size, plans_json):
-    return run_under_plans(rank, build_toy, plans_json,
-                           lambda model: _two_losses_through_one_graph(model, toy_batches(), rank, world_size))
-
-
-def _functional_steps(model, batches, rank=0, world_size=1):
-    """Steps through ``torch.func.functional_call`` with the model's own parameters (as code written for
-    ``torch.func`` runs its model): the call puts the parameters it was given back in place after the forward."""
-    opt, losses = sgd(model), []
-    for inputs, targets in batches:
-        n = inputs.shape[0] // world_size
-        rows = (inputs[rank * n:(rank + 1) * n], targets[rank * n:(rank + 1) * n])
-        loss = torch.func.functional_call(model, dict(model.named_parameters()), rows)
-        loss.backward()
+        loss = step(model, inputs[rank * n:(rank + 1) * n], targets[rank * n:(rank + 1) * n])
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses
 
 
-def _functional_under_plans(rank, world_size, plans_json):
-    return run_under_plans(rank, build_toy, plans_json,
-                           lambda model: _functional_steps(model, toy_batches(), rank, world_size))
+def _steps_under_plans(rank, world_size, plans_json, step):
+    return run_under_plans(rank, build_toy, plans_json, lambda model: _steps(step, model, rank, world_size))
+
+
+def _assert_steps_equal_one_process(step, names: list[str]) -> None:
+    plans = every_mode_plans(build_toy())
+    ref_model = build_toy()
+    ref = (_steps(step, ref_model), cloned(ref_model.state_dict()))
+    out = run_ranks(_steps_under_plans, 2, [plans[n].to_json() for n in names], step, timeout=180)
+    assert_matches_reference(out, ref, [f"{n}, {step.__name__}" for n in names])
+
+
+def _two_losses_through_one_graph(model, inputs, targets):
+    """Multi-task code: two losses on one forward, each given its own backward, the first keeping the graph."""
+    logits = model(inputs)
+    task = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    task.backward(retain_graph=True)
+    logits.square().mean().backward()
+    return task
+
+
+def test_two_backwards_through_one_retained_graph_equal_one_process():
+    """Checkpointed units recompute in both backwards: replicated ones (mixed_a) failed on their DTensor views,
+    selective ones (mixed_b) on PyTorch's kept outputs, used up by the first."""
+    _assert_steps_equal_one_process(_two_losses_through_one_graph, ["mixed_a", "mixed_b"])
+
+
+def _through_functional_call(model, inputs, targets):
+    """As code written for ``torch.func`` runs its model: the call puts the parameters it was given (the model's
+    own) back in place after the forward."""
+    loss = torch.func.functional_call(model, dict(model.named_parameters()), (inputs, targets))
+    loss.backward()
+    return loss
 
 
 def test_functional_call_with_the_models_own_parameters_equals_one_process():
     """Replicated units lost every gradient (their views were back in place when the backward ended, and were
-    taken for parameters replaced during the step): the model did not train under ``ddp``, split or per-block plans."""
-    plans = every_mode_plans(build_toy())
-    names = ["ddp", "split"]
-    ref_model = build_toy()
-    ref = (_functional_steps(ref_model, toy_batches()), cloned(ref_model.state_dict()))
-    out = run_ranks(_functional_under_plans, 2, [plans[n].to_json() for n in names], timeout=180)
-    assert_matches_reference(out, ref, [f"{n}, functional_call" for n in names])
+    taken for parameters replaced during the step): the model did not train under ``ddp`` or split plans."""
+    _assert_steps_equal_one_process(_through_functional_call, ["ddp", "split"])
+
+
+def _under_anomaly_detection(model, inputs, targets):
+    with torch.autograd.detect_anomaly():
+        loss = model(inputs, targets)
+        loss.backward()
+    return loss
+
+
+def test_anomaly_detection_trains_as_one_process():
+    """Anomaly detection checks each backward node's gradients for NaN; a split weight's is a DTensor, for whose
+    check DTensor had no strategy (NotImplementedError under split plans only)."""
+    _assert_steps_equal_one_process(_under_anomaly_detection, ["split"])
 
 
 def _train_then_evaluate(rank, world_size, plans_json):
