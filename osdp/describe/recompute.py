@@ -125,8 +125,9 @@ def checkpoint_unit(module: nn.Module, policy: str = "full") -> None:
 
             return torch.utils.checkpoint.checkpoint(run, *distinct, use_reentrant=False, **context)
 
-        prefix = "SelectivelyCheckpointed" if policy == "selective" else "Checkpointed"
-        checkpointed = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})
+        # named as the user's class: the plan is not to be seen in ``type(model).__name__`` (Hugging Face's
+        # save_pretrained writes it into config.json, with FSDP2's "FSDP" prefix taken off) or the model's repr
+        checkpointed = type(cls.__name__, (cls,), {"forward": forward, "__qualname__": cls.__qualname__})
         _CHECKPOINTED[(cls, policy)], _ORIGINAL[checkpointed] = checkpointed, (cls, policy)
     module.__class__ = _CHECKPOINTED[(cls, policy)]
 

@@ -144,3 +144,5 @@ def test_a_wrapped_model_saves_with_save_pretrained_as_one_process_would(tmp_pat
     for key, value in expected.items():
         torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0, msg=key)
     assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # still tied
+    # the class name save_pretrained writes (FSDP2's prefix taken off): the user's, whatever the plan checkpoints
+    assert loaded.config.architectures == ["GPT2LMHeadModel"]

@@ -92,7 +92,8 @@ def test_a_selectively_checkpointed_unit_keeps_its_matmuls_and_gives_the_same_gr
     plain, x = Block(), torch.randn(4, 8)
     selective = copy.deepcopy(plain)
     checkpoint_unit(selective, "selective")
-    assert checkpoint_policy(selective) == "selective" and type(selective).__name__ == "SelectivelyCheckpointedBlock"
+    assert checkpoint_policy(selective) == "selective"
+    assert (type(selective).__name__, type(selective).__qualname__) == ("Block", "Block")  # the plan does not show
     expected = grads(plain, x)
     addmm = []
     with _Ops(addmm):
