@@ -65,7 +65,7 @@ def explained(error: RuntimeError, module_type: str) -> UnitBoundaryError | None
     return None
 
 
-def _users_class(cls: type) -> str:
+def users_class_name(cls: type) -> str:
     """The name of the class the user wrote, under the subclasses FSDP2 and osdp made of it."""
     made = ("torch.distributed", "osdp")
     return next((c.__name__ for c in cls.__mro__ if not c.__module__.startswith(made)), cls.__name__)
@@ -74,7 +74,7 @@ def _users_class(cls: type) -> str:
 def explaining(cls: type) -> Callable:
     """The forward of the module class ``cls``, raising ``UnitBoundaryError`` for the errors above; its
     signature kept (Hugging Face's Trainer reads it to choose the batch's columns)."""
-    forward, name = cls.forward, _users_class(cls)
+    forward, name = cls.forward, users_class_name(cls)
 
     @functools.wraps(forward)
     def explained_forward(self, *args, **kwargs):

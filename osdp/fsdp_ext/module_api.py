@@ -53,7 +53,7 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 from osdp._torch_private import replicated_by_fsdp2
 from osdp.fsdp_ext.divide_factors import divide_factors_of
 from osdp.fsdp_ext.evaluation import put_at_rest
-from osdp.fsdp_ext.forward_errors import explaining
+from osdp.fsdp_ext.forward_errors import explaining, users_class_name
 from osdp.fsdp_ext.forward_methods import registered_by_fsdp2, with_osdp_hooks
 from osdp.fsdp_ext.replicate import ReplicaReducer, Slot
 from osdp.machine.memory import iter_tensors
@@ -187,9 +187,11 @@ def extend_unit(module: nn.Module, extras: UnitExtras) -> None:
         return
     if cls not in _CLASSES:
         # FSDPModule.__new__ (indexing into a container) builds the class found this far down the MRO
-        # and its forward says in the plan's terms what FSDP2 cannot carry across the unit's boundary
-        _CLASSES[cls] = type(cls.__name__, (UnitModule, cls), {"_orig_cls_mro_index": cls._orig_cls_mro_index + 2,
-                                                               "forward": explaining(cls)})
+        # and its forward says in the plan's terms what FSDP2 cannot carry across the unit's boundary; named as
+        # the user's class (not FSDP2's FSDP<name>), as a module the plan did not make a unit is
+        name = users_class_name(cls)
+        _CLASSES[cls] = type(name, (UnitModule, cls), {"_orig_cls_mro_index": cls._orig_cls_mro_index + 2,
+                                                       "forward": explaining(cls), "__qualname__": name})
     module.__class__ = _CLASSES[cls]
 
 

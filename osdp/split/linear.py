@@ -191,10 +191,8 @@ class SplitLinear(nn.Linear):
         return self.weight.full_tensor()
 
     def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"k={self.k}, world_size={self.weight.device_mesh.size()}"
-        )
+        # nn.Linear's: the plan that chose k is not to show in the user's print(model) (osdp.plan_of says it)
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from cases import build_toy, every_mode_plans
 from dist_harness import run_ranks
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -527,6 +528,30 @@ def test_the_search_leaves_no_trace_in_what_the_users_code_sees():
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= ATOL, (losses, ref_losses)
     state = ranks[0][4]
     assert max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()) <= ATOL
+
+
+def _class_names(rank, world_size, plans_json):
+    names = []
+    for plan_json in plans_json:
+        model = build_toy()
+        osdp.wrap(model, plan=plan_json)
+        names.append(({path: type(m).__name__ for path, m in model.named_modules()}, repr(model)))
+    return names
+
+
+def test_class_names_and_the_repr_do_not_show_the_plan():
+    """A unit's class was FSDP2's FSDP<name> (a checkpointed one's FSDPCheckpointed<name>), a module the plan did
+    not make a unit kept its name: ``type(m).__name__``, ``print(model)`` and what Hugging Face's save_pretrained
+    writes as the architecture changed with the plan. Every module keeps the user's class name (a split Linear
+    is a ``SplitLinear``, an ``nn.Linear`` subclass)."""
+    plans = every_mode_plans(build_toy())
+    expected = {path: type(m).__name__ for path, m in build_toy().named_modules()}
+    for rank_names in run_ranks(_class_names, 2, [p.to_json() for p in plans.values()], timeout=120):
+        for plan_name, (names, text) in zip(plans, rank_names):
+            split = {path for path, name in names.items() if name == "SplitLinear"}
+            assert split == set() or plan_name == "split", plan_name
+            assert {p: "Linear" if p in split else n for p, n in names.items()} == expected, plan_name
+            assert text.replace("SplitLinear", "Linear") == repr(build_toy()), plan_name
 
 
 def _dropped(rank, world_size, plan_jsons):

@@ -49,8 +49,8 @@ def _methods_and_gathering(rank, world_size, granularity):
         "embedding_is_unit": isinstance(model.wte, FSDPModule),
         "methods": {name: all(callable(getattr(m, name, None)) for m in [model.wte, *model.blocks, model.head])
                     for name in FSDP2_METHODS},
-        # as fully_shard names a unit's class FSDP<name>, a block the plan took apart keeps its own name
-        "still_a_block": isinstance(block, Block) and type(block).__name__ in ("Block", "FSDPBlock"),
+        # a unit and a block the plan took apart alike keep the user's class name (not FSDP2's FSDP<name>)
+        "still_a_block": isinstance(block, Block) and type(block).__name__ == "Block",
     }
 
     def sharded():  # FSDP2 registers other Parameter objects as it gathers and reshards: read them each time
