@@ -574,7 +574,7 @@ def _reducer_of(model: nn.Module) -> ReplicaReducer | None:
 
 
 # FSDP2 warns of what _pre_backward_through_views handles, at every forward of such a unit
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP.*\) returned a view tensor")
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
 
 
 def _pre_backward_through_views(module: FSDPModule, args, output):
