@@ -9,7 +9,8 @@ Linear loads the plain weight of the ``nn.Linear`` it replaced.
 ``to_parameter_layout`` is the load pre-hook that mends this: a DTensor laid out
 otherwise becomes its full tensor (a collective, as loading a sharded state
 dict is: every rank loads), a full tensor this rank's part of it (no
-communication).
+communication). ``in_layout_of`` does it for one value (optimizer state too,
+``osdp.fsdp_ext.optimizer_state``).
 """
 
 from __future__ import annotations
@@ -25,14 +26,20 @@ def to_parameter_layout(module: nn.Module, state_dict, prefix: str, *_) -> None:
     for name, param in module.named_parameters(recurse=False):
         key = prefix + name
         value = state_dict.get(key)
-        if not isinstance(value, torch.Tensor) or value.shape != param.shape:
-            continue  # missing or of another shape: load_state_dict reports it
-        if isinstance(value, DTensor):
-            if isinstance(param, DTensor) and (value.device_mesh, value.placements) == (param.device_mesh,
-                                                                                        param.placements):
-                continue
-            value = value.full_tensor()
-        if isinstance(param, DTensor):
-            local = value.detach().to(param.device)
-            value = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
-        state_dict[key] = value
+        if isinstance(value, torch.Tensor) and value.shape == param.shape:  # else load_state_dict reports it
+            state_dict[key] = in_layout_of(param, value)
+
+
+def in_layout_of(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (of ``param``'s global shape) laid out as ``param`` is: itself where it is already; a DTensor laid
+    out otherwise gathered first (a collective: every rank brings the same values), a full tensor cut to this
+    rank's part."""
+    if isinstance(value, DTensor):
+        if isinstance(param, DTensor) and (value.device_mesh, value.placements) == (param.device_mesh,
+                                                                                    param.placements):
+            return value
+        value = value.full_tensor()
+    if isinstance(param, DTensor):
+        local = value.detach().to(param.device)
+        return distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+    return value

@@ -81,6 +81,7 @@ from osdp.fsdp_ext.assigned_data import make_data_assignable_at_first_forward, m
 from osdp.fsdp_ext.divide_factors import track_divide_factors
 from osdp.fsdp_ext.meta import built_on_meta, check_alike, check_materialized_at_first_forward
 from osdp.fsdp_ext.earlier_optimizers import named_parameter_objects, remember_replaced
+from osdp.fsdp_ext.optimizer_state import lay_out_loaded_optimizer_state
 from osdp.fsdp_ext.evaluation import reshard_after_evaluating
 from osdp.fsdp_ext.module_api import StandIn, UnitExtras, extend_unit, stand_in_for_units
 from osdp.fsdp_ext.replicate import ReplicaReducer
@@ -393,6 +394,7 @@ def apply_plan(
     _around_the_units(model, plan, groups)
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     load_under_any_plan(model)
+    lay_out_loaded_optimizer_state()  # and an optimizer's state_dict, at its next step
     _at_rest_as_dtensors(model, reducer, meshes, on_meta)
     if on_meta:
         check_materialized_at_first_forward(model)

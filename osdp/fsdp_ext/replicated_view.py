@@ -20,7 +20,7 @@ which the reducer then follows).
 Torch's optimizers step the plain parameters: a step hook puts each view's plain parameter in its place in
 the optimizer for the step (its state moves with it, and stays plain tensors), as stepping DTensors dispatches
 every op through DTensor, 2% of a small model's step on CPU (gpt2-mini, 2 ranks), which DDP does not pay.
-L-BFGS and optimizers of the user's own step the views (``_steps_each_parameter_alone``).
+L-BFGS and optimizers of the user's own step the views (``steps_each_parameter_alone``).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def _swap(optimizer: torch.optim.Optimizer, mapping) -> None:
                     state[other] = state.pop(p)
 
 
-def _steps_each_parameter_alone(optimizer: torch.optim.Optimizer) -> bool:
+def steps_each_parameter_alone(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` is one of torch's that update each parameter from its own state and gradient (all
     but L-BFGS, which joins every parameter into one vector). Only those step the plain parameters: any other
     (L-BFGS, the user's own) steps the views, so that what it joins across parameters is DTensors alone, as
@@ -206,7 +206,7 @@ def _steps_each_parameter_alone(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _to_plain(optimizer: torch.optim.Optimizer, *_) -> None:
-    if not _steps_each_parameter_alone(optimizer):
+    if not steps_each_parameter_alone(optimizer):
         return
     swapped = {}
 

@@ -11,7 +11,8 @@ owning parameters brings each value to its parameter's layout before it loads
 (``osdp.distributed.layouts.to_parameter_layout``).
 
 Optimizer state follows its plan too: ``osdp.runtime.dcp`` saves and loads both
-under any plan and on any number of ranks.
+under any plan and on any number of ranks, and each rank's own ``optimizer.state_dict()``
+loads under another plan on as many ranks (``fsdp_ext.optimizer_state``).
 """
 
 from __future__ import annotations
