@@ -36,6 +36,7 @@ class FirstStepCheck:
         self._forward = model.register_forward_pre_hook(self._on_forward, prepend=True)
         self._step = None
 
+    @torch._dynamo.disable  # a model compiled before wrapping calls it inside its frame: bookkeeping, not traced
     def _on_forward(self, _module, _args) -> None:
         if not (torch.is_grad_enabled() and self.model.training):
             return

@@ -62,3 +62,21 @@ def test_compiled_training_matches_single_process(how):
 def test_compile_units_needs_a_wrapped_model():
     with pytest.raises(ValueError, match="not been wrapped"):
         osdp.compile_units(build_toy())
+
+
+def _searched_after_compiling(rank, world_size):
+    torch._dynamo.reset()
+    inputs, targets = (t.chunk(world_size)[rank] for t in toy_batches()[0])
+    model = osdp.wrap(torch.compile(build_toy(), backend="aot_eager"), device_mem="1GiB",
+                      example_input=(inputs, targets), planning_device="cpu-loopback")
+    losses = train(model, toy_batches(), rank, world_size)
+    state = full_state(model._orig_mod)  # collective: every rank takes part
+    return losses, state if rank == 0 else None
+
+
+def test_a_model_compiled_before_a_search_trains_as_one_process():
+    """A searched plan measures its first step (``fsdp_ext.budget_check``) from a hook the compiled model's frame
+    runs: traced, it failed in AOTAutograd (a graph made for the parameters' class before they became
+    assignable)."""
+    out = run_ranks(_searched_after_compiling, 2, timeout=600)
+    assert_matches_reference([[r] for r in out], reference(build_toy, toy_batches()), ["searched, compiled first"])
