@@ -456,17 +456,19 @@ def nesting(paths: Iterable[str]) -> dict[str, tuple[str, ...]]:
 def param_homes(model: nn.Module, paths: Iterable[str]) -> dict[int, str]:
     """id(parameter) -> the unit (of ``paths``, the root among them) that owns it: the deepest unit
     containing the common ancestor of every module that registers it (a tied weight: their ancestor)."""
-    paths = list(set(paths) | {ROOT})
-    homes = {}
-    for pid, owners in _param_owners(model).items():
-        home = _common_ancestor(owners)
-        homes[pid] = max((u for u in paths if _is_within(home, u)), key=len)
-    return homes
+    units = set(paths) | {ROOT}
+    return {pid: _innermost(_common_ancestor(owners), units) for pid, owners in _param_owners(model).items()}
 
 
 def holding_unit(path: str, units: Iterable[str]) -> str:
     """The innermost of ``units`` (module paths; the root is always one) that ``path`` is in."""
-    return max((u for u in (*units, ROOT) if _is_within(path, u)), key=len)
+    return _innermost(path, set(units) | {ROOT})
+
+
+def _innermost(path: str, units: set[str]) -> str:
+    """``path`` if it is one of ``units`` (the root among them), else the closest unit above it: a walk up its
+    ancestors, not a scan of every unit (a model of hundreds of units has thousands of parameters)."""
+    return path if path in units else _nearest_unit(path, units)
 
 
 def _nearest_unit(path: str, units: set[str]) -> str:
