@@ -1,6 +1,7 @@
 """What a forward without gradients (evaluation) leaves gathered, and until when.
 
-A forward under ``no_grad`` has no backward to reshard what FSDP2 keeps gathered after forward. Units inside the
+A forward under ``no_grad``, or of a model frozen whole, has no backward to reshard what FSDP2 keeps gathered
+after forward. Units inside the
 root are resharded at once (their memory is inference's). The root's parameters stay as the forward used them,
 as FSDP2 keeps its root's: plain tensors, which evaluation loops combine with the forward's outputs (CLIP's
 ``model.logit_scale.exp() * image @ text.T``). That must hold under every plan, so those of the root's
@@ -27,6 +28,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
+from osdp._torch_private import output_tensors
 from osdp.fsdp_ext.earlier_optimizers import settle_before_each_step, step_in_its_place
 from osdp.fsdp_ext.replicate import ReplicaReducer
 
@@ -47,7 +49,7 @@ def reshard_after_evaluating(model: nn.Module, not_last_of_group: set[nn.Module]
 
     @torch._dynamo.disable  # under model.compile(), as FSDP2's own hooks: bookkeeping, nothing to trace
     def keep_if_evaluating(root: nn.Module, args, output):
-        if not torch.is_grad_enabled():
+        if no_backward_follows(output):
             _kept[root] = reducer_of
             _step_at_rest_in_place_of_kept(root, reducer_of(root))
         return output
@@ -72,9 +74,17 @@ def _put_root_at_rest(root: nn.Module, reducer_of: Callable[[nn.Module], Replica
 
 @torch._dynamo.disable
 def _reshard_after_forward_without_grad(module: FSDPModule, args, output):
-    if not torch.is_grad_enabled():
+    if no_backward_follows(output):
         FSDPModule.reshard(module)  # this unit's alone: a root kept meanwhile stays so
     return output
+
+
+def no_backward_follows(output) -> bool:
+    """Whether no backward can reach the module through ``output``: a forward without gradients, or one of a
+    module frozen whole (a GAN's discriminator while its generator steps, a distillation's teacher) with
+    gradients on. Left gathered, a zero2 unit would go on registering the gathered parameters, on which a
+    ``requires_grad`` set on the parameters an optimizer holds (Lightning's ``toggle_optimizer``) never lands."""
+    return not torch.is_grad_enabled() or not any(t.requires_grad for t in output_tensors(output))
 
 
 @torch._dynamo.disable

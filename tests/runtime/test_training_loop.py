@@ -312,6 +312,77 @@ def test_anomaly_detection_trains_as_one_process():
     _assert_steps_equal_one_process(_under_anomaly_detection, ["split"])
 
 
+def _gan():
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    critic = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+    return generator, critic
+
+
+def _gan_steps(generator, critic, rank=0, world_size=1):
+    """Two GAN steps as Lightning's manual optimization takes them: each optimizer's turn freezes every parameter
+    of the other optimizer through its param groups (``toggle_optimizer``), so the generator runs frozen whole in
+    the critic's turn, with gradients on."""
+    opts = [torch.optim.Adam(generator.parameters(), lr=1e-2, eps=1e-3),
+            torch.optim.SGD(critic.parameters(), lr=0.1, momentum=0.9)]
+
+    def turn(opt, loss_of):
+        was = {p: p.requires_grad for o in opts for g in o.param_groups for p in g["params"]}
+        for o in opts:
+            for g in o.param_groups:
+                for p in g["params"]:
+                    p.requires_grad = was[p] if o is opt else False
+        loss = loss_of()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        for p, requires_grad in was.items():
+            p.requires_grad = requires_grad
+        return loss.item()
+
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(2):
+        real, z = (torch.randn(8, n, generator=g).chunk(world_size)[rank] for n in (16, 8))
+        ones, zeros = torch.ones(len(z), 1), torch.zeros(len(z), 1)
+        losses.append(turn(opts[0], lambda: F.binary_cross_entropy_with_logits(critic(generator(z)), ones)))
+        losses.append(turn(opts[1], lambda: (F.binary_cross_entropy_with_logits(critic(real), ones) +
+                                             F.binary_cross_entropy_with_logits(critic(generator(z).detach()), zeros)) / 2))
+    return losses
+
+
+def _gan_under_plans(rank, world_size, plans_json):
+    out = []
+    for generator_plan, critic_plan in plans_json:
+        generator, critic = _gan()
+        osdp.wrap(generator, plan=generator_plan)
+        osdp.wrap(critic, plan=critic_plan)
+        losses = _gan_steps(generator, critic, rank, world_size)
+        state = {**{f"g.{k}": v for k, v in full_state(generator).items()},
+                 **{f"c.{k}": v for k, v in full_state(critic).items()}}  # collectives: every rank takes part
+        out.append((losses, state if rank == 0 else None))
+    return out
+
+
+def test_a_model_frozen_whole_for_a_forward_trains_its_next_turn_as_one_process():
+    """A zero2 unit (and the root) stayed gathered after the generator's frozen forward in the critic's turn,
+    registering the gathered parameters: the generator's next turn unfroze the parameters its optimizer holds,
+    not those, so zero2 units did not train (mixed plans: 8e-3 off one process, silently) or nothing did (zero2:
+    "element 0 of tensors does not require grad"). A forward through which no backward can come now puts its
+    units at rest as a forward without gradients does."""
+    from training_check import plan_kinds
+
+    generator, critic = _gan()
+    losses = _gan_steps(generator, critic)
+    ref = (losses, {**{f"g.{k}": v for k, v in cloned(generator.state_dict()).items()},
+                    **{f"c.{k}": v for k, v in cloned(critic.state_dict()).items()}})
+    plans_g, plans_c = (plan_kinds(m) for m in _gan())
+    names = [("mixed", "mixed")]  # zero2 units among every mode
+    out = run_ranks(_gan_under_plans, 2, [(plans_g[a].to_json(), plans_c[b].to_json()) for a, b in names],
+                    timeout=180)
+    assert_matches_reference(out, ref, [f"generator {a}, critic {b}" for a, b in names])
+
+
 def _train_then_evaluate(rank, world_size, plans_json):
     results = []
     for plan_json in plans_json:
