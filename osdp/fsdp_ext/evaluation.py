@@ -1,12 +1,11 @@
 """What a forward without gradients (evaluation) leaves gathered, and until when.
 
-A forward under ``no_grad``, or of a model frozen whole, has no backward to reshard what FSDP2 keeps gathered
-after forward. Units inside the
-root are resharded at once (their memory is inference's). The root's parameters stay as the forward used them,
-as FSDP2 keeps its root's: plain tensors, which evaluation loops combine with the forward's outputs (CLIP's
-``model.logit_scale.exp() * image @ text.T``). That must hold under every plan, so those of the root's
-parameters the reducer replicates stay plain too (``fsdp_ext.replicated_view``); every other unit's are DTensors
-then, whether the plan shards or replicates them.
+A forward under ``no_grad``, or of a model frozen whole, has no backward to reshard what FSDP2 keeps gathered after
+forward. Units inside the root are resharded at once (their memory is inference's). The root's parameters stay as
+the forward used them, as FSDP2 keeps its root's: plain tensors, which evaluation loops combine with the forward's
+outputs (CLIP's ``model.logit_scale.exp() * image @ text.T``). That must hold under every plan, so those of the
+root's parameters the reducer replicates stay plain too (``fsdp_ext.replicated_view``); every other unit's are
+DTensors then, whether the plan shards or replicates them.
 
 They are put back at rest (sharded; the replicated ones shown as DTensors again) before anything that must see
 the parameters training steps: an optimizer step (``fsdp_ext.earlier_optimizers``, which also puts the shards in
