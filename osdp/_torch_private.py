@@ -35,7 +35,11 @@ __all__ = [
     "fsdp_before_reduce",
     "fsdp_collective_comm",
     "fsdp_refuse_graph_building_backward",
+    "fsdp_hook_gathered_gradients",
+    "fsdp_backward_cut_short",
+    "fsdp_drop_gathered_gradients",
     "fsdp_keep_forward_writes",
+    "gradient_returned_not_accumulated",
     "output_tensors",
     "outside_dispatch_modes",
     "queue_at_backward_end",
@@ -307,32 +311,69 @@ def _outside_inference_mode(method: Callable) -> Callable:
     return run
 
 
-def fsdp_carry_gradient_hooks(module: Any, hooks_of: Callable[[Any, str], list]) -> None:
-    """Register on each gathered parameter of a ``fully_shard``-ed module the gradient hooks its parameter had
-    before wrapping (``hooks_of(owner module, attribute)``: ``p.register_hook(fn)`` in a model's ``__init__``,
-    masking rows of an embedding). FSDP2 computes with new gathered parameters, so hooks on the old ones would
-    never run; DDP runs them on each rank's gradient before its reduction, and so do these."""
+def fsdp_backward_cut_short(root: Any) -> bool:
+    """Whether the last backward through the ``fully_shard``-ed ``root`` raised before its end (FSDP2's callback
+    for the end, queued as it began, never ran) and no backward runs now."""
+    state = root._get_fsdp_state()
+    return state._state_ctx.post_backward_final_callback_queued and torch._C._current_graph_task_id() == -1
+
+
+def fsdp_drop_gathered_gradients(module: Any) -> None:
+    """Let go of the gradients on a ``fully_shard``-ed module's gathered parameters (and those accumulated
+    unsharded without gradient sync): a backward that raised left them there, and FSDP2's ``reset_iter_state``
+    keeps them, so the next backward would add to them."""
     for group in module._get_fsdp_state()._fsdp_param_groups:
         for fsdp_param in group.fsdp_params:
-            info = fsdp_param._module_info
-            hooks = hooks_of(info.module, info.param_name)
-            if hooks and not getattr(fsdp_param, "_osdp_carries_hooks", False):
-                fsdp_param._osdp_carries_hooks = True
-                _carry_hooks(fsdp_param, hooks)
+            if hasattr(fsdp_param, "_unsharded_param"):
+                fsdp_param._unsharded_param.grad = None
+            fsdp_param.unsharded_accumulated_grad = None
 
 
-def _carry_hooks(fsdp_param: Any, hooks: list) -> None:
+def fsdp_hook_gathered_gradients(module: Any, hooks_of: Callable[[Any, str, torch.Tensor], list]) -> None:
+    """Register on each gathered parameter of a ``fully_shard``-ed module the gradient hooks
+    ``hooks_of(owner module, attribute, gathered parameter)``: the hooks its parameter had before wrapping
+    (``p.register_hook(fn)`` in a model's ``__init__``, masking rows of an embedding), which DDP runs on each
+    rank's gradient before its reduction, and osdp's own. FSDP2 computes with new gathered parameters, so hooks
+    on the old ones would never run."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            if not getattr(fsdp_param, "_osdp_hooks_gathered", False):
+                fsdp_param._osdp_hooks_gathered = True
+                info = fsdp_param._module_info
+                _hook_when_gathered(fsdp_param, lambda gathered, info=info: hooks_of(info.module, info.param_name,
+                                                                                    gathered))
+
+
+def _hook_when_gathered(fsdp_param: Any, hooks_of: Callable[[torch.Tensor], list]) -> None:
     to_unsharded = fsdp_param.to_unsharded
 
     def unsharded() -> None:
         to_unsharded()
         gathered = fsdp_param._unsharded_param  # made at the first gather, the same object after
-        if not getattr(gathered, "_osdp_hooks_carried", False):
+        # (frozen, it takes no hook: at the first gather after it is unfrozen)
+        if gathered.requires_grad and not getattr(gathered, "_osdp_hooks_carried", False):
             gathered._osdp_hooks_carried = True
-            for hook in hooks:
+            for hook in hooks_of(gathered):
                 gathered.register_hook(hook)
 
     fsdp_param.to_unsharded = unsharded
+
+
+def gradient_returned_not_accumulated(param: torch.Tensor) -> bool:
+    """Whether the backward running now computes ``param``'s gradient for ``torch.autograd.grad`` to return (the
+    engine captures it) instead of accumulating it into ``param.grad``. Torch says so only by refusing to answer
+    ``_will_engine_execute_node`` for that leaf's node, with this message."""
+    from torch.autograd.graph import get_gradient_edge
+
+    if not param.requires_grad:  # frozen during this backward: it accumulates nothing either way
+        return False
+    try:
+        torch._C._will_engine_execute_node(get_gradient_edge(param).node)
+    except RuntimeError as e:
+        if "running autograd.grad()" in str(e):
+            return True
+        raise
+    return False
 
 
 def fsdp_keep_forward_writes(module: Any, fingerprint: Callable[[torch.Tensor], Any]) -> None:

@@ -74,7 +74,9 @@ from osdp.distributed import all_gather_objects, ranks_per_node, world
 from osdp.distributed import collectives as comm
 from osdp.distributed.group import ensure_process_group, job_device
 from osdp.fsdp_ext.forward_errors import double_backward_error, refuse_dtensor_gradients_into_outputs
+from osdp.fsdp_ext.gradient_hooks import hook_gathered_gradients
 from osdp.fsdp_ext.groups import group_members
+from osdp.fsdp_ext.interrupted import start_clean_after_a_backward_cut_short
 from osdp.fsdp_ext.mixed_precision import keep_mixed_precision_current
 from osdp.fsdp_ext.added_parameters import refuse_parameters_made_in_forward
 from osdp.fsdp_ext.assigned_data import make_data_assignable_at_first_forward, make_parameters_data_assignable
@@ -89,7 +91,6 @@ from osdp.fsdp_ext.replicated_view import ReplicatedView
 from osdp.fsdp_ext.state_dict import load_under_any_plan, show_replicated_as_dtensors
 from osdp.fsdp_ext.unused import reduce_where_any_rank_has_gradients
 from osdp._torch_private import (
-    fsdp_carry_gradient_hooks,
     fsdp_gather_outside_inference_mode,
     fsdp_keep_forward_writes,
     fsdp_pre_backward,
@@ -380,7 +381,7 @@ def apply_plan(
         for path in members:
             extras[path] = UnitExtras(split_linears=[m for m in _own_modules(module, {modules[p] for p in unit.nested})
                                                      if isinstance(m, SplitLinear)])
-    _carry_gradient_hooks(model, before)
+    hook_gathered_gradients(model, before)
     reducer = _reduce_unevenly_used(model, plan, replicated, fsdp_held)
     for path, extra in extras.items():
         if reducer is not None:
@@ -392,6 +393,7 @@ def apply_plan(
     stand_in_for_units(model, shardable)
     _track_divide_factors(model, plan, grouped)
     _around_the_units(model, plan, groups)
+    start_clean_after_a_backward_cut_short(model, reducer)  # registered last: before the other pre-forwards
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     load_under_any_plan(model)
     lay_out_loaded_optimizer_state()  # and an optimizer's state_dict, at its next step
@@ -457,20 +459,6 @@ def _make_fsdp_unit(target: nn.Module | list[nn.Module], path: str, decision: Un
         # a forward's in-place writes to its gathered parameters stay, as unsharded
         fsdp_keep_forward_writes(first, fingerprint)
         fsdp_gather_outside_inference_mode(first)  # an evaluation first under inference_mode, then training
-
-
-def _carry_gradient_hooks(model: nn.Module, before: dict[str, nn.Parameter]) -> None:
-    """The gradient hooks the model's parameters had (``before``: by name, before the plan was applied) on the
-    parameters FSDP2 computes with; a replicated parameter stays the object it was, with its hooks."""
-    hooks = {}
-    for name, p in before.items():
-        if p._backward_hooks:
-            owner, _, attribute = name.rpartition(".")
-            hooks[(id(model.get_submodule(owner)), attribute)] = list(p._backward_hooks.values())
-    if hooks:
-        for module in model.modules():
-            if isinstance(module, FSDPModule) and hasattr(module, "_get_fsdp_state"):
-                fsdp_carry_gradient_hooks(module, lambda owner, attribute: hooks.get((id(owner), attribute)))
 
 
 def _reduce_unevenly_used(model: nn.Module, plan: Plan, replicated: set[nn.Parameter],

@@ -21,6 +21,12 @@ after forward (zero3, split) they are its DTensor shards there, and the DTensor 
 gradients into the plain graph, which fails deep in backward, in a place that depends on the plan;
 ``refuse_dtensor_gradients_into_outputs`` raises as that backward begins, on every rank alike.
 
+And ``torch.autograd.grad`` with respect to parameters: gradients reach the ranks' average only as a backward
+accumulates them (DDP's reducer and FSDP2's reduce-scatter run from there), so the gradients it returns are each
+rank's own. Where the plan holds a unit sharded, its parameters are DTensors outside the graph and torch refuses;
+where it holds one gathered (replicated, zero2 after forward), ``refuse_returned_gradients`` makes that backward
+raise as it ends, on every rank alike, rather than return what one process would not.
+
 A searched plan and a baseline given ``example_input`` find such modules in a forward of the example and make
 the module that uses the parameter, or writes, the unit. A plan given without an example cannot; each unit's
 forward turns the error into ``UnitBoundaryError`` saying so, on every rank alike (every rank runs the same
@@ -30,12 +36,13 @@ forward to the same op), before any collective of that step.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from osdp._torch_private import output_tensors
+from osdp._torch_private import gradient_returned_not_accumulated, output_tensors, queue_at_backward_end
 from osdp.schema.plan import PlanError
 
 _MIXED_DTENSOR = "got mixed torch.Tensor and DTensor"
@@ -128,3 +135,38 @@ def refuse_dtensor_gradients_into_outputs(model: torch.nn.Module) -> None:
         return output
 
     model.register_forward_hook(hook)
+
+
+def returned_gradient_error(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"torch.autograd.grad asked for the gradient of parameter '{name}' of a wrapped model: gradients are "
+        "averaged over the ranks (to what one process training the whole batch computes) only as a backward "
+        "accumulates them into .grad, as under DistributedDataParallel and FSDP2, so each rank would get its own. "
+        "Call loss.backward() and read p.grad (p.grad.full_tensor() where it is a DTensor shard), or take "
+        "torch.autograd.grad with respect to inputs (a gradient penalty), not parameters")
+
+
+def refuse_returned_gradients(param: torch.Tensor, name: str) -> Callable:
+    """A gradient hook for ``param`` making ``torch.autograd.grad`` raise ``returned_gradient_error`` where it
+    computes its gradient to return it. Raised as that backward ends, after FSDP2's and the reducer's own ends
+    (queued before): every unit has finished its backward, so the model trains on if the user goes on with a
+    backward. Holds ``param`` weakly: autograd keeps a tensor's hooks where the garbage collector cannot see them."""
+    ref = weakref.ref(param)
+
+    def hook(grad):
+        task = torch._C._current_graph_task_id()
+        if task != _last_task[0]:  # asked once per backward: it returns all the gradients it computes, or none
+            p = ref()
+            _last_task[:] = [task, p is not None and gradient_returned_not_accumulated(p)]
+            if _last_task[1]:
+                queue_at_backward_end(functools.partial(_refuse_returned_gradient, name))
+        return grad
+
+    return hook
+
+
+_last_task: list = [None, False]  # the backward (graph task) a hook last ran in; whether it returns gradients
+
+
+def _refuse_returned_gradient(name: str) -> None:
+    raise returned_gradient_error(name)

@@ -51,6 +51,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from osdp._torch_private import output_tensors, queue_at_backward_end, set_implicit_replication
 from osdp.describe.units import sparse_gradients_message
+from osdp.fsdp_ext.forward_errors import refuse_returned_gradients
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's: the first bucket small, so the first all-reduce starts early
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb
@@ -130,7 +131,7 @@ class ReplicaReducer:
         self._settings: dict[nn.Parameter, dict] = {}
         self._state: dict[nn.Parameter, _Param] = {}
         self._buckets: list[_Bucket] = []
-        self._hooks: dict[nn.Parameter, torch.utils.hooks.RemovableHandle] = {}
+        self._hooks: dict[nn.Parameter, tuple[torch.utils.hooks.RemovableHandle, ...]] = {}
         self._requires_grad: tuple[bool, ...] = ()
         self._order: dict[nn.Parameter, None] = {}  # the order gradients first arrived in, to rebuild by
         self._reordered = False
@@ -224,10 +225,12 @@ class ReplicaReducer:
         self._apply_settings()
         for p in list(self._hooks):
             if p not in self._state:
-                self._hooks.pop(p).remove()
+                for handle in self._hooks.pop(p):
+                    handle.remove()
         for p in self._state:
             if p not in self._hooks:
-                self._hooks[p] = p.register_post_accumulate_grad_hook(_gradient_hook(self))
+                self._hooks[p] = (p.register_post_accumulate_grad_hook(_gradient_hook(self)),
+                                  p.register_hook(refuse_returned_gradients(p, self.names[p])))
         self._requires_grad = self._requires_grad_now()
 
     def _bucket(self, params: list[nn.Parameter]) -> _Bucket:
@@ -390,6 +393,24 @@ class ReplicaReducer:
             # divided before the all-reduce, as DDP's hook does: it runs here, while backward goes on
             bucket.buffer[:bucket.buffer.numel() - len(bucket.params)].div_(self.world_size)
         bucket.work = None if self._fake else dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+
+    @property
+    def cut_short(self) -> bool:
+        """Whether a backward that armed the reducer raised before its end, and none runs now."""
+        return self._in_backward and torch._C._current_graph_task_id() == -1
+
+    def reset_iter_state(self) -> None:
+        """Start clean after a backward that raised before its end (``fsdp_ext.interrupted``): what it reduced
+        stays, as what a backward accumulated before it raised stays on one process."""
+        for bucket in self._buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.fired, bucket.work = 0, None
+        for state in self._state.values():
+            state.fired = False
+        self._in_backward = False
+        if self.view is not None:
+            self.view.drop_gradients_not_shown()
 
     def _end_backward(self) -> None:
         self._in_backward = False

@@ -90,6 +90,16 @@ class ReplicatedView:
         for plain, shown in self._shown.items():
             self._carry_grad(plain, shown)
 
+    def drop_gradients_not_shown(self) -> None:
+        """After a backward that raised (``fsdp_ext.interrupted``): a gradient it left on a plain parameter whose
+        view shows none (none before it, or the user's ``zero_grad`` since) goes, as the user's ``zero_grad``
+        would have taken it on one process; the others are carried as ``carry_grads`` carries them."""
+        for plain, shown in self._shown.items():
+            if shown.grad is None and plain.grad is not None:
+                plain.grad = None
+                self._grads.pop(plain, None)
+        self.carry_grads()
+
     def _carry_grad(self, plain: nn.Parameter, shown: nn.Parameter) -> None:
         grad = shown.grad
         if grad is None:

@@ -2,8 +2,8 @@
 
 Gradient accumulation with split weights (one reduction per window, counted), gradient clipping across
 units that live on different meshes and tensor kinds, AdamW's fused and foreach implementations, SAM and
-L-BFGS, two backwards through one retained graph, ``torch.func.functional_call``, anomaly detection, evaluation
-after training, CPU autocast, and bf16 parameters with fp32 reduction.
+L-BFGS, two backwards through one retained graph, ``torch.func.functional_call``, anomaly detection, steps after
+an exception, evaluation after training, CPU autocast, and bf16 parameters with fp32 reduction.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from cases import build_toy, every_mode_plans, toy_batches
 from dist_harness import run_ranks
@@ -310,6 +311,45 @@ def test_anomaly_detection_trains_as_one_process():
     """Anomaly detection checks each backward node's gradients for NaN; a split weight's is a DTensor, for whose
     check DTensor had no strategy (NotImplementedError under split plans only)."""
     _assert_steps_equal_one_process(_under_anomaly_detection, ["split"])
+
+
+def _out_of_memory(*_):
+    raise RuntimeError("out of memory (raised by the test)")
+
+
+def _steps_cut_short_then_whole(model, inputs, targets):
+    """A loop going on after an exception, as loops do: fairseq skips a batch that ran out of memory in backward,
+    accelerate's find_executable_batch_size retries after one in forward; and torch.autograd.grad with respect to
+    the parameters, which one process answers and a wrapped model refuses, the same under every plan."""
+    wrapped = isinstance(model, FSDPModule)
+    try:
+        loss = model(inputs, targets)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        assert not wrapped and len(grads) == len(list(model.parameters()))
+    except RuntimeError as e:
+        assert wrapped and str(e).startswith("torch.autograd.grad asked for the gradient of parameter 'ln_f."), e
+    for where, register in (("backward", model.blocks[0].mlp.fc.register_full_backward_pre_hook),
+                            ("forward", model.blocks[1].mlp.fc.register_forward_pre_hook)):
+        handle = register(_out_of_memory)
+        try:
+            model(inputs, targets).backward()
+            raise AssertionError(f"the {where} did not raise")
+        except RuntimeError as e:
+            assert "raised by the test" in str(e), e
+        finally:
+            handle.remove()
+        model.zero_grad()
+    loss = model(inputs, targets)
+    loss.backward()
+    return loss
+
+
+def test_steps_after_an_exception_and_a_refused_gradient_call_equal_one_process():
+    """Under every plan. A backward that raised left FSDP2 waiting for its end (the next backward reduced
+    nothing), a rank of two segfaulted at the next forward under one plan, and replicated units kept gradients
+    the user's zero_grad could not reach; torch.autograd.grad w.r.t. the parameters returned each rank's own
+    gradients under replicated and zero2 units (a silent divergence), and torch's refusal elsewhere."""
+    _assert_steps_equal_one_process(_steps_cut_short_then_whole, list(every_mode_plans(build_toy())))
 
 
 def _gan():
