@@ -29,7 +29,7 @@ from osdp.cost.schedule import predict
 from osdp.cost.terms import Calibration, Prediction
 from osdp.describe import granularity
 from osdp.describe.analytic import describe_analytic
-from osdp.describe.batch import ProfileError, batch_size_of, call_model, without_grad
+from osdp.describe.batch import ProfileError, batch_size_of, call_model, kept_for_backward, without_grad
 from osdp.describe.kept import quietly, rng_kept
 from osdp.describe.measured import describe_once
 from osdp.describe.units import (
@@ -45,6 +45,7 @@ from osdp.distributed import all_gather_objects, broadcast_object, ensure_proces
 from osdp.fsdp_ext.meta import built_on_meta, check_built_alike
 from osdp.log import Progress
 from osdp.machine.device_info import DeviceInfo
+from osdp.machine.memory import iter_tensors, map_tensors
 from osdp.machine.presets import device_preset
 from osdp.schema.description import ModelDescription
 from osdp.schema.plan import GROUP_CHOICES, Plan
@@ -361,7 +362,7 @@ def description_of(plan: Plan, descriptions: Sequence[ModelDescription]) -> Mode
 def planning_description(
     model: nn.Module, example_input: Any, *, loss_fn: Callable[[Any], torch.Tensor] | None = None,
     mixed_precision: str = "fp32", granularity: str = "sub-block", progress: bool = True, uneven: Sequence[str] = (),
-    unless_units: Collection[frozenset[str]] = (),
+    unless_units: Collection[frozenset[str]] = (), example_kept_bytes: int | None = None,
 ) -> ModelDescription | None:
     """Collective: a description ``osdp.plan`` searches over: rank 0 describes the model (or reads it
     from the describe cache) while the others wait, and every rank gets it (or rank 0's error; None where the
@@ -371,7 +372,8 @@ def planning_description(
 
     return describe_once(model, example_input, loss_fn=loss_fn, precisions=(mixed_precision,),
                          granularity=granularity, progress=progress, uneven=tuple(uneven),
-                         time_budget_s=describe_seconds(), unless_units=unless_units)
+                         time_budget_s=describe_seconds(), unless_units=unless_units,
+                         example_kept_bytes=example_kept_bytes)
 
 
 def planning_descriptions(model: nn.Module, example_input: Any, **settings: Any) -> list[ModelDescription]:
@@ -411,6 +413,28 @@ def calls_on_every_rank(model: nn.Module, example_input: Any) -> CallTrace | Non
     uneven = [m for m in uneven_calls(model, [counts for counts, _ in everyone]) if enclosing(m, routed) is None]
     trace.uneven = (*routed, *uneven)
     return trace
+
+
+def heaviest_example(model: nn.Module, example_input: Any) -> tuple[Any, int | None]:
+    """Collective: of every rank's example, the one whose forward keeps the most for backward (rank 0's where
+    none keeps more), on rank 0's device, and those bytes (None on one rank). Rank 0 describes it, so that the
+    plan fits every rank's example where sizes depend on the data (padded sequences packed, bags of varying
+    size), not rank 0's alone."""
+    rank, world_size = world()
+    if world_size == 1:
+        return example_input, None
+    try:
+        kept = quietly(model, lambda: kept_for_backward(model, example_input))
+    except Exception:  # noqa: BLE001 - the describe runs it again and names what fails
+        kept = -1
+    everyone = all_gather_objects(kept)
+    heaviest = max(range(world_size), key=lambda r: (everyone[r], -r))
+    if heaviest == 0:
+        return example_input, everyone[0]
+    theirs = broadcast_object(map_tensors(lambda t: t.cpu(), example_input) if rank == heaviest else None,
+                              src=heaviest)
+    device = next(iter_tensors(example_input)).device
+    return map_tensors(lambda t: t.to(device), theirs), everyone[heaviest]
 
 
 def _called_depending_on_data(model: nn.Module, example_input: Any) -> tuple[str, ...]:
@@ -502,9 +526,12 @@ def _plan(model: nn.Module, *, device_mem, example_input, batch_sizes, device, c
     # a model built on the meta device has no values to run: described from its shapes (rank 0's, in the try)
     on_meta = built_on_meta(model)
     check_built_alike(on_meta)
-    descriptions = [] if on_meta else planning_descriptions(
-        model, example_input, loss_fn=loss_fn, mixed_precision=mixed_precision,
-        uneven=_called_depending_on_data(model, example_input))
+    descriptions: list[ModelDescription] = []
+    if not on_meta:
+        uneven = _called_depending_on_data(model, example_input)
+        example_input, kept_bytes = heaviest_example(model, example_input)
+        descriptions = planning_descriptions(model, example_input, loss_fn=loss_fn, mixed_precision=mixed_precision,
+                                             uneven=uneven, example_kept_bytes=kept_bytes)
     rank, _ = world()
     outcome: tuple[str, Any]
     if rank == 0:

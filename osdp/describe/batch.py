@@ -110,6 +110,25 @@ def call_model(model: nn.Module, example_input: Any) -> Any:
     return model(example_input)
 
 
+def kept_for_backward(model: nn.Module, example_input: Any) -> int:
+    """Bytes a forward of the example with gradients keeps for its backward: each storage autograd saves, once,
+    but the model's parameters and buffers (held all step whatever the batch). Where sizes depend on the data
+    (padded sequences packed, bags of varying size) it differs between batches of one shape."""
+    state = state_storage_keys(model)
+    saved: dict[int, int] = {}  # every saved storage stays alive until the forward's output goes: keys are unique
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.layout == torch.strided and (key := t.untyped_storage()._cdata) not in state:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="None of the inputs have requires_grad=True")
+        call_model(model, example_input)
+    return sum(saved.values())
+
+
 @contextlib.contextmanager
 def without_grad() -> Iterator[None]:
     """``torch.no_grad()`` for osdp's own looks at the forward, without the warning each of the model's

@@ -83,6 +83,7 @@ def describe(
     checkpoint_policies: Sequence[str] = ("full", "selective"),
     uneven: Sequence[str] = (),
     unless_units: Collection[frozenset[str]] = (),
+    example_kept_bytes: int | None = None,
 ) -> ModelDescription | None:
     """Measure ``model`` on the device its parameters are on (see the module docstring).
 
@@ -98,18 +99,20 @@ def describe(
     no units of their own. The model's parameters, gradients, buffers, modules' plain attributes (a step
     counter) and RNG state are left as they were, and the user's hooks do not see the measuring passes
     (``osdp.describe.kept``). ``unless_units``: unit path sets already described (at another granularity):
-    None, after one checked forward, where the units found are one of them.
+    None, after one checked forward, where the units found are one of them. ``example_kept_bytes``: what the
+    example's forward keeps for backward (``osdp.describe.batch.kept_for_backward``), where the planner chose it
+    among the ranks' examples for it: a batch of the same shapes keeping other bytes is described again.
     """
     return quietly(model, lambda: _describe(
         model, example_input, loss_fn=loss_fn, batch_sizes=batch_sizes, precisions=precisions, units=units,
         granularity=granularity, optimizers=optimizers, repeats=repeats, time_budget_s=time_budget_s, cache=cache,
         progress=progress, name=name, checkpoint_policies=tuple(checkpoint_policies), uneven=tuple(uneven),
-        unless_units=unless_units))
+        unless_units=unless_units, example_kept_bytes=example_kept_bytes))
 
 
 def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, granularity, optimizers, repeats,
               time_budget_s, cache, progress, name, checkpoint_policies, uneven,
-              unless_units) -> ModelDescription | None:
+              unless_units, example_kept_bytes) -> ModelDescription | None:
     start = time.perf_counter()
     params = list(model.parameters())
     if not params:
@@ -144,6 +147,8 @@ def _describe(model, example_input, *, loss_fn, batch_sizes, precisions, units, 
         # a description timed over fewer steps (the tests' calibration profile's) is not one to plan with
         "timing": [repeats, time_budget_s],
     }
+    if example_kept_bytes is not None:
+        key_parts["kept_for_backward"] = example_kept_bytes
     key = cache_key(key_parts)
     path = cached_path(key)
     cached = read_cached(path) if cache else None

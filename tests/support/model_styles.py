@@ -817,6 +817,42 @@ def _images(rows, g):
     return torch.randn(rows, 3, 16, 16, generator=g), torch.randint(0, 10, (rows,), generator=g)
 
 
+class PackedText(nn.Module):
+    """A text classifier whose memory depends on the lengths in its batch, not only its shapes: nn.TransformerEncoder
+    with a padding mask, an EmbeddingBag over the tokens that are not padding, a packed LSTM; a zero-size
+    parameter kept to read the device from."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self._device_anchor = nn.Parameter(torch.empty(0))
+        self.emb = nn.Embedding(VOCAB, h, padding_idx=0)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(h, 4, 64, dropout=0.0, batch_first=True), 2)
+        self.bag = nn.EmbeddingBag(VOCAB, h, mode="mean")
+        self.lstm = nn.LSTM(h, h, batch_first=True)
+        self.head = nn.Linear(3 * h, 5)
+
+    def forward(self, ids, labels):
+        pad = ids == 0
+        lengths = (~pad).sum(1)
+        x = self.enc(self.emb(ids), src_key_padding_mask=pad)
+        pooled = x.masked_fill(pad[..., None], 0).sum(1) / lengths[:, None]
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=self._device_anchor.device),
+                             lengths.cumsum(0)[:-1]])
+        packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lengths.cpu(), batch_first=True,
+                                                   enforce_sorted=False)
+        _, (last, _) = self.lstm(packed)
+        logits = self.head(torch.cat([pooled, self.bag(ids[~pad], offsets), last[-1]], -1))
+        return F.cross_entropy(logits, labels)
+
+
+def _bucketed_by_length(rows, g):
+    """Padded token batches as a length-bucketing sampler makes them, lengths sorted: each rank's share of a batch
+    keeps other lengths, so other bytes for backward, than the next rank's."""
+    lengths = torch.randint(2, SEQ + 1, (rows,), generator=g).sort().values
+    ids = torch.randint(1, VOCAB, (rows, SEQ), generator=g)
+    return ids.masked_fill(torch.arange(SEQ)[None, :] >= lengths[:, None], 0), torch.randint(0, 5, (rows,), generator=g)
+
+
 def _padded(rows, g):
     ids = torch.randint(1, VOCAB, (rows, SEQ), generator=g)
     lengths = torch.randint(SEQ // 2, SEQ + 1, (rows,), generator=g)
@@ -893,6 +929,7 @@ STYLES = {
     "lora": (LoRAGPT, _tokens, lambda out, batch, step: out, lambda b: b),
     "padded": (PaddedClassifier, _padded, lambda out, batch, step: F.cross_entropy(out, batch[2]),
                lambda b: {"ids": b[0], "mask": b[1], "temperature": 0.5}),
+    "packed": (PackedText, _bucketed_by_length, lambda out, batch, step: out, lambda b: b),
     "user_ckpt": (UserCheckpointedGPT, _tokens, lambda out, batch, step: out[1], lambda b: b),
     "weight_norm": (WeightNormConv, _signals, lambda out, batch, step: out.loss, lambda b: b),
     "inplace": (InplaceResidualNet, _tokens, lambda out, batch, step: out, lambda b: b),
