@@ -125,9 +125,10 @@ def selective_contexts_read_again(contexts: tuple) -> tuple:
     """Selective checkpointing's pair of contexts (``create_selective_checkpoint_contexts``), their storage of
     kept outputs made one a recompute reads without using it up: a second backward through a graph kept with
     ``retain_graph=True`` recomputes as the first did, as under full checkpointing (torch's own storage raises
-    "Trying to backward an extra time"). The kept outputs live until the checkpointed region's graph is freed,
-    as the region's saved inputs do; a recompute reads each once anyway. Where torch stores them another way
-    (an older torch), the pair as it was."""
+    "Trying to backward an extra time"). A backward keeping the graph (``retain_graph=True``) leaves them for the
+    next; any other frees each as its recompute reads it, as torch does (kept to the end of the region's
+    backward, they would raise its peak past what the plan priced). Where torch stores them another way (an
+    older torch), the pair as it was."""
     from collections import defaultdict
 
     import torch.utils.checkpoint as checkpoint
@@ -138,9 +139,11 @@ def selective_contexts_read_again(contexts: tuple) -> tuple:
             or getattr(cached, "storage", None) is not caching.storage:
         return contexts
 
+    keeps_graph = torch._C._autograd._get_current_graph_task_keep_graph
+
     class _ReadAgain(dict):
         def __setitem__(self, index, entry):
-            if entry is not used_up:
+            if entry is not used_up or not keeps_graph():
                 super().__setitem__(index, entry)
 
     caching.storage = cached.storage = defaultdict(_ReadAgain)
