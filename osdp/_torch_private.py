@@ -38,6 +38,7 @@ __all__ = [
     "fsdp_hook_gathered_gradients",
     "fsdp_backward_cut_short",
     "fsdp_drop_gathered_gradients",
+    "fsdp_register_gathered_again",
     "fsdp_keep_forward_writes",
     "gradient_returned_not_accumulated",
     "output_tensors",
@@ -330,6 +331,15 @@ def fsdp_drop_gathered_gradients(module: Any) -> None:
             if hasattr(fsdp_param, "_unsharded_param"):
                 fsdp_param._unsharded_param.grad = None
             fsdp_param.unsharded_accumulated_grad = None
+
+
+def fsdp_register_gathered_again(module: Any) -> None:
+    """Register again on their modules the gathered parameters of a ``fully_shard``-ed module's groups that are
+    gathered now (where something else was put in their place since FSDP2 registered them)."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        if group.is_unsharded:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param._setattr_on_modules(fsdp_param._unsharded_param)
 
 
 def fsdp_hook_gathered_gradients(module: Any, hooks_of: Callable[[Any, str, torch.Tensor], list]) -> None:

@@ -77,6 +77,7 @@ from osdp.fsdp_ext.forward_errors import double_backward_error, refuse_dtensor_g
 from osdp.fsdp_ext.gradient_hooks import hook_gathered_gradients
 from osdp.fsdp_ext.groups import group_members
 from osdp.fsdp_ext.interrupted import start_clean_after_a_backward_cut_short
+from osdp.fsdp_ext.restored_parameters import register_gathered_again_as_backward_begins
 from osdp.fsdp_ext.mixed_precision import keep_mixed_precision_current
 from osdp.fsdp_ext.added_parameters import refuse_parameters_made_in_forward
 from osdp.fsdp_ext.assigned_data import make_data_assignable_at_first_forward, make_parameters_data_assignable
@@ -394,6 +395,7 @@ def apply_plan(
     _track_divide_factors(model, plan, grouped)
     _around_the_units(model, plan, groups)
     start_clean_after_a_backward_cut_short(model, reducer)  # registered last: before the other pre-forwards
+    register_gathered_again_as_backward_begins(model)
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     load_under_any_plan(model)
     lay_out_loaded_optimizer_state()  # and an optimizer's state_dict, at its next step

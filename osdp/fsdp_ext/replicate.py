@@ -318,6 +318,7 @@ class ReplicaReducer:
         if self.view is not None:
             if self.view.computing:
                 self.view.carry_grads()
+                self.view.register_plain_again()
             else:  # a second backward through a retained graph: a checkpointed unit's recompute computes again
                 self.view.to_compute()
         self._follow_requires_grad()

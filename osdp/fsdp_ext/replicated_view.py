@@ -90,6 +90,15 @@ class ReplicatedView:
         for plain, shown in self._shown.items():
             self._carry_grad(plain, shown)
 
+    def register_plain_again(self) -> None:
+        """As a backward begins: the plain parameters back where the forward's caller put the views back in their
+        place (``torch.func.functional_call`` with the model's own parameters restores what it replaced), so that a
+        checkpointed unit's recompute computes with them, as its forward did."""
+        for slot in self.slots:
+            shown = self._shown.get(slot.param)
+            if shown is not None and slot.now() is shown:
+                slot.module._parameters[slot.name] = slot.param
+
     def drop_gradients_not_shown(self) -> None:
         """After a backward that raised (``fsdp_ext.interrupted``): a gradient it left on a plain parameter whose
         view shows none (none before it, or the user's ``zero_grad`` since) goes, as the user's ``zero_grad``
