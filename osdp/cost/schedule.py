@@ -127,7 +127,7 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
     larger of its two holdings all step, a unit enclosing others below it where it runs (``_EnclosedHoldings``);
     their working sets meet the moments inside them (``_enclosing_moments``). In forward, what the unit that
     gathered last left lingers (FSDP2 frees an all-gather output when the next is waited for, or as the root's
-    forward ends).
+    forward ends): as a unit gathers, beside its own output and the parameters copied out of it.
     """
     by_path = dict(zip(description.paths, costs))
     order = sequence_order(description)
@@ -153,7 +153,8 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
     after_in_backward = np.maximum(after, [part(p, "until_backward_ends_bytes") for p in order])
     held_before = np.cumsum(before) - before  # by the units earlier in forward order
     held_after = int(after_in_backward.sum()) - np.cumsum(after_in_backward)  # by the units later in forward order
-    linger_forward, left = _lingering_gathers([part(p, "gather_output_bytes") for p in order])
+    gathers = [part(p, "gather_output_bytes") for p in order]
+    linger_forward, left = _lingering_gathers(gathers)
     # with the unit's own activations (no gradients yet)
     forward = fixed + enclosed.in_forward + held_before + before
     backward = (fixed + enclosed.in_backward + held_before + np.array([own(p) for p in order], dtype=np.int64)
@@ -168,7 +169,12 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
                        default=None)
     if final_reduce is not None:  # FSDP2's final callback reduces them one by one, every backward done
         moments.append((backward_ended + final_reduce, "the end of the backward"))
+    last_gathered = 0
     for i, path in enumerate(order):
+        if gathers[i]:  # its output and its parameters copied out of it, beside the last output until then
+            moments.append((int(forward[i] - before[i]) + 2 * gathers[i] + last_gathered,
+                            f"the gather of {display_path(path)}"))
+            last_gathered = gathers[i]
         moments += [
             (int(forward[i]) + int(linger_forward[i]) + part(path, "fwd_transient_bytes"),
              f"forward of {display_path(path)}"),
@@ -198,7 +204,8 @@ def _lingering_gathers(gathered: list[int]) -> tuple[np.ndarray, int]:
     """Per unit in forward order (each gathering ``gathered`` bytes), the all-gather output another unit left as
     it runs, and what the last one to gather leaves: FSDP2 keeps a unit's all-gather output until the next
     unit's all-gather is waited for, or the root's forward ends, so it lingers while units that gather nothing
-    run."""
+    run (and beside the next one's output until that unit's parameters are copied out of it: ``schedule_peak``'s
+    moment of each gather)."""
     left, lingering = 0, []
     for nbytes in gathered:
         lingering.append(0 if nbytes else left)

@@ -62,7 +62,8 @@ CALIBRATION = Calibration(
 
 def walked_peak(description, prediction) -> int:
     """The schedule's peak by walking the step (the reference for ``osdp.cost.schedule.schedule_peak``): forwards in
-    order, each leaving its all-gather output until the next unit gathers or the root's forward ends; backwards
+    order, each leaving its all-gather output until the next unit gathers (beside that one's output and the
+    parameters copied out of it) or the root's forward ends; backwards
     in reverse, each on its activations and then reducing into what it keeps; the optimizer; the root held all step
     at the larger of its two holdings, a unit enclosing others holding its activations from the forward of its
     first unit inside, the larger of its two holdings while its units run their backwards and what it keeps after
@@ -90,9 +91,13 @@ def walked_peak(description, prediction) -> int:
     live += sum(own(p) for p in all_step)
     moments, forward_at, backward_at, between_at = [], {}, {}, {}
     lingering = parts[""]["gather_output_bytes"] if "" in parts else 0  # the root gathers first
+    last_gathered = 0  # what the last unit in the sequence to gather left
     for p in leaves:
         live += sum(parts[e]["before_backward_bytes"] for e, inside in spans.items() if p == inside[0])
         gathered = parts[p]["gather_output_bytes"]
+        if gathered:  # the last output lingers beside this unit's own and its parameters copied out of it
+            moments.append(live + 2 * gathered + last_gathered)
+            last_gathered = gathered
         forward_at[p] = live + parts[p]["before_backward_bytes"] + (0 if gathered else lingering)
         moments.append(forward_at[p] + parts[p]["fwd_transient_bytes"])
         lingering = gathered or lingering

@@ -522,7 +522,23 @@ class _GainedBlocks(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def _selective_unit_peaks(rank, world_size):
+class _LargeThenSmall(torch.nn.Module):
+    """An embedding, an MLP four times its size, a small head: the MLP's all-gather output is still alive as the
+    head gathers."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, h)
+        self.body = torch.nn.Sequential(torch.nn.Linear(h, 2 * h), torch.nn.GELU(), torch.nn.Linear(2 * h, h))
+        self.head = torch.nn.Linear(h, 50)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.head(self.body(self.emb(x))).flatten(0, 1), y.flatten())
+
+
+def _predicted_and_measured(rank, world_size, build, units):
+    """The peak of the plan of ``units`` ((path, mode, checkpoint)) as ``osdp.wrap`` would price it, the moment it
+    puts it at, and the peak measured over two steps after two."""
     from osdp.calibration.measured import calibrate
     from osdp.cost.schedule import predict
     from osdp.planner import planning_description
@@ -533,15 +549,20 @@ def _selective_unit_peaks(rank, world_size):
     batch = tuple(torch.randint(0, 50, (2 * ROWS, 6), generator=g) for _ in range(2))
     example = tuple(t[rank * ROWS:(rank + 1) * ROWS] for t in batch)
     torch.manual_seed(0)
-    description = planning_description(_GainedBlocks(), example, loss_fn=lambda out: out, granularity="sub-block")
-    plan = Plan(units=[UnitPlan("blocks.0", "zero3", checkpoint=True), UnitPlan("blocks.1", "zero3", checkpoint="selective"),
-                       UnitPlan("blocks.2", "zero3", checkpoint=True), UnitPlan("emb", "zero3"),
-                       UnitPlan("head", "zero3"), UnitPlan("", "zero3")], batch_size=ROWS, world_size=world_size)
+    description = planning_description(build(), example, loss_fn=lambda out: out, granularity="sub-block")
+    plan = Plan(units=[UnitPlan(path, mode, checkpoint=checkpoint) for path, mode, checkpoint in units],
+                batch_size=ROWS, world_size=world_size)
     prediction = predict(description, plan, calibrate().device_info, optimizer="sgd-momentum")
     torch.manual_seed(0)
-    model = osdp.wrap(_GainedBlocks(), plan=plan)
+    model = osdp.wrap(build(), plan=plan)
     peaks = peaks_per_step(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), example, steps=2)
     return prediction.peak_bytes, prediction.breakdown["peak_moment"], max(peaks)
+
+
+def _selective_unit_peaks(rank, world_size):
+    units = [("blocks.0", "zero3", True), ("blocks.1", "zero3", "selective"), ("blocks.2", "zero3", True),
+             ("emb", "zero3", False), ("head", "zero3", False), ("", "zero3", False)]
+    return _predicted_and_measured(rank, world_size, _GainedBlocks, units)
 
 
 def test_a_selective_units_backward_is_priced_with_its_kept_outputs_freed_as_they_are_read():
@@ -551,3 +572,18 @@ def test_a_selective_units_backward_is_priced_with_its_kept_outputs_freed_as_the
     for predicted, moment, measured in run_ranks(_selective_unit_peaks, 2, timeout=300):
         assert moment == "backward of blocks.1", moment
         assert measured <= predicted <= 1.02 * measured, (measured, predicted)
+
+
+def _gather_after_a_larger_one_peaks(rank, world_size):
+    units = [("emb", "zero2", False), ("body", "zero2", False), ("head", "zero2", False), ("", "zero2", False)]
+    return _predicted_and_measured(rank, world_size, _LargeThenSmall, units)
+
+
+def test_a_gather_is_priced_beside_the_larger_output_the_last_one_left():
+    """FSDP2 frees a unit's all-gather output once the next unit's parameters are copied out of theirs: as the
+    small head gathers, the MLP's output, the head's and its parameters are alive at once, with every unit's
+    parameters gathered under zero2. Priced as though the last output were gone, the plan measured 5,592 B
+    (5.8%) over its prediction."""
+    for predicted, moment, measured in run_ranks(_gather_after_a_larger_one_peaks, 2, timeout=300):
+        assert moment == "the gather of head", moment
+        assert measured <= predicted <= 1.03 * measured, (measured, predicted)
