@@ -126,9 +126,7 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
     backward, with the foreach optimizer's temporaries (``optimizer_step_bytes``). The root is counted at the
     larger of its two holdings all step, a unit enclosing others below it where it runs (``_EnclosedHoldings``);
     their working sets meet the moments inside them (``_enclosing_moments``). In forward, what the unit that
-    gathered last left lingers (FSDP2 frees an all-gather output when the next is waited for, or as the root's
-    forward ends): as a unit gathers, beside its own output and the parameters copied out of it.
-    """
+    gathered last left lingers, beside the next gather's output (``_gather_moments``), or to the root's end."""
     by_path = dict(zip(description.paths, costs))
     order = sequence_order(description)
 
@@ -169,12 +167,8 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
                        default=None)
     if final_reduce is not None:  # FSDP2's final callback reduces them one by one, every backward done
         moments.append((backward_ended + final_reduce, "the end of the backward"))
-    last_gathered = 0
+    moments += _gather_moments(order, gathers, forward - before)
     for i, path in enumerate(order):
-        if gathers[i]:  # its output and its parameters copied out of it, beside the last output until then
-            moments.append((int(forward[i] - before[i]) + 2 * gathers[i] + last_gathered,
-                            f"the gather of {display_path(path)}"))
-            last_gathered = gathers[i]
         moments += [
             (int(forward[i]) + int(linger_forward[i]) + part(path, "fwd_transient_bytes"),
              f"forward of {display_path(path)}"),
@@ -198,6 +192,17 @@ def schedule_peak(description: ModelDescription, costs: Sequence[OptionCost], ba
         moments += _enclosing_moments(path, part, lambda p, name: name in by_path[p].parts, timeline)
     peak, moment = max(moments, key=lambda m: m[0])
     return int(peak), moment
+
+
+def _gather_moments(order: list[str], gathers: list[int], held: np.ndarray) -> list[tuple[int, str]]:
+    """As each unit gathers (``held``: what is alive as its forward begins): its all-gather output and its
+    parameters copied out of it, beside the output the last unit to gather left, which FSDP2 frees only then."""
+    moments, last = [], 0
+    for i, path in enumerate(order):
+        if gathers[i]:
+            moments.append((int(held[i]) + 2 * gathers[i] + last, f"the gather of {display_path(path)}"))
+            last = gathers[i]
+    return moments
 
 
 def _lingering_gathers(gathered: list[int]) -> tuple[np.ndarray, int]:

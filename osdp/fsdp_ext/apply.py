@@ -395,7 +395,6 @@ def apply_plan(
     _track_divide_factors(model, plan, grouped)
     _around_the_units(model, plan, groups)
     start_clean_after_a_backward_cut_short(model, reducer)  # registered last: before the other pre-forwards
-    register_gathered_again_as_backward_begins(model)
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     load_under_any_plan(model)
     lay_out_loaded_optimizer_state()  # and an optimizer's state_dict, at its next step
@@ -422,13 +421,14 @@ def _at_rest_as_dtensors(model: nn.Module, reducer: ReplicaReducer | None, meshe
 def _around_the_units(model: nn.Module, plan: Plan, groups: dict[str, list[str]]) -> None:
     """What the units' forwards and backwards need around FSDP2's: resharding in eval, bf16 copies kept current,
     caches off where a recompute must save what the forward saved, a graph-building backward and DTensors in
-    the loss refused."""
+    the loss refused, gathered parameters registered again as a backward begins."""
     _resharded_when_evaluating(model, groups)
     if plan.mixed_precision == "bf16":
         keep_mixed_precision_current(model)
     if any(d.checkpoint for d in plan.units):
         disable_caches_in_training(model)  # a recomputed forward must save what the first one saved
     refuse_dtensor_gradients_into_outputs(model)
+    register_gathered_again_as_backward_begins(model)  # where the forward's caller put others in their place
     for path, unit in ((p, m) for p, m in model.named_modules() if isinstance(m, FSDPModule)):
         fsdp_refuse_graph_building_backward(unit, lambda path=path: double_backward_error(display_path(path)))
 
