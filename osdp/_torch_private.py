@@ -339,7 +339,9 @@ def fsdp_register_gathered_again(module: Any) -> None:
     for group in module._get_fsdp_state()._fsdp_param_groups:
         if group.is_unsharded:
             for fsdp_param in group.fsdp_params:
-                fsdp_param._setattr_on_modules(fsdp_param._unsharded_param)
+                info, gathered = fsdp_param._module_info, fsdp_param._unsharded_param
+                if info.module._parameters.get(info.param_name) is not gathered:  # a dict read per backward
+                    fsdp_param._setattr_on_modules(gathered)
 
 
 def fsdp_hook_gathered_gradients(module: Any, hooks_of: Callable[[Any, str, torch.Tensor], list]) -> None:
