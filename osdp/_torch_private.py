@@ -39,6 +39,7 @@ __all__ = [
     "fsdp_backward_cut_short",
     "fsdp_drop_gathered_gradients",
     "fsdp_register_gathered_again",
+    "fsdp_modules",
     "fsdp_keep_forward_writes",
     "gradient_returned_not_accumulated",
     "output_tensors",
@@ -331,6 +332,13 @@ def fsdp_drop_gathered_gradients(module: Any) -> None:
             if hasattr(fsdp_param, "_unsharded_param"):
                 fsdp_param._unsharded_param.grad = None
             fsdp_param.unsharded_accumulated_grad = None
+
+
+def fsdp_modules(model: Any) -> list:
+    """The modules of ``model`` that FSDP2 holds a state for (``fully_shard``-ed or ``replicate``-d)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule) and hasattr(m, "_get_fsdp_state")]
 
 
 def fsdp_register_gathered_again(module: Any) -> None:

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
 
-from osdp._torch_private import fsdp_hook_gathered_gradients
+from osdp._torch_private import fsdp_hook_gathered_gradients, fsdp_modules
 from osdp.fsdp_ext.forward_errors import refuse_returned_gradients
 
 
@@ -32,6 +31,5 @@ def hook_gathered_gradients(model: nn.Module, before: dict[str, nn.Parameter]) -
         name = f"{paths[id(owner)]}.{attribute}" if paths.get(id(owner)) else attribute
         return hooks.get((id(owner), attribute), []) + [refuse_returned_gradients(gathered, name)]
 
-    for module in model.modules():
-        if isinstance(module, FSDPModule) and hasattr(module, "_get_fsdp_state"):
-            fsdp_hook_gathered_gradients(module, hooks_of)
+    for module in fsdp_modules(model):
+        fsdp_hook_gathered_gradients(module, hooks_of)

@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
-from osdp._torch_private import fsdp_drop_gathered_gradients, replicated_by_fsdp2
+from osdp._torch_private import fsdp_drop_gathered_gradients, fsdp_modules, replicated_by_fsdp2
 from osdp.fsdp_ext.divide_factors import divide_factors_of
 from osdp.fsdp_ext.evaluation import put_at_rest
 from osdp.fsdp_ext.forward_errors import explaining, users_class_name
@@ -132,9 +132,8 @@ class UnitModule:
         not see them let go: a gathered parameter's, and a replicated one's its view does not show (the user's
         ``zero_grad`` cleared the view); see ``fsdp_ext.interrupted``."""
         super().reset_iter_state()
-        for module in self.modules():
-            if isinstance(module, FSDPModule) and hasattr(module, "_get_fsdp_state"):
-                fsdp_drop_gathered_gradients(module)
+        for module in fsdp_modules(self):
+            fsdp_drop_gathered_gradients(module)
         for reducer in {e.reducer for e in _reached(self, recurse=True) if e.reducer is not None}:
             reducer.reset_iter_state()
 

@@ -15,15 +15,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.distributed.fsdp import FSDPModule
 
-from osdp._torch_private import fsdp_register_gathered_again, output_tensors
+from osdp._torch_private import fsdp_modules, fsdp_register_gathered_again, output_tensors
 
 
 def register_gathered_again_as_backward_begins(model: nn.Module) -> None:
     """Make a backward through ``model``'s output (a wrapped model) register the gathered parameters of every
     unit FSDP2 holds gathered again, before any unit's backward runs."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule) and hasattr(m, "_get_fsdp_state")]
+    units = fsdp_modules(model)
 
     def register_again(*_) -> None:
         for unit in units:
