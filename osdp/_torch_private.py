@@ -399,28 +399,30 @@ def gradient_returned_not_accumulated(param: torch.Tensor) -> bool:
     return False
 
 
-def fsdp_keep_forward_writes(module: Any, fingerprint: Callable[[torch.Tensor], Any]) -> None:
+def fsdp_keep_forward_writes(module: Any, fingerprint: Callable[[torch.Tensor], Any],
+                             written: Callable[[str, torch.Tensor], None]) -> None:
     """Make a ``fully_shard``-ed module's parameters keep what a forward wrote to them in place while gathered (a
     momentum encoder's update under ``no_grad``, a weight decayed in its own forward): FSDP2 frees the gathered
     copy when it reshards, and the write would be lost. Each rank copies its shard of the written parameter back
-    first; every rank wrote the same values, as every rank's gathered copy is the same. Once per parameter,
-    however many modules share it.
+    first, which is right where every rank wrote the same values (``fsdp_ext.forward_writes`` checks that they
+    did). Once per parameter, however many modules share it.
 
     A write bumps the parameter's version, or replaces its memory (``p.data = ...``); one through ``p.data``
     (``p.data.mul_(m)``) does neither, so the first ``_CHECKED_GATHERS`` times a parameter is gathered its sum
     and norm (``fingerprint``) are compared too, and a parameter found written that way is copied back at every
-    reshard after."""
+    reshard after. ``written(name, gathered)`` is told of each write before it is copied back."""
     for group in module._get_fsdp_state()._fsdp_param_groups:
         for fsdp_param in group.fsdp_params:
             if not getattr(fsdp_param, "_osdp_keeps_writes", False):
                 fsdp_param._osdp_keeps_writes = True
-                _keep_writes(fsdp_param, fingerprint)
+                _keep_writes(fsdp_param, fingerprint, written)
 
 
 _CHECKED_GATHERS = 3  # the first training step's forward and backward, and one more
 
 
-def _keep_writes(fsdp_param: Any, fingerprint: Callable[[torch.Tensor], Any]) -> None:
+def _keep_writes(fsdp_param: Any, fingerprint: Callable[[torch.Tensor], Any],
+                 written: Callable[[str, torch.Tensor], None]) -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
     to_unsharded, to_sharded = fsdp_param.to_unsharded, fsdp_param.to_sharded
@@ -442,6 +444,7 @@ def _keep_writes(fsdp_param: Any, fingerprint: Callable[[torch.Tensor], Any]) ->
             if values is not None and fingerprint(p) != values:
                 seen["written_through_data"] = True
             if seen["written_through_data"] or (p._version, p.data_ptr()) != as_made:
+                written(fsdp_param._param_fqn or fsdp_param._module_info.param_name, p)
                 _write_back_shard(fsdp_param, p)
         to_sharded()
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -76,6 +77,7 @@ from osdp.distributed.group import ensure_process_group, job_device
 from osdp.fsdp_ext.forward_errors import double_backward_error, refuse_dtensor_gradients_into_outputs
 from osdp.fsdp_ext.gradient_hooks import hook_gathered_gradients
 from osdp.fsdp_ext.groups import group_members
+from osdp.fsdp_ext.forward_writes import ForwardWrites
 from osdp.fsdp_ext.interrupted import start_clean_after_a_backward_cut_short
 from osdp.fsdp_ext.restored_parameters import register_gathered_again_as_backward_begins
 from osdp.fsdp_ext.mixed_precision import keep_mixed_precision_current
@@ -325,6 +327,19 @@ def check_same_plan_everywhere(plan: Plan, local_error: Exception | None, local_
         )
 
 
+def _check_here(model: nn.Module, plan: Plan, device: torch.device, world_size: int
+                ) -> tuple[list[Unit], dict[str, list[str]], int | None, PlanError | None]:
+    """The plan's units and groups and the job's ranks per node, or the ``PlanError`` this rank found (every
+    rank learns of it next, ``check_same_plan_everywhere``)."""
+    local_ranks = None
+    try:
+        local_ranks = job_ranks_per_node(plan)
+        check_model(model, device)
+        return (*validate_plan(model, plan, world_size), local_ranks, None)
+    except PlanError as e:
+        return [], {}, local_ranks, e
+
+
 def apply_plan(
     model: nn.Module, plan: Plan, device: torch.device | str | None = None, find_unused_parameters: bool | None = None,
 ) -> nn.Module:
@@ -340,14 +355,7 @@ def apply_plan(
     _, world_size = world()
     device = torch.device(device) if device is not None else job_device()
     plan = complete_plan(model, plan)
-    error: Exception | None = None
-    local_ranks = None
-    try:
-        local_ranks = job_ranks_per_node(plan)
-        check_model(model, device)
-        units, groups = validate_plan(model, plan, world_size)
-    except PlanError as e:
-        error = e
+    units, groups, local_ranks, error = _check_here(model, plan, device, world_size)
     on_meta = error is None and built_on_meta(model)
     check_same_plan_everywhere(plan, error, local_ranks, on_meta)
     make_contiguous(model)
@@ -358,6 +366,7 @@ def apply_plan(
     meshes = Meshes(device.type, world_size, local_ranks, node_scoped)
     modules = dict(model.named_modules())
     mp_policy = mixed_precision_policy(plan.mixed_precision)
+    writes = ForwardWrites(model)
     replicate_with_ddp = replicates_with_ddp(plan.mixed_precision)
     owned = unit_parameters(model, plan.paths)
     replicated: set[nn.Parameter] = set()  # left to the reducer, so ignored by every fully_shard
@@ -378,7 +387,7 @@ def apply_plan(
         if not by_ddp:
             fsdp_held.update(members)
         _make_fsdp_unit(group if len(group) > 1 else module, unit.path, decision, by_ddp, meshes, mp_policy,
-                        ignored=(split_parameters(module) | replicated) or None)
+                        ignored=(split_parameters(module) | replicated) or None, written=writes.record)
         for path in members:
             extras[path] = UnitExtras(split_linears=[m for m in _own_modules(module, {modules[p] for p in unit.nested})
                                                      if isinstance(m, SplitLinear)])
@@ -395,6 +404,7 @@ def apply_plan(
     _track_divide_factors(model, plan, grouped)
     _around_the_units(model, plan, groups)
     start_clean_after_a_backward_cut_short(model, reducer)  # registered last: before the other pre-forwards
+    model.register_forward_hook(writes.after_forward)  # after FSDP2's and the reducer's: checks after their ends
     comm.install(model)  # the reduce-scatter of osdp.distributed.collectives's setting on every unit (FSDP2's own by default)
     load_under_any_plan(model)
     lay_out_loaded_optimizer_state()  # and an optimizer's state_dict, at its next step
@@ -441,7 +451,8 @@ def _track_divide_factors(model: nn.Module, plan: Plan, grouped: dict[str, list[
 
 
 def _make_fsdp_unit(target: nn.Module | list[nn.Module], path: str, decision: UnitPlan, by_ddp: bool, meshes: Meshes,
-                    mp_policy: MixedPrecisionPolicy, ignored: set[nn.Parameter] | None) -> None:
+                    mp_policy: MixedPrecisionPolicy, ignored: set[nn.Parameter] | None,
+                    written: Callable[[str, torch.Tensor], None]) -> None:
     """``fully_shard`` the unit's module (or its group's), or, replicated by FSDP2 (bf16), ``replicate`` it.
 
     Every unit is FSDP2's, a replicated one in fp32 holding none of its parameters (``by_ddp``: the reducer has
@@ -459,7 +470,7 @@ def _make_fsdp_unit(target: nn.Module | list[nn.Module], path: str, decision: Un
     first = target[0] if isinstance(target, list) else target
     if hasattr(first, "_get_fsdp_state"):
         # a forward's in-place writes to its gathered parameters stay, as unsharded
-        fsdp_keep_forward_writes(first, fingerprint)
+        fsdp_keep_forward_writes(first, fingerprint, written)
         fsdp_gather_outside_inference_mode(first)  # an evaluation first under inference_mode, then training
 
 

@@ -46,6 +46,8 @@ from osdp._torch_private import gradient_returned_not_accumulated, output_tensor
 from osdp.schema.plan import PlanError
 
 _MIXED_DTENSOR = "got mixed torch.Tensor and DTensor"
+# what DTensor says of an op with a sharded parameter where it allows plain tensors beside (implicit replication)
+_NO_SHARDING_STRATEGY = "does not have a sharding strategy registered"
 _WRITTEN_VIEW = "RegisterPostBackwardFunction is a view and is being modified inplace"
 
 _FIX = ("osdp.wrap(model, device_mem=..., example_input=batch) and osdp.wrap(model, strategy=..., "
@@ -60,7 +62,7 @@ class UnitBoundaryError(PlanError, RuntimeError):
 
 def explained(error: RuntimeError, module_type: str) -> UnitBoundaryError | None:
     text = str(error)
-    if _MIXED_DTENSOR in text:
+    if _MIXED_DTENSOR in text or _NO_SHARDING_STRATEGY in text:
         return UnitBoundaryError(
             f"{module_type}'s forward used a parameter that this plan holds sharded there, outside the forward of "
             f"the module owning it (a head tied by F.linear(x, self.wte.weight), a weight read before its module "

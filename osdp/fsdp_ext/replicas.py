@@ -28,7 +28,7 @@ class ReplicaDivergence(RuntimeError):
     """Ranks that should hold the same values of a replicated tensor hold different ones."""
 
 
-def _checksum(t: torch.Tensor) -> torch.Tensor:
+def checksum(t: torch.Tensor) -> torch.Tensor:
     """Two int64 sums over ``t``'s bytes (plain and position-weighted): any changed bit changes them."""
     raw = t.detach().contiguous().view(-1).view(torch.uint8)
     words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
@@ -61,24 +61,34 @@ def check_replicas(model: nn.Module, *, buffers: bool = False) -> None:
     design). Collective: call it on every rank, between steps."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    reports = all_gather_objects(differing_replicas(model, buffers))  # every rank raises the same error
+    names = sorted({n for report in reports for n in report})
+    if names:
+        raise ReplicaDivergence(
+            f"{len(names)} replicated tensors differ between the ranks that should hold them equal "
+            f"({listed(names)}): the ranks no longer train the same model. Something changed one rank's values "
+            "(code that runs on some ranks only, or a gradient that was not reduced)"
+        )
+
+
+@torch.no_grad()
+def differing_replicas(model: nn.Module, buffers: bool = False) -> list[str]:
+    """The replicated tensors whose copies differ over the ranks of a group this rank is in (collective: one
+    all-gather of checksums per group; each rank sees its own groups' differences)."""
     differing: list[str] = []
     copies = _replicated_copies(model, buffers)
     for key in sorted(copies, key=lambda k: (k is not None, str(k))):  # the same order on every rank
         entries = copies[key]
         group = None if key is None else key[0].get_group(key[1])
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-        local = torch.stack([_checksum(t) for _, t in entries]).to(device)
+        local = torch.stack([checksum(t) for _, t in entries]).to(device)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, local, group=group)
         for i, (name, _) in enumerate(entries):
             if any(not torch.equal(g[i], gathered[0][i]) for g in gathered[1:]):
                 differing.append(name)
-    reports = all_gather_objects(differing)  # every rank raises the same error
-    names = sorted({n for report in reports for n in report})
-    if names:
-        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-        raise ReplicaDivergence(
-            f"{len(names)} replicated tensors differ between the ranks that should hold them equal ({shown}): "
-            "the ranks no longer train the same model. Something changed one rank's values (code that runs on "
-            "some ranks only, or a gradient that was not reduced)"
-        )
+    return differing
+
+
+def listed(names: list[str], most: int = 6) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")

@@ -11,6 +11,8 @@ unit) among them. Node-scoped plans on 4 ranks (2 nodes of 2).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn as nn
@@ -19,7 +21,7 @@ from cases import build_toy, every_mode_plans, toy_batches
 from dist_harness import run_ranks
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
-from training_check import full_state
+from training_check import assert_matches_reference, full_state, reference, run_under_plans, train
 
 import osdp
 from osdp.schema.plan import Plan, UnitPlan
@@ -410,6 +412,67 @@ def test_check_replicas_names_a_replicated_parameter_one_rank_changed():
     for message in messages:  # every rank raises the same error
         assert message is not None and "head.bias" in message, messages
     assert messages[0] == messages[1]
+
+
+class _RenormedLookup(nn.Embedding):
+    """An embedding renormalizing the rows it looks up as its forward runs (written as F.embedding's call, so
+    no ``max_norm`` attribute tells): each rank renormalizes the rows of its own batch."""
+
+    def forward(self, x):
+        return F.embedding(x, self.weight, max_norm=1.0)
+
+
+class _ClampedLinear(nn.Linear):
+    """A Linear bounding its own weight in place as its forward begins: every rank writes the same values."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.weight.clamp_(-0.2, 0.2)
+        return super().forward(x)
+
+
+class _WrittenInForward(nn.Module):
+    def __init__(self, renormed: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = (_RenormedLookup if renormed else nn.Embedding)(24, 8)
+        self.body = nn.Sequential(_ClampedLinear(8, 16), nn.GELU(), _ClampedLinear(16, 8))
+        self.head = nn.Linear(8, 24)
+        with torch.no_grad():
+            self.emb.weight.mul_(3)  # rows beyond the renormalization's bound
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        return F.cross_entropy(self.head(h + self.body(h)).flatten(0, 1), y.flatten())
+
+
+def _written_batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 24, (8, 6), generator=g), torch.randint(0, 24, (8, 6), generator=g))
+            for _ in range(STEPS)]
+
+
+def _train_written(rank, world_size, renormed, plans_json):
+    def run(model):
+        try:
+            return train(model, _written_batches(), rank, world_size)
+        except osdp.ReplicaDivergence as e:
+            return str(e)
+
+    return run_under_plans(rank, lambda: _WrittenInForward(renormed), plans_json, run)
+
+
+def test_parameters_a_forward_writes_from_each_ranks_batch_raise_on_every_rank_and_same_writes_train_on():
+    plans = every_mode_plans(_WrittenInForward(renormed=True))
+    names = list(plans)  # not checkpointed: a unit writing its parameters in its forward is refused that
+    plans_json = [replace(p, units=[replace(u, checkpoint=False) for u in p.units]).to_json() for p in plans.values()]
+    ranks = run_ranks(_train_written, 2, True, plans_json, timeout=240)
+    for name, (out0, _), (out1, _) in zip(names, *ranks):
+        assert isinstance(out0, str) and out0 == out1, (name, out0, out1)  # the same error on every rank
+        assert "emb.weight" in out0 and "max_norm" in out0 and "body" not in out0, (name, out0)
+    # the Linears clamping their own weights alike on every rank train as on one process
+    ref = reference(lambda: _WrittenInForward(renormed=False), _written_batches())
+    assert_matches_reference(run_ranks(_train_written, 2, False, plans_json, timeout=240), ref, names)
 
 
 # -- what cannot be done raises on every rank, before anything diverges ---------------------------------------
