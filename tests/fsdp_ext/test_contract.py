@@ -406,6 +406,22 @@ def _drift(rank, world_size, plan_json):
     return None
 
 
+def test_the_replicas_checksum_reads_values_whatever_the_layout_and_sees_any_change():
+    from osdp.fsdp_ext.replicas import checksum
+
+    torch.manual_seed(0)
+    weight = torch.randn(16, 3, 5, 5)
+    assert torch.equal(checksum(weight), checksum(weight.to(memory_format=torch.channels_last)))
+    changed, swapped = weight.clone(), weight.clone()
+    changed[9, 1, 2, 3] = torch.nextafter(changed[9, 1, 2, 3], torch.tensor(1e9))  # one bit
+    swapped[3, 0, 0, 0], swapped[3, 0, 0, 1] = weight[3, 0, 0, 1], weight[3, 0, 0, 0]
+    assert not torch.equal(checksum(weight), checksum(changed))
+    assert not torch.equal(checksum(weight), checksum(swapped))
+    long_row = torch.randn(3, 50_000)  # rows longer than a step
+    assert torch.equal(checksum(long_row), checksum(long_row.t().contiguous().t()))
+    assert checksum(torch.empty(0, 4)).tolist() == [0, 0] and checksum(torch.tensor(1.0)).tolist() != [0, 0]
+
+
 def test_check_replicas_names_a_replicated_parameter_one_rank_changed():
     plan = plans()["replicate"]
     messages = run_ranks(_drift, 2, plan.to_json(), timeout=120)
