@@ -9,7 +9,8 @@ import torch.nn as nn
 
 from osdp.describe.units import CallTrace, discover_units
 from osdp.distributed import broadcast_object, ensure_process_group, job_device, raise_on_any_rank
-from osdp.fsdp_ext.apply import apply_plan, check_model, make_contiguous, plan_of, set_requires_gradient_sync
+from osdp.fsdp_ext.apply import apply_plan, make_contiguous, plan_of, set_requires_gradient_sync
+from osdp.fsdp_ext.model_checks import check_model
 from osdp.fsdp_ext.budget_check import check_first_step
 from osdp.schema.plan import STRATEGIES, Plan, PlanError
 

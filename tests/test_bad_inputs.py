@@ -297,6 +297,10 @@ def _errors_on_every_rank(rank, world_size):
                                                   example_input=torch.randn(4, 3))),
         "max_norm": _message(lambda: osdp.wrap(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2)),
                                                device_mem="1GiB", example_input=torch.zeros(4, 3, dtype=torch.long))),
+        "scripted": _message(lambda: osdp.wrap(nn.Sequential(torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Tanh())),
+                                                             nn.Linear(4, 2)), device_mem="1GiB",
+                                               example_input=torch.randn(4, 4))),
+        "scripted_plan": _message(lambda: osdp.wrap(torch.jit.script(nn.Sequential(nn.Linear(4, 4))), strategy="ddp")),
         "no_loss_fn": _message(lambda: osdp.wrap(TupleOut(), device_mem="1GiB", example_input=torch.randn(4, 8),
                                                  planning_device="cpu-loopback")),
         "ddp": _message(lambda: osdp.wrap(nn.parallel.DistributedDataParallel(_seeded(Uneven)), strategy="fsdp")),
@@ -478,6 +482,13 @@ def test_models_without_parameters_partly_materialized_renormalizing_rows_or_alr
         assert errors["lazy"][:2] == lazy and errors["lazy_budget"][:2] == lazy
         assert errors["max_norm"][0] == "PlanError" and errors["max_norm"][1].startswith(
             "0: an embedding with max_norm renormalizes in place"), errors["max_norm"]
+        # FSDP2 can neither hook nor shard a TorchScript module: named (the outermost only), before anything runs
+        assert errors["scripted"][:2] == ("PlanError", "0: TorchScript modules (torch.jit.script or torch.jit.trace "
+                                          "of a module), which FSDP2 can neither hook nor shard (PyTorch: "
+                                          "register_forward_pre_hook is not supported on ScriptModules); keep them as "
+                                          "Python modules (functions the forward calls may stay scripted), and "
+                                          "compile with torch.compile instead"), errors["scripted"]
+        assert errors["scripted_plan"][1].startswith("<root>: TorchScript modules"), errors["scripted_plan"]
         for name, where, what in (("ddp", "the model", "DistributedDataParallel"),
                                   ("inner_ddp", "its module '0'", "DistributedDataParallel"),
                                   ("fully_shard", "the model", "fully_shard")):

@@ -42,6 +42,7 @@ the same ``signature``, so repeated transformer blocks are measured once.
 from __future__ import annotations
 
 import hashlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -116,8 +117,9 @@ def _has_matrix_param(module: nn.Module) -> bool:
 
 def is_callable(module: nn.Module) -> bool:
     """Whether ``module`` has a forward of its own (containers such as ``ModuleDict`` do not: FSDP2 refuses
-    them, and their hooks would never run)."""
-    return type(module).forward is not nn.Module.forward
+    them, and their hooks would never run). Read without calling the class's descriptors: a TorchScript
+    module's ``forward`` raises when read from its class."""
+    return inspect.getattr_static(type(module), "forward") is not nn.Module.forward
 
 
 def _called_ancestor(path: str, modules: Mapping[str, nn.Module]) -> str:

@@ -54,7 +54,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.nn.parameter import is_lazy
 
 from osdp.describe.forward_caches import disable_caches_in_training
 from osdp.describe.kept import fingerprint
@@ -67,7 +66,6 @@ from osdp.describe.units import (
     holding_unit,
     is_callable,
     param_homes,
-    sparse_gradients_message,
     structure_signature,
     unit_parameters,
 )
@@ -88,6 +86,7 @@ from osdp.fsdp_ext.meta import built_on_meta, check_alike, check_materialized_at
 from osdp.fsdp_ext.earlier_optimizers import named_parameter_objects, remember_replaced
 from osdp.fsdp_ext.optimizer_state import lay_out_loaded_optimizer_state
 from osdp.fsdp_ext.evaluation import reshard_after_evaluating
+from osdp.fsdp_ext.model_checks import PLAN_ATTR, check_model
 from osdp.fsdp_ext.module_api import StandIn, UnitExtras, extend_unit, stand_in_for_units
 from osdp.fsdp_ext.replicate import ReplicaReducer
 from osdp.fsdp_ext.replicated_view import ReplicatedView
@@ -102,11 +101,9 @@ from osdp._torch_private import (
     has_fsdp_replicate,
 )
 from osdp.machine.memory import iter_tensors, register_gradient_storages
-from osdp.report import first_few
 from osdp.schema.plan import ROOT, Plan, PlanError, UnitPlan, display_path, replicates_with_ddp
 from osdp.split import SplitLinear, apply_split, split_parameters, splittable_linears
 
-_PLAN_ATTR = "_osdp_plan"
 _REPLICATED_ATTR = "_osdp_replicated"
 
 SHARD_DIM = "shard"
@@ -151,80 +148,6 @@ def complete_plan(model: nn.Module, plan: Plan) -> Plan:
     if ROOT in plan.paths:
         return plan
     return replace(plan, units=[*plan.units, UnitPlan(ROOT, mode="zero3")], meta=dict(plan.meta))
-
-
-def check_model(model: nn.Module, device: torch.device) -> None:
-    """Raise PlanError unless the model is not yet distributed (by osdp, DistributedDataParallel or fully_shard),
-    has parameters, all on one device that ``device`` can use or all on the meta device, none lazy
-    (``nn.LazyLinear`` before its first forward), and no embedding that renormalizes its rows in its forward
-    (``max_norm``) when the job has several ranks.
-
-    A model wholly on the meta device is taken, as FSDP2 takes it: wrapped, then
-    given memory (``model.to_empty(device=...)``) and initialised by the user before
-    its first forward (``built_on_meta``). FSDP2 would accept a model partly on
-    the meta device (or spread over devices) and fail only at the first forward,
-    or worse; osdp says so before anything changes.
-    """
-    if getattr(model, _PLAN_ATTR, None) is not None:
-        raise PlanError("this model is already wrapped by osdp; wrap a fresh model (osdp.plan_of(model) shows its plan)")
-    wrappers = [name for name, m in model.named_modules()
-                if isinstance(m, (nn.parallel.DistributedDataParallel, FSDPModule))]
-    if wrappers:
-        what = "DistributedDataParallel" if isinstance(model.get_submodule(wrappers[0]),
-                                                        nn.parallel.DistributedDataParallel) else "fully_shard"
-        where = "the model" if wrappers[0] == ROOT else f"its module '{wrappers[0]}'"
-        raise PlanError(
-            f"{where} is already distributed by {what}: osdp replicates and shards the model itself, and two of "
-            "them would reduce the same gradients; pass the model as built, before DistributedDataParallel or "
-            "fully_shard (a DistributedDataParallel's model.module)"
-        )
-    if next(model.parameters(), None) is None:
-        raise PlanError("the model has no parameters: there is nothing to shard or replicate")
-    sparse = [f"{name}.weight" if name else "weight" for name, m in model.named_modules()
-              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
-    if sparse:
-        raise PlanError(sparse_gradients_message(first_few(sparse)))
-    renormed = [name for name, m in model.named_modules()
-                if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
-    if renormed and world()[1] > 1:
-        raise PlanError(
-            f"{first_few(renormed)}: an embedding with max_norm renormalizes in place, in its forward, the rows its "
-            "batch looks up: each rank would renormalize the rows of its own batch and the ranks' tables would "
-            "differ from one process's (which renormalizes those of the whole batch); build it with max_norm=None, "
-            "and renormalize the table after each optimizer step if you need the bound (the same on every rank)"
-        )
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    lazy = [name for name, t in tensors if is_lazy(t)]
-    if lazy:
-        raise PlanError(
-            f"the model has lazy modules not yet initialized ({first_few(lazy)}): their shapes are known only after "
-            "a forward; call the model once on a batch (model(example)) before osdp.wrap"
-        )
-    on_meta = [name for name, t in tensors if t.device.type == "meta"]
-    if on_meta and len(on_meta) < len(tensors):
-        raise PlanError(
-            f"the model is partly materialized: {len(on_meta)} of its {len(tensors)} parameters and buffers are on "
-            f"the meta device ({first_few(on_meta)}); build it all on the meta device (then osdp.wrap, "
-            "model.to_empty(device=...) and your initialisation) or all on a real device"
-        )
-    if on_meta:
-        return  # it gets its memory after wrapping, on the device it is then moved to
-    by_device: dict[torch.device, list[str]] = {}
-    for name, t in tensors:
-        by_device.setdefault(t.device, []).append(name)
-    if len(by_device) > 1:
-        where = "; ".join(f"{d}: {first_few(names, 2)}" for d, names in by_device.items())
-        raise PlanError(
-            f"the model's parameters and buffers are on several devices ({where}); move the whole model to one "
-            "device (model.to(...)) before osdp.wrap"
-        )
-    (on,) = by_device
-    if on.type != "cpu" and (on.type != device.type or (on.index is not None and device.index is not None
-                                                         and on.index != device.index)):
-        raise PlanError(
-            f"the model is on {on} but osdp.wrap would run it on {device}; pass device='{on}' (with a process "
-            "group for that device, nccl for cuda) or move the model"
-        )
 
 
 def validate_plan(model: nn.Module, plan: Plan, world_size: int) -> tuple[list[Unit], dict[str, list[str]]]:
@@ -413,7 +336,7 @@ def apply_plan(
         check_materialized_at_first_forward(model)
     refuse_parameters_made_in_forward(model)
     remember_replaced(before, model, replicated)
-    setattr(model, _PLAN_ATTR, plan)
+    setattr(model, PLAN_ATTR, plan)
     return model
 
 
@@ -593,7 +516,7 @@ def _pre_backward_through_views(module: FSDPModule, args, output):
 
 
 def plan_of(model: nn.Module) -> Plan:
-    plan = getattr(model, _PLAN_ATTR, None)
+    plan = getattr(model, PLAN_ATTR, None)
     if plan is None:
         raise ValueError("this model has not been wrapped by osdp.wrap")
     return plan
