@@ -35,7 +35,7 @@ class ForwardWrites:
         self.left = CHECKED_BACKWARDS
         self.written: dict[str, tuple[int, int]] = {}  # a sharded parameter's name: its written copy's checksum
         self._armed_in: int | None = None  # the backward (graph task) that will end with a check
-        self._on = (dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake")
+        self._on = dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
 
     def record(self, name: str, gathered: torch.Tensor) -> None:
         # the first write a backward's check sees: later reshards copy back what the ranks then share (a zero3
