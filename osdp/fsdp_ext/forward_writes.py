@@ -20,7 +20,8 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from osdp._torch_private import output_tensors, queue_at_backward_end
 from osdp.distributed import all_gather_objects
-from osdp.fsdp_ext.replicas import ReplicaDivergence, checksum, differing_replicas, listed
+from osdp.fsdp_ext.replicas import ReplicaDivergence, checksum, differing_replicas
+from osdp.report import first_few
 
 CHECKED_BACKWARDS = 2  # the first step's, and one after an optimizer step has written every parameter
 
@@ -70,7 +71,7 @@ class ForwardWrites:
 
 
 def differing_writes_message(names: list[str]) -> str:
-    return (f"{listed(names)}: after this backward, these parameters hold different values on different ranks, "
+    return (f"{first_few(names, 6)}: after this backward, these parameters hold different values on different ranks, "
             "which one process training the whole batch would not: a forward wrote them in place from each rank's "
             "own batch (F.embedding(..., max_norm=...) renormalizes the rows its batch looks up; a statistic of "
             "the batch copied into a weight), or code changed them on some ranks only. Write parameters from what "

@@ -49,10 +49,10 @@ def check_model(model: nn.Module, device: torch.device) -> None:
     outermost = [n for n in scripted if not any(o != n and (o == ROOT or n.startswith(o + ".")) for o in scripted)]
     if outermost:
         raise PlanError(
-            f"{first_few([display_path(n) for n in outermost])}: TorchScript modules (torch.jit.script or torch.jit.trace of a module), which "
-            "FSDP2 can neither hook nor shard (PyTorch: register_forward_pre_hook is not supported on "
-            "ScriptModules); keep them as Python modules (functions the forward calls may stay scripted), and "
-            "compile with torch.compile instead"
+            f"{first_few([display_path(n) for n in outermost])}: TorchScript modules (torch.jit.script or "
+            "torch.jit.trace of a module), which FSDP2 can neither hook nor shard (PyTorch: "
+            "register_forward_pre_hook is not supported on ScriptModules); keep them as Python modules (functions "
+            "the forward calls may stay scripted), and compile with torch.compile instead"
         )
     if next(model.parameters(), None) is None:
         raise PlanError("the model has no parameters: there is nothing to shard or replicate")

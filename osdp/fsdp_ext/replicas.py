@@ -20,10 +20,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from osdp.distributed import all_gather_objects
+from osdp.report import first_few
 
 # words per step of the checksum: its temporaries (about 128 KiB on CPU, 6 MiB where each step is a kernel launch)
 # stay small beside a step's peak
-_CHUNK = {"cpu": 1 << 12}
+_CPU_CHUNK = 1 << 12
 _DEVICE_CHUNK = 1 << 18
 
 
@@ -39,7 +40,7 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
     total = torch.zeros(2, dtype=torch.int64, device=t.device)
     if t.numel() == 0:
         return total
-    words_per_step = _CHUNK.get(t.device.type, _DEVICE_CHUNK)
+    words_per_step = _CPU_CHUNK if t.device.type == "cpu" else _DEVICE_CHUNK
     rows = max(1, words_per_step * 4 // (t[0].numel() * t.element_size()))
     position = 0
     for first in range(0, t.shape[0], rows):
@@ -79,7 +80,7 @@ def check_replicas(model: nn.Module, *, buffers: bool = False) -> None:
     if names:
         raise ReplicaDivergence(
             f"{len(names)} replicated tensors differ between the ranks that should hold them equal "
-            f"({listed(names)}): the ranks no longer train the same model. Something changed one rank's values "
+            f"({first_few(names, 6)}): the ranks no longer train the same model. Something changed one rank's values "
             "(code that runs on some ranks only, or a gradient that was not reduced)"
         )
 
@@ -102,6 +103,3 @@ def differing_replicas(model: nn.Module, buffers: bool = False) -> list[str]:
                 differing.append(name)
     return differing
 
-
-def listed(names: list[str], most: int = 6) -> str:
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
